@@ -1,0 +1,69 @@
+# eformer-nb: one entry point for setting up, testing, documenting and benchmarking.
+# `make test` is what CI runs (.ci/run); it builds .venv on first use.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed.stamp
+HOST_DEVICES := --xla_force_host_platform_device_count=8
+NBDEV_TEST_FLAGS ?= multidevice
+NBDEV_WORKERS ?= 2
+
+.PHONY: help install test check-sync check-exp check-readme nbtest pytest docs readme bench demo clean
+
+help:
+	@echo "make install  - create $(VENV) and install eformer-nb with its dev extras"
+	@echo "make test     - install if needed, check notebooks/package/README agree, run notebook tests and pytest"
+	@echo "make docs     - build the docs site (Quarto when installed, otherwise an offline HTML preview in _docs/)"
+	@echo "make readme   - regenerate README.md from nbs/index.ipynb"
+	@echo "make bench    - run the benchmark notebooks in nbs/benchmarks/ and save their outputs"
+	@echo "make demo     - run the showcase of what exists"
+
+install: $(STAMP)
+
+$(STAMP): settings.ini setup.py pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+# Fails when nbdev-clean or nbdev-export would change any file: the notebooks are the source.
+check-sync: install
+	@before="$$(git status --porcelain; git diff | sha1sum; git ls-files -o --exclude-standard | xargs -r sha1sum)"; \
+	$(BIN)/nbdev-clean && $(BIN)/nbdev-export; \
+	after="$$(git status --porcelain; git diff | sha1sum; git ls-files -o --exclude-standard | xargs -r sha1sum)"; \
+	if [ "$$before" != "$$after" ]; then \
+	  echo "ERROR: nbdev-clean/nbdev-export changed files. Export and clean your notebooks, then commit:"; \
+	  git status --porcelain; exit 1; fi; echo "notebooks, package and cleaning agree"
+
+# Fails when two notebooks export to the same module.
+check-exp: install
+	$(BIN)/python .ci/check_default_exp.py nbs
+
+check-readme: install
+	$(BIN)/python .ci/docs.py readme --check
+
+nbtest: install
+	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/nbdev-test --n-workers $(NBDEV_WORKERS) --flags "$(NBDEV_TEST_FLAGS)" --timing
+
+pytest: install
+	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python -m pytest -q tests/
+
+test: check-sync check-exp check-readme nbtest pytest
+
+readme: install
+	$(BIN)/python .ci/docs.py readme
+
+docs: install
+	@if command -v quarto >/dev/null 2>&1; then $(BIN)/nbdev-docs; \
+	else echo "Quarto not found: offline preview"; $(BIN)/python .ci/docs.py site; fi
+
+bench: install
+	$(BIN)/python -m pip install -q ".[bench]" || echo "bench extras (torch/bitsandbytes) unavailable: peer columns that need them are skipped"
+	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python .ci/run_bench.py nbs/benchmarks
+
+demo: install
+	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python .ci/demo.py
+
+clean:
+	rm -rf _proc _docs build dist *.egg-info .pytest_cache
