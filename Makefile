@@ -59,11 +59,12 @@ docs: install
 	else echo "Quarto not found: offline preview"; $(BIN)/python .ci/docs.py site; fi
 
 bench: install
-	$(BIN)/python -m pip install -q ".[bench]" || echo "bench extras (torch/bitsandbytes) unavailable: peer columns that need them are skipped"
-	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python .ci/run_bench.py nbs/benchmarks
+	$(BIN)/python -m pip install -q -e ".[bench]" || echo "bench extras (torch/bitsandbytes) unavailable: peer columns that need them are skipped"
+	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/nbdev-test nbs/benchmarks --flags "bench multidevice" --n-workers 0 --save --timing
+	$(BIN)/nbdev-clean
 
 demo: install
-	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python .ci/demo.py
+	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python -m eformer_nb.demo
 
 clean:
 	rm -rf _proc _docs build dist *.egg-info .pytest_cache

@@ -14,10 +14,10 @@ for key in ("version", "description", "repo", "lib_name", "lib_path", "author", 
         raise ValueError(f"settings.ini is missing `{key}`; every key in its [DEFAULT] section is required by setup.py")
 
 lib = cfg["lib_path"]
-licenses = {"apache2": ("Apache-2.0", "License :: OSI Approved :: Apache Software License")}
+licenses = {"apache2": "Apache-2.0"}  # settings.ini name -> SPDX expression
 if cfg["license"] not in licenses:
     raise ValueError(f"settings.ini license={cfg['license']!r} is not one of {sorted(licenses)}")
-spdx, lic_classifier = licenses[cfg["license"]]
+spdx = licenses[cfg["license"]]
 
 requirements = cfg.get("requirements", "").split()
 dev_requirements = cfg.get("dev_requirements", "").split()
@@ -33,12 +33,12 @@ setuptools.setup(
     author=cfg["author"],
     author_email=cfg["author_email"],
     license=spdx,
+    license_files=["LICENSE"],
     keywords=cfg.get("keywords", "").split(),
     url=cfg.get("git_url"),
     classifiers=[
         "Development Status :: 3 - Alpha",
         "Intended Audience :: Developers",
-        lic_classifier,
         "Programming Language :: Python :: 3",
         f"Programming Language :: Python :: {cfg['min_python']}",
     ],
