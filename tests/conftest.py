@@ -1,0 +1,55 @@
+"""Shared pytest fixtures.
+
+GCS: `gcs_emulator` starts fake-gcs-server on a free loopback port once per session and its finalizer stops it,
+also when tests fail. `gcs_fs` points every `gs://` ePath at it (`set_gcs_filesystem`) and creates the bucket
+`GCS_TEST_BUCKET`; `gcs_root` is a fresh, not yet existing `gs://` directory for one test. `any_root` runs a test
+body twice: on a local temporary directory and on a `gs://` directory.
+"""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from gcs_emulator import GCSEmulator
+
+GCS_TEST_BUCKET = "eformer-nb-tests"
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator():
+    emulator = GCSEmulator()
+    emulator.start()
+    try:
+        yield emulator
+    finally:
+        emulator.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs_fs(gcs_emulator):
+    from eformer_nb.paths import ePath, make_gcs_filesystem, set_gcs_filesystem
+
+    fs = make_gcs_filesystem(endpoint_url=gcs_emulator.url)
+    previous = set_gcs_filesystem(fs)
+    try:
+        ePath(f"gs://{GCS_TEST_BUCKET}").mkdir(exist_ok=True)
+        yield fs
+    finally:
+        set_gcs_filesystem(previous)
+
+
+@pytest.fixture
+def gcs_root(gcs_fs):
+    from eformer_nb.paths import ePath
+
+    return ePath(f"gs://{GCS_TEST_BUCKET}/{uuid.uuid4().hex[:12]}/root")
+
+
+@pytest.fixture(params=["local", "gcs"])
+def any_root(request, tmp_path):
+    from eformer_nb.paths import ePath
+
+    if request.param == "local":
+        return ePath(tmp_path) / "root"
+    return request.getfixturevalue("gcs_root")
