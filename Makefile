@@ -64,7 +64,7 @@ bench: install
 	$(BIN)/nbdev-clean
 
 demo: install
-	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python -m eformer_nb.demo
+	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python -m eformer_nb.demo --mesh dp:2,fsdp:2,tp:2 $(DEMO_ARGS)
 
 clean:
 	rm -rf _proc _docs build dist *.egg-info .pytest_cache

@@ -42,6 +42,7 @@ def readme(check: bool) -> int:
     cache = proc_nbs(file_glob=Path(cfg.readme_nb).name, n_workers=0)
     nb = nbformat.read(cache / cfg.readme_nb, as_version=4)
     nb.cells = _front_matter_to_heading(nb.cells)
+    nb.metadata["language_info"] = {"name": "python"}  # fenced code blocks tagged ```python
     body, _ = MarkdownExporter(exclude_input_prompt=True, exclude_output_prompt=True).from_notebook_node(nb)
     body = re.sub(r"\n{3,}", "\n\n", body).strip() + "\n"
     text = "<!-- Generated from nbs/index.ipynb by `make readme`; edit the notebook, not this file. -->\n\n" + body
