@@ -9,7 +9,7 @@ HOST_DEVICES := --xla_force_host_platform_device_count=8
 NBDEV_TEST_FLAGS ?= multidevice
 NBDEV_WORKERS ?= 2
 
-.PHONY: help install test check-sync check-exp check-readme nbtest pytest docs readme bench demo clean
+.PHONY: help install test check-sync check-notebooks check-readme nbtest pytest docs readme bench demo clean
 
 help:
 	@echo "make install  - create $(VENV) and install eformer-nb with its dev extras"
@@ -36,9 +36,9 @@ check-sync: install
 	  echo "ERROR: nbdev-clean/nbdev-export changed files. Export and clean your notebooks, then commit:"; \
 	  git status --porcelain; exit 1; fi; echo "notebooks, package and cleaning agree"
 
-# Fails when two notebooks export to the same module.
-check-exp: install
-	$(BIN)/python .ci/check_default_exp.py nbs
+# Fails when two notebooks export the same module, or a cell breaks the import-cell rules.
+check-notebooks: install
+	$(BIN)/python .ci/check_notebooks.py nbs
 
 check-readme: install
 	$(BIN)/python .ci/docs.py readme --check
@@ -49,7 +49,7 @@ nbtest: install
 pytest: install
 	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python -m pytest -q tests/
 
-test: check-sync check-exp check-readme nbtest pytest
+test: check-sync check-notebooks check-readme nbtest pytest
 
 readme: install
 	$(BIN)/python .ci/docs.py readme

@@ -68,15 +68,19 @@ def site() -> int:
     for nbp in sorted((cache / "nbs").rglob("*.ipynb")):
         rel = nbp.relative_to(cache / "nbs").with_suffix(".html")
         nb = nbformat.read(nbp, as_version=4)
+        for cell in nb.cells:  # execnb's timing metadata is not valid nbformat
+            cell.metadata.pop("execution", None)
         title = next((c.source.splitlines()[0].lstrip("# ") for c in nb.cells
                       if c.cell_type == "markdown" and c.source.startswith("#")), rel.stem)
         out, _ = exporter.from_notebook_node(nb)
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         (dest / rel).write_text(out, encoding="utf-8")
         pages.append((rel, title))
-    links = "\n".join(f'<li><a href="{r.as_posix()}">{html.escape(t)}</a> <code>{r.stem}</code></li>' for r, t in pages)
-    (dest / "index.html").write_text(f"<!doctype html><title>eformer-nb docs (offline preview)</title>"
-                                     f"<h1>eformer-nb</h1><ul>{links}</ul>", encoding="utf-8")
+    links = "\n".join(f'<li><a href="{r.as_posix()}">{html.escape(t)}</a></li>' for r, t in pages)
+    nav = f'<nav style="max-width:1100px;margin:1em auto"><details><summary>All pages</summary><ul>{links}</ul></details></nav>'
+    index = dest / "index.html"  # the rendered nbs/index.ipynb, with a table of contents on top
+    page = index.read_text(encoding="utf-8")
+    index.write_text(re.sub(r"(<body[^>]*>)", lambda m: m.group(1) + nav, page, count=1), encoding="utf-8")
     print(f"wrote {len(pages)} pages to {dest}/ (open {dest}/index.html)")
     return 0
 
