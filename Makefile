@@ -29,12 +29,7 @@ $(STAMP): settings.ini setup.py pyproject.toml
 
 # Fails when nbdev-clean or nbdev-export would change any file: the notebooks are the source.
 check-sync: install
-	@before="$$(git status --porcelain; git diff | sha1sum; git ls-files -o --exclude-standard | xargs -r sha1sum)"; \
-	$(BIN)/nbdev-clean && $(BIN)/nbdev-export; \
-	after="$$(git status --porcelain; git diff | sha1sum; git ls-files -o --exclude-standard | xargs -r sha1sum)"; \
-	if [ "$$before" != "$$after" ]; then \
-	  echo "ERROR: nbdev-clean/nbdev-export changed files. Export and clean your notebooks, then commit:"; \
-	  git status --porcelain; exit 1; fi; echo "notebooks, package and cleaning agree"
+	bash .ci/check_sync.sh $(BIN)
 
 # Fails when two notebooks export the same module, or a cell breaks the import-cell rules.
 check-notebooks: install
