@@ -17,8 +17,9 @@ from ...jaximus import aux_field, implicit, register
 from .config import QuantizedArray, check_float_input, dot_out_dtype, kernels_module, pad_last, plain_matmul_kind
 
 # %% auto #0
-__all__ = ['NF4_CODEBOOK', 'NF4_MIDPOINTS', 'DOUBLE_QUANT_BLOCK', 'nf4_encode', 'nf4_pack', 'nf4_unpack', 'nf4_decode',
-           'quantize_absmax', 'dequantize_absmax', 'ArrayNF4', 'nf4_matmul', 'nf4_matmul_t']
+__all__ = ['NF4_CODEBOOK', 'NF4_MIDPOINTS', 'DOUBLE_QUANT_BLOCK', 'DYNAMIC_MAP', 'DYNAMIC_THRESHOLDS', 'nf4_encode', 'nf4_pack',
+           'nf4_unpack', 'nf4_decode', 'torch_cpu_sum', 'quantize_absmax', 'dequantize_absmax', 'ArrayNF4',
+           'nf4_matmul', 'nf4_matmul_t']
 
 # %% ../../../nbs/06b_ops.quantization.nf4.ipynb #d6e8ecdf
 NF4_CODEBOOK = np.array([
@@ -30,7 +31,7 @@ NF4_CODEBOOK = np.array([
 NF4_CODEBOOK.setflags(write=False)
 NF4_MIDPOINTS = ((NF4_CODEBOOK[:-1] + NF4_CODEBOOK[1:]) / np.float32(2)).astype(np.float32)  # decision thresholds, in float32 as bitsandbytes
 NF4_MIDPOINTS.setflags(write=False)
-DOUBLE_QUANT_BLOCK = 256  # absmax values per int8 scale in double quantization
+DOUBLE_QUANT_BLOCK = 256  # absmax values per second-level block in double quantization
 
 
 def _check_block(block_size: int) -> int:
@@ -78,21 +79,140 @@ def nf4_decode(packed: jax.Array, absmax: jax.Array, block_size: int, n: int, dt
     vals = vals.reshape(*codes.shape[:-1], codes.shape[-1] // block_size, block_size) * absmax[..., None]
     return vals.reshape(codes.shape)[..., :n].astype(dtype)
 
-# %% ../../../nbs/06b_ops.quantization.nf4.ipynb #6f0f938c
+# %% ../../../nbs/06b_ops.quantization.nf4.ipynb #977fcae7
+def _torch_linspace_f32(start: float, end: float, steps: int) -> np.ndarray:
+    "`torch.linspace(start, end, steps, dtype=float32)` on CPU: float32 step, each point with one rounding."
+    start, end = np.float32(start), np.float32(end)
+    step = float((end - start) / np.float32(steps - 1))
+    i = np.arange(steps, dtype=np.float64)  # float64 holds start + step * i exactly: one rounding, like torch's fma
+    return np.where(i < steps // 2, float(start) + step * i, float(end) - step * (steps - 1 - i)).astype(np.float32)
+
+
+def _dynamic_map() -> np.ndarray:
+    "bitsandbytes' signed 8-bit dynamic code (`create_dynamic_map(signed=True)`), rebuilt in float32 numpy."
+    parts = []
+    for i in range(7):  # 7 exponent levels 1e-6 .. 1e0, 2**i fractions each, both signs
+        b = _torch_linspace_f32(0.1, 1.0, 2**i + 1)
+        means = (b[:-1] + b[1:]) / np.float32(2)
+        scale = np.float32(10.0 ** (i - 6))
+        parts += [scale * means, -scale * means]
+    return np.sort(np.concatenate([*parts, np.array([0.0, 1.0], np.float32)])).astype(np.float32)
+
+
+DYNAMIC_MAP = _dynamic_map()  # code -> value, 256 entries in [-0.993, 1]
+DYNAMIC_MAP.setflags(write=False)
+
+
+def _dynamic_cpu_table() -> np.ndarray:
+    "bitsandbytes' CPU lookup table: entry i is the number of code midpoints below the float32 2i/65535 - 1."
+    mids = ((DYNAMIC_MAP[:-1] + DYNAMIC_MAP[1:]) * np.float32(0.5)).astype(np.float32)
+    grid = (np.arange(65536, dtype=np.float32) * np.float32(2) / np.float32(65535) - np.float32(1)).astype(np.float32)
+    return np.searchsorted(mids, grid, side="left")
+
+
+def _dynamic_code_cpu(v: np.ndarray, table: np.ndarray) -> np.ndarray:
+    "The code bitsandbytes' CPU kernel (0.50) gives the normalised float32 `v` in [-1, 1], via `table`."
+    t = ((v.astype(np.float32) + np.float32(1)) * np.float32(0.5)).astype(np.float32)
+    slot = (t.astype(np.float64) * 65535.0 + 0.5).astype(np.float32)  # fma(65535, t, 0.5) in float32: one rounding
+    return table[np.trunc(slot).astype(np.int64) & 0xFFFF]
+
+
+def _dynamic_thresholds() -> np.ndarray:
+    "255 float32 thresholds: the code of `v` is the number of thresholds <= `v` (bisection over float32 order)."
+    def key(f):  # float32 -> int64 preserving order
+        i = f.view(np.int32).astype(np.int64)
+        return np.where(i < 0, -(i & 0x7FFFFFFF), i)
+
+    def unkey(k):
+        return np.where(k < 0, (-k) | -0x80000000, k).astype(np.int32).view(np.float32)
+
+    table = _dynamic_cpu_table()
+    top = int(key(np.array([1.0], np.float32))[0])
+    lo = np.full(255, int(key(np.array([-1.0], np.float32))[0]), np.int64)
+    hi = np.full(255, top + 1, np.int64)
+    j = np.arange(255)
+    while (lo < hi).any():
+        mid = (lo + hi) // 2
+        above = _dynamic_code_cpu(unkey(np.minimum(mid, top)), table) > j
+        hi, lo = np.where(above, mid, hi), np.where(above, lo, mid + 1)
+    return unkey(np.minimum(lo, top))
+
+
+DYNAMIC_THRESHOLDS = _dynamic_thresholds()  # code(v) = searchsorted(DYNAMIC_THRESHOLDS, v, side="right")
+DYNAMIC_THRESHOLDS.setflags(write=False)
+
+
+# %% ../../../nbs/06b_ops.quantization.nf4.ipynb #59820eaf
+def _seq_sum(a: jax.Array, axis: int = 0) -> jax.Array:
+    "Float32 sum of `a` along `axis`, left to right from 0.0 (a fixed order, unlike `jnp.sum`)."
+    a = jnp.moveaxis(a, axis, 0)
+    acc = jnp.zeros(a.shape[1:], jnp.float32)
+    for r in range(a.shape[0]):
+        acc = acc + a[r]
+    return acc
+
+
+def _cascade(rows: jax.Array) -> jax.Array:
+    "torch's `multi_row_sum`: `rows` (size, 4, 8) summed over axis 0 in a 4-level cascade of `step`-long runs."
+    size, tail = rows.shape[0], rows.shape[1:]
+    power = max(4, (size - 1).bit_length() // 4 if size > 1 else 0)
+    step = 1 << power
+    n1 = size // step
+    c1 = _seq_sum(rows[: n1 * step].reshape(n1, step, *tail), 1)  # level-0 runs
+    n2 = n1 // step
+    c2 = _seq_sum(c1[: n2 * step].reshape(n2, step, *tail), 1)  # level-1 runs
+    n3 = n2 // step
+    c3 = _seq_sum(c2[: n3 * step].reshape(n3, step, *tail), 1)  # level-2 runs
+    acc0 = _seq_sum(rows[n1 * step :])
+    return ((acc0 + _seq_sum(c1[n2 * step :])) + _seq_sum(c2[n3 * step :])) + _seq_sum(c3)
+
+
+@jax.jit
+def torch_cpu_sum(x: jax.Array) -> jax.Array:
+    "The float32 sum of `x` in the order of torch's single-threaded CPU kernel (8 lanes, 4 rows, cascade), bit for bit."
+    x = x.reshape(-1).astype(jnp.float32)
+    nvec = x.size // 8
+    vecs = x[: nvec * 8].reshape(nvec, 8)
+    rows = nvec // 4
+    part = _cascade(vecs[: rows * 4].reshape(rows, 4, 8))
+    p0 = part[0]
+    for r in range(rows * 4, nvec):
+        p0 = p0 + vecs[r]
+    for k in (1, 2, 3):
+        p0 = p0 + part[k]
+    total = _seq_sum(x[nvec * 8 :])
+    for k in range(8):
+        total = total + p0[k]
+    return total
+
+
 def quantize_absmax(absmax: jax.Array, block: int = DOUBLE_QUANT_BLOCK) -> tuple[jax.Array, jax.Array, jax.Array]:
-    "Int8 codes (shape of `absmax`), float32 scale per `block` values (flattened order), and the float32 mean."
-    offset = jnp.mean(absmax)
-    flat = pad_last((absmax - offset).reshape(-1), block).reshape(-1, block)
-    scale = jnp.max(jnp.abs(flat), axis=-1) / 127.0
-    scale = jnp.where(scale > 0, scale, 1.0)
-    q = jnp.clip(jnp.round(flat / scale[:, None]), -127, 127).astype(jnp.int8)
-    return q.reshape(-1)[: absmax.size].reshape(absmax.shape), scale, offset
+    """QLoRA's double quantization, as bitsandbytes (`quantize_4bit(..., compress_statistics=True)`) on CPU:
+    uint8 codes of `DYNAMIC_MAP` (shape of `absmax`), the float32 absmax per `block` values of the
+    flattened `absmax - offset`, and the float32 `offset` (the mean of `absmax`)."""
+    flat = absmax.reshape(-1).astype(jnp.float32)
+    # the barrier keeps XLA from turning the division by a constant into a multiplication by its reciprocal
+    offset = torch_cpu_sum(flat) / lax.optimization_barrier(jnp.float32(max(flat.size, 1)))
+    blocks = pad_last(flat - offset, block).reshape(-1, block)
+    scale = jnp.max(jnp.abs(blocks), axis=-1)
+    # as in level one: rescale blocks whose reciprocal absmax would be subnormal (flushed to zero by XLA on CPU)
+    huge = scale > 2.0**125
+    blocks = jnp.where(huge[:, None], blocks * 2.0**-32, blocks)
+    sc = jnp.where(huge, scale * 2.0**-32, scale)
+    v = jnp.clip(blocks * (1.0 / jnp.where(sc > 0, sc, 1.0))[:, None], -1.0, 1.0)
+    codes = jnp.searchsorted(jnp.asarray(DYNAMIC_THRESHOLDS), v, side="right", method="compare_all").astype(jnp.uint8)
+    codes = jnp.where(scale[:, None] > 0, codes, jnp.uint8(0))  # an all-zero block is stored as code 0, like bitsandbytes
+    return codes.reshape(-1)[: absmax.size].reshape(absmax.shape), scale, offset
 
 
 def dequantize_absmax(q: jax.Array, scale: jax.Array, offset: jax.Array, block: int = DOUBLE_QUANT_BLOCK) -> jax.Array:
-    "The float32 absmax values from `quantize_absmax`'s output."
-    flat = pad_last(q.reshape(-1).astype(jnp.float32), block).reshape(-1, block) * scale[:, None]
-    return (flat.reshape(-1)[: q.size] + offset).reshape(q.shape)
+    "The float32 absmax values from `quantize_absmax`'s output: `DYNAMIC_MAP[q] * scale[block] + offset`."
+    vals = jnp.asarray(DYNAMIC_MAP)[q.reshape(-1)]
+    flat = (pad_last(vals, block).reshape(-1, block) * scale[:, None]).reshape(-1)[: q.size]
+    # product, then sum, each rounded (as bitsandbytes): the select keeps XLA from fusing them into one fma
+    flat = jnp.where(jnp.isnan(flat), offset, flat)
+    return (flat + offset).reshape(q.shape)
+
 
 # %% ../../../nbs/06b_ops.quantization.nf4.ipynb #5e0d90c6
 class ArrayNF4(QuantizedArray):
@@ -102,9 +222,9 @@ class ArrayNF4(QuantizedArray):
     n: int = aux_field()  # true length of the last axis
     block_size: int = aux_field()
     dtype: tp.Any = aux_field()  # logical dtype
-    qabsmax: jax.Array | None = None  # int8 (..., Np // block_size) when double-quantized
-    absmax_scale: jax.Array | None = None  # float32 (ceil(num_blocks / 256),)
-    absmax_offset: jax.Array | None = None  # float32 ()
+    qabsmax: jax.Array | None = None  # uint8 codes of DYNAMIC_MAP (..., Np // block_size) when double-quantized
+    absmax_scale: jax.Array | None = None  # float32 second-level absmax, (ceil(num_blocks / 256),)
+    absmax_offset: jax.Array | None = None  # float32 (): the mean of absmax, subtracted before quantizing
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -119,7 +239,7 @@ class ArrayNF4(QuantizedArray):
         return not self.double_quant and super().slices_along_axis0()
 
     def absmax_f32(self) -> jax.Array:
-        "The float32 absmax per block (decoded from int8 when double-quantized)."
+        "The float32 absmax per block (decoded from the 8-bit dynamic codes when double-quantized)."
         if self.qabsmax is None:
             return self.absmax
         return dequantize_absmax(self.qabsmax, self.absmax_scale, self.absmax_offset)
