@@ -822,6 +822,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                     'eformer_nb/optimizers/kron.py'),
                                             'eformer_nb.optimizers.kron._fit_kron_factors': ( 'nbs/optimizers.kron.html#_fit_kron_factors',
                                                                                               'eformer_nb/optimizers/kron.py'),
+                                            'eformer_nb.optimizers.kron._init_factors': ( 'nbs/optimizers.kron.html#_init_factors',
+                                                                                          'eformer_nb/optimizers/kron.py'),
                                             'eformer_nb.optimizers.kron._norm_lower_bound_spd': ( 'nbs/optimizers.kron.html#_norm_lower_bound_spd',
                                                                                                   'eformer_nb/optimizers/kron.py'),
                                             'eformer_nb.optimizers.kron._procrustes_step': ( 'nbs/optimizers.kron.html#_procrustes_step',

@@ -105,7 +105,8 @@ class DynamicShardingAxes(tp.NamedTuple):
 
     def validate(self) -> DynamicShardingAxes:
         "Check the mode and every axis name; return `self` so it can be chained."
-        return _validate_dynamic_axes(self.axes, self.mode, type(self).__name__)
+        _validate_dynamic_axes(self.axes, self.mode, type(self).__name__)
+        return self
 
 
 def _validate_dynamic_axes(axes, mode, where: str):
@@ -119,7 +120,6 @@ def _validate_dynamic_axes(axes, mode, where: str):
             if name is not None and name not in known:
                 raise ValueError(f"{where}: unknown semantic axis {name!r} in axes={list(axes)!r}; "
                                  f"valid names are None, {EMPTY!r} or one of {sorted(known - {EMPTY})}")
-    return None
 
 # %% ../nbs/00_common_types.ipynb #47387fc2
 def _preset(name: str, axes: list, mode, doc: str) -> type:

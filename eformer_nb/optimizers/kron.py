@@ -109,6 +109,14 @@ def solve_triangular_right(X: jax.Array, A: jax.Array) -> jax.Array:
     return out[0] if squeeze else out
 
 # %% ../../nbs/08d_optimizers.kron.ipynb #c8c3ea6b
+def _init_factors(t, dense_flags, init_scale: float, dtype) -> list:
+    "Initial Kronecker factors of `t`: `init_scale` spread over the axes, identity for dense axes, ones for diagonal ones."
+    if t.ndim == 0:
+        return [init_scale * jnp.ones_like(t, dtype=dtype)]
+    s = init_scale ** (1 / t.ndim)
+    return [s * (jnp.eye(d, dtype=dtype) if dense else jnp.ones(d, dtype=dtype)) for d, dense in zip(t.shape, dense_flags)]
+
+
 def precond_update_prob_schedule(max_prob: float = 1.0, min_prob: float = 0.03, decay: float = 0.001,
                                  flat_start: int = 500) -> tp.Callable[[jax.Array], jax.Array]:
     "Exponentially annealed preconditioner-update probability with a flat start."
@@ -199,11 +207,7 @@ def scale_by_kron(b1: float = 0.9,
 
     def init_fn(params):
         def factors(t):
-            if t.ndim == 0:
-                return [preconditioner_init_scale * jnp.ones_like(t, dtype=pdt)]
-            s = preconditioner_init_scale ** (1 / t.ndim)
-            return [s * (jnp.eye(d, dtype=pdt) if dense else jnp.ones(d, dtype=pdt))
-                    for d, dense in zip(t.shape, layout(t)[0])]
+            return _init_factors(t, layout(t)[0], preconditioner_init_scale, pdt)
         leaves, treedef = jax.tree.flatten(params)
         Qs = []
         for t, scan in zip(leaves, scan_flags(params)):
@@ -353,11 +357,7 @@ def scale_by_white_kron(update_style: str = "quad", b1: float = 0.95, preconditi
 
     def init_fn(params):
         def factors(t):
-            if t.ndim == 0:
-                return [preconditioner_init_scale * jnp.ones_like(t, dtype=pdt)]
-            s = preconditioner_init_scale ** (1 / t.ndim)
-            return [s * (jnp.eye(d, dtype=pdt) if dense else jnp.ones(d, dtype=pdt))
-                    for d, dense in zip(t.shape, layout(t)[0])]
+            return _init_factors(t, layout(t)[0], preconditioner_init_scale, pdt)
         Qs = jax.tree.map(factors, params)
         Ls = jax.tree.map(lambda t: [jnp.zeros([], jnp.float32) for _ in range(max(t.ndim, 1))], params)
         mu = otu.tree_zeros_like(params, dtype=mu_dtype) if b1 > 0 else None
