@@ -37,8 +37,7 @@ from nbdev.config import get_config
 from nbdev.serve import proc_nbs
 
 ROOT = Path(__file__).resolve().parents[1]
-os.chdir(ROOT)
-cfg = get_config()
+cfg = get_config(ROOT)
 
 
 def _write_nbdev_yml():
@@ -58,6 +57,7 @@ def _front_matter_to_heading(cells):
 
 
 def readme(check: bool) -> int:
+    os.chdir(ROOT)
     cache = proc_nbs(file_glob=Path(cfg.readme_nb).name, n_workers=0)
     nb = nbformat.read(cache / cfg.readme_nb, as_version=4)
     nb.cells = _front_matter_to_heading(nb.cells)
@@ -89,10 +89,16 @@ def _offline_nbdev(ini: dict):
     """Hand settings.ini's URLs to nbdev's doc-link table and give show_doc a parameter table.
 
     Both are patches of this process only (proc_nbs runs with n_workers=0, so nbdev's processors and
-    the show_doc cells they execute run here)."""
+    the show_doc cells they execute run here); returns a function that undoes them."""
     import nbdev.doclinks as dl
     import nbdev.showdoc as sd
     from fastcore.docments import DocmentTbl, DocmentText
+
+    saved = dl._qual_syms, sd.BasicMarkdownRenderer
+    def restore():
+        "undo both patches (the test of this file uses them in its own process)"
+        dl._qual_syms, sd.BasicMarkdownRenderer = saved
+        dl._build_lookup_table.cache_clear()
 
     urls = dict(git_url=ini.get("git_url", ""), branch=ini.get("branch", "main"),
                 doc_host=ini.get("doc_host", ""), doc_baseurl=ini.get("doc_baseurl", "/"))
@@ -111,7 +117,7 @@ def _offline_nbdev(ini: dict):
         dl._build_lookup_table.cache_clear()
 
     base = sd.BasicMarkdownRenderer
-    if getattr(base, "_offline", False): return
+    if getattr(base, "_offline", False): return restore
 
     def _drop_inferred_annos(sym, dm):
         "fastcore annotates a parameter that has none with its default's type; the code says nothing of it"
@@ -134,14 +140,15 @@ def _offline_nbdev(ini: dict):
                 names = [k for k in self.dm.dm if k != "return"]
                 if self.is_class and names == ["args", "kwargs"]:
                     # a NamedTuple / __new__-built class: the constructor's real signature
-                    try: self.dm = f"{self.nm}{inspect.signature(target)}"
-                    except (TypeError, ValueError): pass
+                    self.dm = _ctor_signature(target, self.nm) or self.dm
             try:
                 self.tbl = DocmentTbl(target)
                 _drop_inferred_annos(target, self.tbl.dm)
             except Exception as e:  # a symbol fastcore cannot read stays without a table, and says so
                 print(f"docs: no parameter table for {self.nm}: {type(e).__name__}: {e}", file=sys.stderr)
                 self.tbl = None
+            if self.tbl is not None and self.tbl.has_docment and isinstance(self.dm, DocmentText):
+                for v in self.dm.dm.values(): v["docment"] = None  # the table holds them; the signature stays short
 
         def _repr_markdown_(self):
             md = super()._repr_markdown_()
@@ -154,6 +161,27 @@ def _offline_nbdev(ini: dict):
             return md
 
     sd.BasicMarkdownRenderer = Renderer
+    return restore
+
+
+def _ctor_signature(cls, name):
+    "`class Name(a: int, b: str = 'x')` from what calling `cls` takes, annotations resolved; None when unknown"
+    import typing
+    try: sig = inspect.signature(cls)
+    except (TypeError, ValueError): return None
+    if [p.kind for p in sig.parameters.values()] == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]: return None
+    try: hints = typing.get_type_hints(cls)
+    except (NameError, TypeError, AttributeError): hints = {}  # unresolvable names: the annotations as written
+    parts = []
+    for p in sig.parameters.values():
+        a = hints.get(p.name, p.annotation)
+        s = ("*" if p.kind is p.VAR_POSITIONAL else "**" if p.kind is p.VAR_KEYWORD else "") + p.name
+        if a is not inspect.Parameter.empty:
+            a = getattr(a, "__forward_arg__", a)
+            s += ": " + (a if isinstance(a, str) else inspect.formatannotation(a))
+        if p.default is not inspect.Parameter.empty: s += f" = {p.default!r}"
+        parts.append(s)
+    return f"class {name}({', '.join(parts)})"
 
 
 _jax_names = {}
@@ -384,6 +412,7 @@ def site() -> int:
     from pygments.formatters import HtmlFormatter
 
     t0 = time.time()
+    os.chdir(ROOT)
     ini = _settings_ini()
     _write_nbdev_yml()
     _offline_nbdev(ini)
@@ -497,7 +526,6 @@ def site() -> int:
         for tag in soup.find_all(["img", "script"], src=True):
             new = fix_href(tag["src"], p["out"], rel)
             if new is not None: tag["src"] = new
-        desc_html = ""
         if p["description"]:
             desc = markdown2html_mistune(lookup.linkify(p["description"])).strip()
             desc = re.sub(r"^<p>(.*)</p>$", r"\1", desc, flags=re.S)
@@ -505,7 +533,25 @@ def site() -> int:
             for a in dsoup.find_all("a", href=True):
                 new = fix_href(a["href"], p["out"], rel)
                 if new is not None: a["href"] = new
-            desc_html = f'<p class="description">{dsoup}</p>'
+            p["dsoup"] = dsoup
+        p.update(soup=soup, toc=toc, ids={t["id"] for t in soup.find_all(id=True)})
+
+    # nbdev links every name in _modidx, private helpers too, which have no entry: such a link stays text
+    unlinked = 0
+    for rel, p in pages.items():
+        for s in (p["soup"], p.get("dsoup")):
+            for a in (s.find_all("a", href=True) if s is not None else []):
+                href = a["href"]
+                if "#" not in href or re.match(r"^[a-z][a-z0-9+.-]*:", href): continue
+                path, frag = href.split("#", 1)
+                target = os.path.normpath(str(PurePosixPath(p["out"]).parent / path)).replace(os.sep, "/") if path else p["out"]
+                if target in by_out and frag not in pages[by_out[target]]["ids"]:
+                    a.unwrap(); unlinked += 1
+    if unlinked: print(f"docs: {unlinked} links to names without an entry left as text")
+
+    for rel, p in pages.items():
+        soup, toc = p["soup"], p["toc"]
+        desc_html = f'<p class="description">{p["dsoup"]}</p>' if p.get("dsoup") is not None else ""
         toc_html = "".join(f'<li class="l{lvl[1]}"><a href="#{i}">{html.escape(t)}</a></li>' for lvl, i, t in toc)
         toc_html = f'<nav class="toc" aria-label="On this page"><h2>On this page</h2><ul>{toc_html}</ul></nav>' if toc else '<nav class="toc"></nav>'
         css = _rel(p["out"], "site_libs/site.css")
