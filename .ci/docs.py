@@ -20,9 +20,11 @@ linked through `_modidx`). This script then does what Quarto does with that outp
 - rewrites links: `.ipynb` to the page it became, doc links to site-relative ones, other
   repository files to the repository (settings.ini `git_url`).
 
-Two things are set for this build only, in this process: nbdev 3 takes `git_url` and the docs URL
+Three things are set for this build only, in this process: nbdev 3 takes `git_url` and the docs URL
 from pyproject's `[project.urls]`, which are dynamic here (settings.ini holds them), so they are
-handed to nbdev's doc-link table from settings.ini (source links, doc links); and show_doc's
+handed to nbdev's doc-link table from settings.ini (source links, doc links); names in prose are
+looked up without the `eformer_nb.` prefix (nbdev's `strip_libs`, which defaults to the project
+name `eformer-nb`, not the package's entry-point name); and show_doc's
 renderer adds fastcore's parameter table (`DocmentTbl`) under nbdev's signature when parameters
 carry docments, and drops the annotations fastcore infers from a default's type
 (`jax._src...._ScalarMeta`, `_Empty`, `NoneType`), which are not in the code.
@@ -56,8 +58,14 @@ def _front_matter_to_heading(cells):
     return cells
 
 
+def _forget_readme_nb():
+    "README (plain nbdev) and the site (nbdev plus this build's settings) process the index differently: redo it"
+    (ROOT / "_proc" / cfg.readme_nb).unlink(missing_ok=True)
+
+
 def readme(check: bool) -> int:
     os.chdir(ROOT)
+    _forget_readme_nb()
     cache = proc_nbs(file_glob=Path(cfg.readme_nb).name, n_workers=0)
     nb = nbformat.read(cache / cfg.readme_nb, as_version=4)
     nb.cells = _front_matter_to_heading(nb.cells)
@@ -94,11 +102,22 @@ def _offline_nbdev(ini: dict):
     import nbdev.showdoc as sd
     from fastcore.docments import DocmentTbl, DocmentText
 
-    saved = dl._qual_syms, sd.BasicMarkdownRenderer
+    saved = dl._qual_syms, sd.BasicMarkdownRenderer, dl._build_lookup_table
     def restore():
-        "undo both patches (the test of this file uses them in its own process)"
-        dl._qual_syms, sd.BasicMarkdownRenderer = saved
+        "undo the patches (the test of this file uses them in its own process)"
+        dl._qual_syms, sd.BasicMarkdownRenderer, dl._build_lookup_table = saved
         dl._build_lookup_table.cache_clear()
+
+    # nbdev strips the package prefix of names in prose by the entry-point name (`eformer_nb`); its
+    # default is the project name (`eformer-nb`), so `ePath` would not link. Not set in pyproject:
+    # README.md (nbdev-readme, Quarto's nbdev-docs) would then link names to root-absolute URLs.
+    table = saved[2]
+    if not getattr(table, "_offline", False):
+        def _build_lookup_table(strip_libs=None, incl_libs=None, skip_mods=None):
+            return table(cfg.lib_path.name if strip_libs is None else strip_libs, incl_libs, skip_mods)
+        _build_lookup_table._offline = True
+        _build_lookup_table.cache_clear = table.cache_clear
+        dl._build_lookup_table = _build_lookup_table
 
     urls = dict(git_url=ini.get("git_url", ""), branch=ini.get("branch", "main"),
                 doc_host=ini.get("doc_host", ""), doc_baseurl=ini.get("doc_baseurl", "/"))
@@ -421,6 +440,7 @@ def site() -> int:
     import hashlib
     stamp, mark = ROOT / "_proc" / ".offline-site", hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
     force = not stamp.exists() or stamp.read_text() != mark
+    _forget_readme_nb()
     cache = proc_nbs(n_workers=0, force=force)
     stamp.write_text(mark)
     q, web = _site_config()
