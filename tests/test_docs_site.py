@@ -35,7 +35,7 @@ DOCS = ROOT / "_docs"
 REPO = "https://github.com/eformer-nb/eformer-nb"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--hide-scrollbars", "--window-size=1400,1000"]
+         "--hide-scrollbars"]
 MODULE_PAGES = ["nbs/paths.html", "nbs/escale.partition.manager.html", "nbs/ops.quantization.nf4.html"]
 AREAS = ["Foundations", "PyTree & paths", "Quantization", "Precision", "Optimizers", "Sharding", "Benchmarks"]
 
@@ -83,6 +83,7 @@ def site():
 
 
 def _browse(chromium: str, url: str, *args: str) -> subprocess.CompletedProcess:
+    if not any(a.startswith("--window-size=") for a in args): args = ("--window-size=1400,1000", *args)
     with tempfile.TemporaryDirectory(prefix="chromium-profile-") as profile:
         return subprocess.run([chromium, *FLAGS, f"--user-data-dir={profile}", *args, url],
                               capture_output=True, text=True, timeout=90)
@@ -209,6 +210,8 @@ def test_every_link_resolves(site):
             if frag and target in pages and frag not in pages[target].ids:
                 broken.append(f"{url} -> {href} ({region}): no #{frag} there")
     assert not broken, f"{len(broken)} links to missing anchors:\n" + "\n".join(broken[:20])
+    plots = [u for u, p in pages.items() if "/benchmarks/" in u and any(t == "img" for _, t, *_ in p.links)]
+    assert plots, "no benchmark page shows a plot"
     on_disk = {site + str(p.relative_to(DOCS)) for p in DOCS.glob("nbs/**/*.html")}
     assert on_disk and on_disk <= set(pages), f"pages no link reaches: {sorted(on_disk - set(pages))}"
 
@@ -217,11 +220,11 @@ def test_screenshots(site, chromium):
     "the index, a module page and a benchmark page, saved for a reader of the PR to look at"
     shots = DOCS / "screenshots"
     shots.mkdir(exist_ok=True)
-    for name, path in [("index", "nbs/index.html"), ("module-paths", "nbs/paths.html"),
-                       ("benchmark-quantization", "nbs/benchmarks/quantization.html")]:
+    for name, path, height in [("index", "nbs/index.html", 1000), ("module-paths", "nbs/paths.html", 1000),
+                               ("benchmark-pytree-serialization", "nbs/benchmarks/pytree_serialization.html", 3400)]:
         out = shots / f"{name}.png"
-        out.unlink(missing_ok=True)
-        r = _browse(chromium, site + path, f"--screenshot={out}")
+        out.unlink(missing_ok=True)  # the benchmark page is taken whole: its plot is at the end
+        r = _browse(chromium, site + path, f"--screenshot={out}", f"--window-size=1400,{height}")
         assert r.returncode == 0 and out.exists(), f"{path}: no screenshot ({r.returncode}): {r.stderr[-2000:]}"
         png = out.read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 1400
