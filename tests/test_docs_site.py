@@ -151,7 +151,6 @@ def _assert_clean(name: str, page: _Page):
     assert not any(l.startswith(("output-file:", "title:", "description:")) for l in lines), f"{name} shows raw front matter"
     entries = "".join(page.entry_text)
     assert "jax._src" not in entries and " object at 0x" not in entries, f"{name} shows internals in a signature"
-    assert "APIENTRYPLACEHOLDER" not in page.visible()
 
 
 def test_pages_in_browser(site, chromium):
@@ -221,7 +220,7 @@ def test_screenshots(site, chromium):
     shots = DOCS / "screenshots"
     shots.mkdir(exist_ok=True)
     for name, path, height in [("index", "nbs/index.html", 1000), ("module-paths", "nbs/paths.html", 1000),
-                               ("benchmark-pytree-serialization", "nbs/benchmarks/pytree_serialization.html", 3400)]:
+                               ("benchmark-pytree-serialization", "nbs/benchmarks/pytree_serialization.html", 4600)]:
         out = shots / f"{name}.png"
         out.unlink(missing_ok=True)  # the benchmark page is taken whole: its plot is at the end
         r = _browse(chromium, site + path, f"--screenshot={out}", f"--window-size=1400,{height}")
