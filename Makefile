@@ -51,7 +51,7 @@ readme: install
 
 docs: install
 	@if command -v quarto >/dev/null 2>&1; then $(BIN)/nbdev-docs; \
-	else echo "Quarto not found: offline preview"; $(BIN)/python .ci/docs.py site; fi
+	else echo "Quarto not found: nbdev's processors, then .ci/docs.py renders the site"; $(BIN)/python .ci/docs.py site; fi
 
 bench: install
 	$(BIN)/python -m pip install -q -e ".[bench]" || echo "bench extras (torch/bitsandbytes) unavailable: peer columns that need them are skipped"

@@ -1,24 +1,45 @@
-"""Docs without Quarto: nbdev's preprocessing, then nbconvert.
+"""Docs without Quarto: nbdev's preprocessing, then a small static-site step in place of Quarto's render.
 
     python .ci/docs.py readme [--check]   README.md from nbs/index.ipynb (processed as nbdev would)
-    python .ci/docs.py site               offline HTML preview of every notebook in _docs/
+    python .ci/docs.py site               the docs site in _docs/, as Quarto would lay it out
 
-nbdev-readme and nbdev-docs need Quarto, which cannot be installed on every machine
-(our CI has none). The preprocessing is nbdev's own (`proc_nbs`: directives stripped,
-hidden cells dropped, every show_doc and import cell executed); only the last step,
-Quarto's render, is replaced by nbconvert.
+nbdev-readme and nbdev-docs need Quarto, which cannot be installed on every machine (our CI has
+none); `make docs` uses them when Quarto is there. Without it, the preprocessing is still nbdev's
+own (`proc_nbs` runs `nbdev.processors`: front matter from the first markdown cell, directives
+stripped, hidden and exported cells dropped, show_doc cells added and executed, backticked names
+linked through `_modidx`). This script then does what Quarto does with that output:
+
+- reads `_quarto.yml` (title, navbar, sidebar sections with their globs, render targets, repo URL)
+  and discovers the pages from the files present, so a section whose notebooks do not exist yet
+  simply does not show;
+- honours Quarto's cell options that nbdev writes (`echo`, `output: asis`, `include`, `code-fold`)
+  and strips every other `#|` line;
+- writes each page to `nbs/<output-file>` (nbdev's `output-file`, the numeric prefix dropped) with
+  the navbar, the sidebar, the page title and description from the front matter, an on-page table
+  of contents and pandoc-style heading ids (so `_modidx` anchors such as `paths.html#epath` land);
+- rewrites links: `.ipynb` to the page it became, doc links to site-relative ones, other
+  repository files to the repository (settings.ini `git_url`).
+
+Three things are set for this build only, in this process: nbdev 3 takes `git_url` and the docs URL
+from pyproject's `[project.urls]`, which are dynamic here (settings.ini holds them), so they are
+handed to nbdev's doc-link table from settings.ini (source links, doc links); names in prose are
+looked up without the `eformer_nb.` prefix (nbdev's `strip_libs`, which defaults to the project
+name `eformer-nb`, not the package's entry-point name); and show_doc's
+renderer adds fastcore's parameter table (`DocmentTbl`) under nbdev's signature when parameters
+carry docments, and drops the annotations fastcore infers from a default's type
+(`jax._src...._ScalarMeta`, `_Empty`, `NoneType`), which are not in the code.
 """
-import argparse, html, os, re, sys
-from pathlib import Path
+import argparse, configparser, fnmatch, html, inspect, os, re, shutil, sys, time
+from pathlib import Path, PurePosixPath
 
 import nbformat
-from nbconvert import HTMLExporter, MarkdownExporter
+import yaml
+from nbconvert import MarkdownExporter
 from nbdev.config import get_config
 from nbdev.serve import proc_nbs
 
 ROOT = Path(__file__).resolve().parents[1]
-os.chdir(ROOT)
-cfg = get_config()
+cfg = get_config(ROOT)
 
 
 def _write_nbdev_yml():
@@ -29,7 +50,6 @@ def _write_nbdev_yml():
 
 def _front_matter_to_heading(cells):
     "Quarto turns the processed notebook's YAML front matter into a title block; do the same for Markdown."
-    import yaml
     if cells and cells[0].cell_type == "raw" and cells[0].source.startswith("---"):
         meta = yaml.safe_load(cells[0].source.strip().strip("-")) or {}
         head = f"# {meta.get('title', cfg.title)}\n\n> {meta['description']}" if meta.get("description") else f"# {meta.get('title', cfg.title)}"
@@ -38,7 +58,14 @@ def _front_matter_to_heading(cells):
     return cells
 
 
+def _forget_readme_nb():
+    "README (plain nbdev) and the site (nbdev plus this build's settings) process the index differently: redo it"
+    (ROOT / "_proc" / cfg.readme_nb).unlink(missing_ok=True)
+
+
 def readme(check: bool) -> int:
+    os.chdir(ROOT)
+    _forget_readme_nb()
     cache = proc_nbs(file_glob=Path(cfg.readme_nb).name, n_workers=0)
     nb = nbformat.read(cache / cfg.readme_nb, as_version=4)
     nb.cells = _front_matter_to_heading(nb.cells)
@@ -58,30 +85,540 @@ def readme(check: bool) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- settings for this build only
+
+def _settings_ini() -> dict:
+    ini = configparser.ConfigParser(delimiters=["="])
+    ini.read(ROOT / "settings.ini", encoding="utf-8")
+    return dict(ini["DEFAULT"])
+
+
+def _offline_nbdev(ini: dict):
+    """Hand settings.ini's URLs to nbdev's doc-link table and give show_doc a parameter table.
+
+    Both are patches of this process only (proc_nbs runs with n_workers=0, so nbdev's processors and
+    the show_doc cells they execute run here); returns a function that undoes them."""
+    import nbdev.doclinks as dl
+    import nbdev.showdoc as sd
+    from fastcore.docments import DocmentTbl, DocmentText
+
+    saved = dl._qual_syms, sd.BasicMarkdownRenderer, dl._build_lookup_table
+    def restore():
+        "undo the patches (the test of this file uses them in its own process)"
+        dl._qual_syms, sd.BasicMarkdownRenderer, dl._build_lookup_table = saved
+        dl._build_lookup_table.cache_clear()
+
+    # nbdev strips the package prefix of names in prose by the entry-point name (`eformer_nb`); its
+    # default is the project name (`eformer-nb`), so `ePath` would not link. Not set in pyproject:
+    # README.md (nbdev-readme, Quarto's nbdev-docs) would then link names to root-absolute URLs.
+    table = saved[2]
+    if not getattr(table, "_offline", False):
+        def _build_lookup_table(strip_libs=None, incl_libs=None, skip_mods=None):
+            return table(cfg.lib_path.name if strip_libs is None else strip_libs, incl_libs, skip_mods)
+        _build_lookup_table._offline = True
+        _build_lookup_table.cache_clear = table.cache_clear
+        dl._build_lookup_table = _build_lookup_table
+
+    urls = dict(git_url=ini.get("git_url", ""), branch=ini.get("branch", "main"),
+                doc_host=ini.get("doc_host", ""), doc_baseurl=ini.get("doc_baseurl", "/"))
+    qual = dl._qual_syms
+    if not getattr(qual, "_offline", False):
+        def _qual_syms(entries):
+            s = entries.get("settings", {})
+            if s.get("lib_path") == cfg.lib_path.name:  # only our own package's table
+                s = dict(s)
+                if not s.get("git_url"): s.update(git_url=urls["git_url"], branch=urls["branch"])
+                if not s.get("doc_host"): s.update(doc_host=urls["doc_host"], doc_baseurl=urls["doc_baseurl"])
+                entries = {**entries, "settings": s}
+            return qual(entries)
+        _qual_syms._offline = True
+        dl._qual_syms = _qual_syms
+        dl._build_lookup_table.cache_clear()
+
+    base = sd.BasicMarkdownRenderer
+    if getattr(base, "_offline", False): return restore
+
+    def _drop_inferred_annos(sym, dm):
+        "fastcore annotates a parameter that has none with its default's type; the code says nothing of it"
+        try: sig = inspect.signature(sym)
+        except (TypeError, ValueError): return
+        for name, p in sig.parameters.items():
+            if name in dm and p.annotation is inspect.Parameter.empty:
+                dm[name]["anno"] = inspect.Parameter.empty
+
+    class Renderer(base):
+        "nbdev's show_doc renderer, plus fastcore's parameter table when parameters carry docments"
+        _offline = True
+
+        def __init__(self, sym, name=None, title_level=3, maxline=110):
+            super().__init__(sym, name=name, title_level=title_level, maxline=maxline)
+            target = self.sym
+            self.is_class = inspect.isclass(target)
+            if isinstance(self.dm, DocmentText):
+                _drop_inferred_annos(target, self.dm.dm)
+                names = [k for k in self.dm.dm if k != "return"]
+                if self.is_class and names == ["args", "kwargs"]:
+                    # a NamedTuple / __new__-built class: the constructor's real signature
+                    self.dm = _ctor_signature(target, self.nm) or self.dm
+            try:
+                self.tbl = DocmentTbl(target)
+                _drop_inferred_annos(target, self.tbl.dm)
+            except Exception as e:  # a symbol fastcore cannot read stays without a table, and says so
+                print(f"docs: no parameter table for {self.nm}: {type(e).__name__}: {e}", file=sys.stderr)
+                self.tbl = None
+            if self.tbl is not None and self.tbl.has_docment and isinstance(self.dm, DocmentText):
+                for v in self.dm.dm.values(): v["docment"] = None  # the table holds them; the signature stays short
+
+        def _repr_markdown_(self):
+            md = super()._repr_markdown_()
+            if self.is_class: md = md.replace("```python\ndef ", "```python\nclass ", 1)
+            md = re.sub(r"<dataclasses\._MISSING_TYPE object at 0x[0-9a-f]+>", "MISSING", md)
+            md = re.sub(r"<([\w.]+) object at 0x[0-9a-f]+>", r"\1(...)", md)
+            md = _public_jax_names(md)
+            if self.tbl is not None and self.tbl.has_docment:
+                md += "\n\n" + _public_jax_names(self.tbl._repr_markdown_())
+            return md
+
+    sd.BasicMarkdownRenderer = Renderer
+    return restore
+
+
+def _ctor_signature(cls, name):
+    "`class Name(a: int, b: str = 'x')` from what calling `cls` takes, annotations resolved; None when unknown"
+    import typing
+    try: sig = inspect.signature(cls)
+    except (TypeError, ValueError): return None
+    if [p.kind for p in sig.parameters.values()] == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]: return None
+    try: hints = typing.get_type_hints(cls)
+    except (NameError, TypeError, AttributeError): hints = {}  # unresolvable names: the annotations as written
+    parts = []
+    for p in sig.parameters.values():
+        a = hints.get(p.name, p.annotation)
+        s = ("*" if p.kind is p.VAR_POSITIONAL else "**" if p.kind is p.VAR_KEYWORD else "") + p.name
+        if a is not inspect.Parameter.empty:
+            a = getattr(a, "__forward_arg__", a)
+            s += ": " + (a if isinstance(a, str) else inspect.formatannotation(a))
+        if p.default is not inspect.Parameter.empty: s += f" = {p.default!r}"
+        parts.append(s)
+    return f"class {name}({', '.join(parts)})"
+
+
+_jax_names = {}
+def _public_jax_names(text: str) -> str:
+    "`jax._src.x.y.Name` -> the public name of the same object (`jax.Array`, `jax.sharding.Mesh`, ...), where one exists"
+    def sub(m):
+        path = m.group(0)
+        if path not in _jax_names:
+            _jax_names[path] = path
+            mod, _, attr = path.rpartition(".")
+            try:
+                import importlib
+                obj = getattr(importlib.import_module(mod), attr)
+                for pub in ("jax", "jax.numpy", "jax.sharding", "jax.typing", "jax.lax", "jax.tree_util", "jax.stages"):
+                    pm = importlib.import_module(pub)
+                    hit = next((n for n in dir(pm) if not n.startswith("_") and getattr(pm, n, None) is obj), None)
+                    if hit: _jax_names[path] = f"{pub}.{hit}"; break
+            except (ImportError, AttributeError): pass
+        return _jax_names[path]
+    return re.sub(r"\bjax\._src(?:\.\w+)+", sub, text)
+
+
+# ---------------------------------------------------------------- pages
+
+_re_opt = re.compile(r"^#\|\s*([\w-]+)\s*(?::\s*(.*?))?\s*$")
+
+
+def _cell_options(src: str):
+    "Quarto/nbdev `#|` lines at the top of a code cell -> (options, source without them)"
+    opts, lines = {}, src.splitlines()
+    i = 0
+    while i < len(lines) and (m := _re_opt.match(lines[i])):
+        v = m.group(2)
+        opts[m.group(1)] = True if v is None else yaml.safe_load(v) if v else ""
+        i += 1
+    body = [l for l in lines[i:] if not _re_opt.match(l)]  # stray directives further down, too
+    return opts, "\n".join(body).strip("\n")
+
+
+_re_attr_link = re.compile(r"\[([^\]]*)\]\(([^)\s]*)\)\{([^}]*)\}")
+
+
+def _pandoc_md(md: str) -> str:
+    "Pandoc syntax nbdev writes that mistune does not read: links with `{...}` attributes"
+    def link(m):
+        text, url, attrs = m.groups()
+        tgt = ' target="_blank" rel="noopener"' if "_blank" in attrs else ""
+        cls = ' class="source-link"' if text == "source" else ""
+        return f'<a href="{html.escape(url)}"{tgt}{cls}>{text}</a>'
+    return _re_attr_link.sub(link, md)
+
+
+def _showdoc_html(md: str) -> str:
+    from nbconvert.filters.markdown_mistune import markdown2html_mistune
+    md = re.sub(r"^\s*---\s*\n", "", md, count=1)  # nbdev's rule above each entry; the box is the separator here
+    return f'<div class="api-entry">\n{markdown2html_mistune(_pandoc_md(md))}\n</div>'
+
+
+def _md_text(o):
+    d = o.get("data", {}).get("text/markdown")
+    return "".join(d) if isinstance(d, list) else d
+
+
+def _prepare(nb):
+    "Processed notebook -> (front matter, [html of each cell as the page shows it])"
+    cells, meta = list(nb.cells), {}
+    if cells and cells[0].cell_type == "raw" and cells[0].source.startswith("---"):
+        meta = yaml.safe_load(cells[0].source.strip().strip("-")) or {}
+        cells = cells[1:]
+    out = []
+    for c in cells:
+        if c.cell_type == "markdown":
+            if "AUTOGENERATED" in c.source and c.source.strip().startswith("<!--"): continue
+            out.append(_markdown_html(_pandoc_md(c.source))); continue
+        if c.cell_type == "raw":  # nbdev leaves raw cells to Quarto as they are; HTML ones are shown
+            if c.source.strip() and c.metadata.get("raw_mimetype", "").lower() in ("text/html", "html"): out.append(c.source)
+            continue
+        opts, src = _cell_options(c.source)
+        if str(opts.get("include", True)).lower() == "false": continue
+        outputs = [] if str(opts.get("output", True)).lower() == "false" else c.get("outputs", [])
+        echo = str(opts.get("echo", True)).lower() != "false" and bool(src)
+        if opts.get("output") == "asis":  # show_doc: its markdown is the page
+            out += [_showdoc_html(md) for o in outputs if (md := _md_text(o)) is not None]
+            if echo: out.append(_code_html(src, []))
+            continue
+        if echo or outputs: out.append(_code_html(src if echo else "", outputs))
+    return meta, out
+
+
+def _markdown_html(md: str) -> str:
+    from nbconvert.filters.markdown_mistune import markdown2html_mistune
+    return f'<div class="cell markdown">{markdown2html_mistune(md)}</div>'
+
+
+def _code_html(src: str, outputs) -> str:
+    "A code cell: its source highlighted, then its outputs (richest representation first)"
+    from nbconvert.filters.ansi import ansi2html
+    from pygments import highlight
+    from pygments.formatters import HtmlFormatter
+    from pygments.lexers import PythonLexer
+    parts = [highlight(src, PythonLexer(), HtmlFormatter(cssclass="highlight"))] if src else []
+    for o in outputs:
+        kind = o.get("output_type")
+        if kind == "stream":
+            parts.append(f'<pre class="output {html.escape(o.get("name", ""))}">{ansi2html("".join(o.get("text", "")))}</pre>')
+        elif kind == "error":
+            tb = "\n".join(o.get("traceback", [])) or f'{o.get("ename")}: {o.get("evalue")}'
+            parts.append(f'<pre class="output error">{ansi2html(tb)}</pre>')
+        elif kind in ("execute_result", "display_data"):
+            d = o.get("data", {})
+            val = lambda k: "".join(d[k]) if isinstance(d[k], list) else d[k]
+            if "image/png" in d: parts.append(f'<div class="output"><img alt="figure" src="data:image/png;base64,{val("image/png").strip()}"></div>')
+            elif "image/jpeg" in d: parts.append(f'<div class="output"><img alt="figure" src="data:image/jpeg;base64,{val("image/jpeg").strip()}"></div>')
+            elif "image/svg+xml" in d: parts.append(f'<div class="output">{val("image/svg+xml")}</div>')
+            elif "text/html" in d: parts.append(f'<div class="output">{val("text/html")}</div>')  # our own notebooks' outputs
+            elif "text/markdown" in d: parts.append(f'<div class="output">{_markdown_html(val("text/markdown"))}</div>')
+            elif "text/plain" in d: parts.append(f'<pre class="output">{ansi2html(val("text/plain"))}</pre>')
+    return f'<div class="cell code">{"".join(parts)}</div>'
+
+
+def _pandoc_id(text: str, seen: dict) -> str:
+    "Pandoc's auto identifier (Quarto's): lowercase, keep alphanumerics and _-., spaces to dashes, unique"
+    t = re.sub(r"[^\w\s.-]", "", text.strip().lower())
+    t = re.sub(r"\s+", "-", t).lstrip("0123456789.-_") or "section"
+    if t in seen:
+        seen[t] += 1; t = f"{t}-{seen[t]}"
+    else: seen[t] = 0
+    return t
+
+
+def _glob(pattern: str):
+    "Quarto render/sidebar glob, relative to the project root (`*` stays inside one folder)"
+    return sorted(p for p in ROOT.glob(pattern) if p.is_file() and not any(s.startswith((".", "_")) for s in p.relative_to(ROOT).parts))
+
+
+def _site_config():
+    q = yaml.safe_load((ROOT / "_quarto.yml").read_text(encoding="utf-8"))
+    return q, q.get("website", {})
+
+
+def _sidebar_tree(items, pages, used):
+    "_quarto.yml sidebar contents -> [(title, [rel_src, ...])]; a section with no page present is dropped"
+    res = []
+    loose = []
+    for it in items or []:
+        if isinstance(it, str):
+            loose += [p for p in _glob(it) if str(p.relative_to(ROOT)) in pages and str(p.relative_to(ROOT)) not in used]
+        elif isinstance(it, dict) and "section" in it:
+            contents = it.get("contents", [])
+            if isinstance(contents, str): contents = [contents]
+            found = []
+            for c in contents:
+                pat = c if isinstance(c, str) else c.get("href", "")
+                for p in _glob(pat):
+                    rel = str(p.relative_to(ROOT))
+                    if rel in pages and rel not in used: found.append(rel); used.add(rel)
+            if found: res.append((it["section"], found))
+        elif isinstance(it, dict) and "href" in it:
+            loose += [p for p in _glob(it["href"]) if str(p.relative_to(ROOT)) in pages]
+    top = []
+    for p in loose:
+        rel = str(p.relative_to(ROOT))
+        if rel not in used: used.add(rel); top.append(rel)
+    return ([(None, top)] if top else []) + res
+
+
+CSS = r"""
+:root { --primary:#2780e3; --text:#343a40; --muted:#6c757d; --border:#dee2e6; --code-bg:#f8f9fa; --nav-h:56px; }
+* { box-sizing: border-box; }
+html { scroll-padding-top: calc(var(--nav-h) + 12px); }
+body { margin:0; font-family: system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial, sans-serif;
+       color:var(--text); line-height:1.6; font-size:16px; background:#fff; }
+a { color:var(--primary); text-decoration:none; } a:hover { text-decoration:underline; }
+header.navbar { position:fixed; top:0; left:0; right:0; height:var(--nav-h); background:var(--primary); color:#fff;
+       display:flex; align-items:center; padding:0 1.25rem; gap:1.5rem; z-index:10; box-shadow:0 1px 3px rgba(0,0,0,.15); }
+header.navbar a { color:rgba(255,255,255,.9); } header.navbar a:hover { color:#fff; text-decoration:none; }
+header.navbar .brand { font-weight:600; font-size:1.2rem; color:#fff; }
+header.navbar nav { display:flex; gap:1.1rem; } header.navbar .right { margin-left:auto; }
+.layout { display:grid; grid-template-columns: 270px minmax(0, 1fr) 230px; gap:2rem; max-width:1480px;
+       margin:0 auto; padding: calc(var(--nav-h) + 1.5rem) 1.25rem 3rem; }
+aside.sidebar { position:sticky; top:calc(var(--nav-h) + 1.5rem); align-self:start; max-height:calc(100vh - var(--nav-h) - 3rem);
+       overflow-y:auto; font-size:.92rem; }
+aside.sidebar input { width:100%; padding:.35rem .5rem; border:1px solid var(--border); border-radius:4px; margin-bottom:.75rem; }
+aside.sidebar ul { list-style:none; margin:0 0 .4rem; padding:0 0 0 .6rem; }
+aside.sidebar li a { display:block; padding:.12rem .4rem; color:var(--text); border-radius:3px; overflow-wrap:anywhere; }
+aside.sidebar li a.active { color:var(--primary); font-weight:600; background:#e9f2fc; }
+aside.sidebar details summary { cursor:pointer; font-weight:600; padding:.25rem 0; }
+main.content { max-width:860px; width:100%; min-width:0; }
+main.content h1.title { font-size:2.1rem; margin:.2rem 0 .3rem; line-height:1.2; }
+main.content p.description { font-size:1.12rem; color:var(--muted); margin:0 0 1.5rem; padding-bottom:1rem; border-bottom:1px solid var(--border); }
+main.content h2 { margin-top:2.2rem; padding-bottom:.2rem; border-bottom:1px solid var(--border); }
+main.content img { max-width:100%; height:auto; }
+main.content table { border-collapse:collapse; margin:.8rem 0; font-size:.92rem; display:block; overflow-x:auto; }
+main.content th, main.content td { border-bottom:1px solid var(--border); padding:.35rem .7rem; text-align:left; vertical-align:top; }
+main.content thead th { border-bottom:2px solid var(--border); }
+a code { color:inherit; }
+code { font-family: SFMono-Regular, Menlo, Consolas, "Liberation Mono", monospace; font-size:.88em; color:#7d12ba; }
+pre { background:var(--code-bg); border:1px solid #e9ecef; border-radius:4px; padding:.7rem .9rem; overflow-x:auto; font-size:.86rem; line-height:1.45; }
+pre code, .highlight code { color:inherit; }
+.cell.code { margin: .8rem 0; }
+pre.output { background:#fff; border:none; border-left:3px solid var(--border); border-radius:0; margin:.2rem 0; }
+pre.output.stderr, pre.output.error { background:#fff5f5; border-left-color:#f1aeb5; }
+div.output { margin:.3rem 0; overflow-x:auto; }
+.api-entry { border:1px solid var(--border); border-radius:6px; padding:.3rem 1rem .4rem; margin:1.2rem 0;
+       box-shadow:0 1px 2px rgba(0,0,0,.05); }
+.api-entry h3, .api-entry h4 { margin:.5rem 0 .4rem; font-family: SFMono-Regular, Menlo, Consolas, monospace; font-size:1.08rem; }
+.api-entry a.source-link { float:right; font-size:.82rem; margin-top:.6rem; }
+.api-entry pre { margin:.4rem 0; }
+.api-entry table { font-size:.88rem; }
+details.code-fold > summary { cursor:pointer; color:var(--muted); font-size:.9rem; }
+nav.toc { position:sticky; top:calc(var(--nav-h) + 1.5rem); align-self:start; font-size:.86rem;
+       max-height:calc(100vh - var(--nav-h) - 3rem); overflow-y:auto; border-left:1px solid var(--border); padding-left:.9rem; }
+nav.toc h2 { font-size:.95rem; margin:0 0 .5rem; } nav.toc ul { list-style:none; margin:0; padding:0; }
+nav.toc li { margin:.15rem 0; } nav.toc li.l3 { padding-left:.8rem; } nav.toc a { color:var(--muted); overflow-wrap:anywhere; }
+footer { max-width:860px; margin:2.5rem 0 0; padding-top:1rem; border-top:1px solid var(--border); font-size:.85rem; color:var(--muted); }
+.anchor-link { display:none; }
+@media (max-width: 1150px) { .layout { grid-template-columns: 240px minmax(0,1fr); } nav.toc { display:none; } }
+@media (max-width: 800px) { .layout { grid-template-columns: minmax(0,1fr); } aside.sidebar { position:static; max-height:none; } }
+"""
+
+JS = r"""
+document.addEventListener('DOMContentLoaded', () => {
+  const box = document.getElementById('sidebar-filter');
+  if (box) box.addEventListener('input', () => {
+    const q = box.value.toLowerCase();
+    document.querySelectorAll('aside.sidebar li').forEach(li => {
+      li.style.display = li.textContent.toLowerCase().includes(q) ? '' : 'none'; });
+    document.querySelectorAll('aside.sidebar details').forEach(d => { if (q) d.open = true; });
+  });
+});
+"""
+
+
+def _rel(from_page: str, to: str) -> str:
+    "Relative URL from site page `from_page` to site path `to` (both posix, relative to the site root)"
+    return os.path.relpath(to, start=str(PurePosixPath(from_page).parent) or ".").replace(os.sep, "/")
+
+
 def site() -> int:
+    from bs4 import BeautifulSoup
+    from nbdev.doclinks import NbdevLookup
+    from nbconvert.filters.markdown_mistune import markdown2html_mistune
+    from pygments.formatters import HtmlFormatter
+
+    t0 = time.time()
+    os.chdir(ROOT)
+    ini = _settings_ini()
     _write_nbdev_yml()
-    cache = proc_nbs(n_workers=0)
+    _offline_nbdev(ini)
+    # proc_nbs only redoes notebooks newer than their processed copy; the show_doc renderer above
+    # changes every page, so pages processed by another build (or an older version of this file) are redone
+    import hashlib
+    stamp, mark = ROOT / "_proc" / ".offline-site", hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    force = not stamp.exists() or stamp.read_text() != mark
+    _forget_readme_nb()
+    cache = proc_nbs(n_workers=0, force=force)
+    stamp.write_text(mark)
+    t_proc = time.time() - t0
+    q, web = _site_config()
     dest = ROOT / cfg.doc_path.name
-    dest.mkdir(exist_ok=True)
-    exporter = HTMLExporter(exclude_input_prompt=True, exclude_output_prompt=True)
-    pages = []
-    for nbp in sorted((cache / "nbs").rglob("*.ipynb")):
-        rel = nbp.relative_to(cache / "nbs").with_suffix(".html")
-        nb = nbformat.read(nbp, as_version=4)
-        for cell in nb.cells:  # execnb's timing metadata is not valid nbformat
-            cell.metadata.pop("execution", None)
-        title = next((c.source.splitlines()[0].lstrip("# ") for c in nb.cells
-                      if c.cell_type == "markdown" and c.source.startswith("#")), rel.stem)
-        out, _ = exporter.from_notebook_node(nb)
-        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        (dest / rel).write_text(out, encoding="utf-8")
-        pages.append((rel, title))
-    links = "\n".join(f'<li><a href="{r.as_posix()}">{html.escape(t)}</a></li>' for r, t in pages)
-    nav = f'<nav style="max-width:1100px;margin:1em auto"><details><summary>All pages</summary><ul>{links}</ul></details></nav>'
-    index = dest / "index.html"  # the rendered nbs/index.ipynb, with a table of contents on top
-    page = index.read_text(encoding="utf-8")
-    index.write_text(re.sub(r"(<body[^>]*>)", lambda m: m.group(1) + nav, page, count=1), encoding="utf-8")
-    print(f"wrote {len(pages)} pages to {dest}/ (open {dest}/index.html)")
+    shutil.rmtree(dest, ignore_errors=True)
+    (dest / "site_libs").mkdir(parents=True)
+    (dest / "site_libs" / "site.css").write_text(CSS + HtmlFormatter(style="friendly").get_style_defs(".highlight"), encoding="utf-8")
+    (dest / "site_libs" / "site.js").write_text(JS, encoding="utf-8")
+
+    git_url = (web.get("repo-url") or ini.get("git_url", "")).rstrip("/")
+    branch = ini.get("branch", "main")
+    doc_prefixes = [p for p in ((ini.get("doc_host", "") + ini.get("doc_baseurl", "")).rstrip("/") + "/", (web.get("site-url") or "").rstrip("/") + "/") if len(p) > 1]
+
+    # pages: the render targets of _quarto.yml that exist
+    pages = {}  # rel source -> dict(out, title, description, nb)
+    for pat in q.get("project", {}).get("render", ["nbs/*.ipynb"]):
+        for src in _glob(pat):
+            rel = str(src.relative_to(ROOT))
+            proc = cache / rel
+            if rel in pages or not proc.exists(): continue
+            meta, cells = _prepare(nbformat.read(proc, as_version=4))
+            out = str(PurePosixPath(rel).parent / meta.get("output-file", PurePosixPath(rel).stem + ".html"))
+            pages[rel] = dict(out=out, title=str(meta.get("title", PurePosixPath(rel).stem)),
+                              description=str(meta.get("description", "") or ""), cells=cells)
+    by_out = {p["out"]: rel for rel, p in pages.items()}
+
+    used = set()
+    tree = _sidebar_tree(web.get("sidebar", {}).get("contents", []), pages, used)
+    rest = [rel for rel in pages if rel not in used]
+    if rest:
+        print(f"docs: {len(rest)} page(s) match no sidebar entry of _quarto.yml, listed under 'More': {rest}")
+        tree.append(("More", sorted(rest)))
+    home = "nbs/index.ipynb" if "nbs/index.ipynb" in pages else next(iter(pages))
+
+    lookup = NbdevLookup()
+
+    def fix_href(href: str, page_out: str, page_src: str):
+        "-> new href, or None to leave it"
+        if not href or href.startswith(("#", "mailto:", "javascript:", "data:")): return None
+        for pre in doc_prefixes:
+            if href.startswith(pre): href = "/" + href[len(pre):]; break
+        if re.match(r"^[a-z][a-z0-9+.-]*:", href): return None  # another site
+        path, frag = (href.split("#", 1) + [""])[:2]
+        frag = "#" + frag if frag else ""
+        if path.startswith("/"): target = path.lstrip("/")
+        else: target = os.path.normpath(str(PurePosixPath(page_src).parent / path)).replace(os.sep, "/")
+        if target.endswith(".ipynb"):
+            if target in pages: return _rel(page_out, pages[target]["out"]) + frag
+            return f"{git_url}/blob/{branch}/{target}{frag}"  # a notebook that is not a page
+        if target in by_out or (dest / target).exists(): return _rel(page_out, target) + frag
+        if (ROOT / target).exists(): return f"{git_url}/blob/{branch}/{target}{frag}"  # a repository file
+        print(f"docs: {page_src}: link {href!r} leads nowhere")
+        return None
+
+    def sidebar_html(page_rel):
+        out = pages[page_rel]["out"]
+        parts = ['<aside class="sidebar" aria-label="Site navigation"><input id="sidebar-filter" type="search" placeholder="Filter pages">']
+        for sec, rels in tree:
+            active = ' class="active" aria-current="page"'
+            items = "".join(f'<li><a href="{_rel(out, pages[r]["out"])}"{active if r == page_rel else ""}>'
+                            f'{html.escape(pages[r]["title"])}</a></li>' for r in rels)
+            if sec is None: parts.append(f"<ul>{items}</ul>")
+            else:
+                is_open = " open" if page_rel in rels or page_rel == home else ""
+                parts.append(f'<details class="section"{is_open}><summary>{html.escape(sec)}</summary><ul>{items}</ul></details>')
+        parts.append("</aside>")
+        return "".join(parts)
+
+    def navbar_html(page_out):
+        nav = web.get("navbar", {})
+        def item(it):
+            if isinstance(it, str): it = {"href": it}
+            href = it.get("href", "")
+            if href.endswith(".ipynb") and href in pages: url, text = _rel(page_out, pages[href]["out"]), it.get("text") or pages[href]["title"]
+            else: url, text = href, it.get("text") or it.get("icon") or href
+            if it.get("icon") == "github" and not it.get("text"): text = "GitHub"
+            return f'<a href="{html.escape(url)}">{html.escape(text)}</a>'
+        left = "".join(item(i) for i in nav.get("left", []))
+        right = "".join(item(i) for i in nav.get("right", []))
+        brand = f'<a class="brand" href="{_rel(page_out, pages[home]["out"])}">{html.escape(web.get("title", cfg.title))}</a>'
+        return f'<header class="navbar">{brand}<nav>{left}</nav><nav class="right">{right}</nav></header>'
+
+    n_links = 0
+    for rel, p in pages.items():
+        body = "\n".join(p["cells"])
+        soup = BeautifulSoup(body, "html.parser")
+        for a in soup.select("a.anchor-link"): a.decompose()
+        seen, toc = {}, []
+        for h in soup.find_all(["h1", "h2", "h3", "h4"]):
+            h["id"] = _pandoc_id(h.get_text(), seen)
+            if h.name in ("h2", "h3"): toc.append((h.name, h["id"], h.get_text().strip()))
+        for a in soup.find_all("a", href=True):
+            new = fix_href(a["href"], p["out"], rel)
+            if new is not None: a["href"] = new; n_links += 1
+        for tag in soup.find_all(["img", "script"], src=True):
+            new = fix_href(tag["src"], p["out"], rel)
+            if new is not None: tag["src"] = new
+        if p["description"]:
+            desc = markdown2html_mistune(lookup.linkify(p["description"])).strip()
+            desc = re.sub(r"^<p>(.*)</p>$", r"\1", desc, flags=re.S)
+            dsoup = BeautifulSoup(desc, "html.parser")
+            for a in dsoup.find_all("a", href=True):
+                new = fix_href(a["href"], p["out"], rel)
+                if new is not None: a["href"] = new
+            p["dsoup"] = dsoup
+        p.update(soup=soup, toc=toc, ids={t["id"] for t in soup.find_all(id=True)})
+
+    # nbdev links every name in _modidx, private helpers too, which have no entry: such a link stays text
+    unlinked = 0
+    for rel, p in pages.items():
+        for s in (p["soup"], p.get("dsoup")):
+            for a in (s.find_all("a", href=True) if s is not None else []):
+                href = a["href"]
+                if "#" not in href or re.match(r"^[a-z][a-z0-9+.-]*:", href): continue
+                path, frag = href.split("#", 1)
+                target = os.path.normpath(str(PurePosixPath(p["out"]).parent / path)).replace(os.sep, "/") if path else p["out"]
+                if target in by_out and frag not in pages[by_out[target]]["ids"]:
+                    a.unwrap(); unlinked += 1
+    if unlinked: print(f"docs: {unlinked} links to names without an entry left as text")
+
+    for rel, p in pages.items():
+        soup, toc = p["soup"], p["toc"]
+        desc_html = f'<p class="description">{p["dsoup"]}</p>' if p.get("dsoup") is not None else ""
+        toc_html = "".join(f'<li class="l{lvl[1]}"><a href="#{i}">{html.escape(t)}</a></li>' for lvl, i, t in toc)
+        toc_html = f'<nav class="toc" aria-label="On this page"><h2>On this page</h2><ul>{toc_html}</ul></nav>' if toc else '<nav class="toc"></nav>'
+        css = _rel(p["out"], "site_libs/site.css")
+        js = _rel(p["out"], "site_libs/site.js")
+        site_title = web.get("title", cfg.title)
+        title = site_title if rel == home else f'{p["title"]} – {site_title}'
+        plain_desc = re.sub(r"`([^`]*)`", r"\1", p["description"]).strip()
+        src_link = f'{git_url}/blob/{branch}/{rel}'
+        issue = f'{git_url}/issues/new' if "issue" in (web.get("repo-actions") or []) else ""
+        page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{html.escape(title)}</title>
+<meta name="description" content="{html.escape(plain_desc)}">
+<link rel="stylesheet" href="{css}"><script src="{js}"></script>
+</head><body>
+{navbar_html(p["out"])}
+<div class="layout">
+{sidebar_html(rel)}
+<main class="content" id="quarto-document-content">
+<h1 class="title">{html.escape(p["title"])}</h1>
+{desc_html}
+{soup}
+<footer><a href="{src_link}">Notebook source: {html.escape(rel)}</a>{f' · <a href="{issue}">Report an issue</a>' if issue else ''}
+ · built from the notebooks by nbdev's processors (<code>make docs</code>)</footer>
+</main>
+{toc_html}
+</div></body></html>
+"""
+        out_path = dest / p["out"]
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(page, encoding="utf-8")
+    # the site root: Quarto puts nbs/index.ipynb at nbs/index.html; the root sends readers there
+    (dest / "index.html").write_text(
+        f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{html.escape(web.get("title", cfg.title))}</title>'
+        f'<meta http-equiv="refresh" content="0; url={pages[home]["out"]}"></head>'
+        f'<body><a href="{pages[home]["out"]}">{html.escape(web.get("title", cfg.title))}</a></body></html>', encoding="utf-8")
+    print(f"wrote {len(pages)} pages to {dest}/ in {time.time() - t0:.0f}s: nbdev's processors {t_proc:.0f}s"
+          f"{' (all notebooks)' if force else ' (changed notebooks)'}, pages {time.time() - t0 - t_proc:.0f}s (open {dest}/index.html)")
     return 0
 
 

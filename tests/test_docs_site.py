@@ -1,0 +1,273 @@
+"""The docs site as a reader sees it: `.ci/docs.py site` (what `make docs` runs without Quarto) builds it,
+a loopback HTTP server serves `_docs/`, and headless Chromium loads the pages.
+
+- Chromium (Debian's `chromium` package) is installed with apt-get when missing; that needs root and
+  Debian's archive, as on CI. Each call gets a fresh profile directory and no network beyond 127.0.0.1.
+- The index and three module pages are loaded in the browser (`--dump-dom`): title, navbar, sidebar by
+  area, table of contents, show_doc entries with signatures and source links.
+- Every page reachable from the index is fetched from the server: every link to the site resolves, to a
+  page that exists and to an anchor on it; every page of the site is reachable; no page shows a `#|`
+  directive, raw front matter or a `jax._src` name.
+- Screenshots of the index, a module page and a benchmark page are saved under `_docs/screenshots/`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import typing
+import urllib.error
+import urllib.request
+from functools import partial
+from html.parser import HTMLParser
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import urldefrag, urljoin, urlparse
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "_docs"
+REPO = "https://github.com/eformer-nb/eformer-nb"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--hide-scrollbars"]
+MODULE_PAGES = ["nbs/paths.html", "nbs/escale.partition.manager.html", "nbs/ops.quantization.nf4.html"]
+AREAS = ["Foundations", "PyTree & paths", "Quantization", "Precision", "Optimizers", "Sharding", "Benchmarks"]
+
+
+def _chromium() -> str:
+    "Debian's chromium, installed with apt-get when missing (root and Debian's archive, as on CI)"
+    exe = shutil.which("chromium")
+    if exe: return exe
+    if os.geteuid() != 0:
+        pytest.fail("the docs test needs Debian's `chromium` package: run `apt-get install chromium` as root")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "chromium"]):
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+    exe = shutil.which("chromium")
+    assert exe, "apt-get installed chromium, but no `chromium` is on PATH"
+    return exe
+
+
+class _Quiet(SimpleHTTPRequestHandler):
+    def log_message(self, *args): pass
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    return _chromium()
+
+
+@pytest.fixture(scope="module")
+def site():
+    "Build the offline site, serve `_docs/` on 127.0.0.1; yields the base URL"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    r = subprocess.run([sys.executable, ".ci/docs.py", "site"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"docs build failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    assert "leads nowhere" not in r.stdout, r.stdout  # the builder names every link it could not place
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(_Quiet, directory=str(DOCS)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def _browse(chromium: str, url: str, *args: str) -> subprocess.CompletedProcess:
+    if not any(a.startswith("--window-size=") for a in args): args = ("--window-size=1400,1000", *args)
+    with tempfile.TemporaryDirectory(prefix="chromium-profile-") as profile:
+        return subprocess.run([chromium, *FLAGS, f"--user-data-dir={profile}", *args, url],
+                              capture_output=True, text=True, timeout=90)
+
+
+class _Page(HTMLParser):
+    "What a test needs from a page: title, ids, links by region, visible text"
+    def __init__(self, html: str):
+        super().__init__()
+        self.title, self.ids, self.links, self.text, self.entry_text = "", set(), [], [], []
+        self.pre_text, self.prose_text = [], []
+        self.stack, self.classes, self.counts = [], [], {}
+        self._in = None
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        cls = set((a.get("class") or "").split())
+        if tag not in ("meta", "link", "img", "br", "hr", "input"):
+            self.stack.append(tag); self.classes.append(cls)
+        if a.get("id"): self.ids.add(a["id"])
+        for c in cls | {tag}:
+            self.counts[c] = self.counts.get(c, 0) + 1
+        region = "sidebar" if any("sidebar" in c for c in self.classes) else "toc" if any("toc" in c for c in self.classes) \
+            else "entry" if any("api-entry" in c for c in self.classes) else "nav" if "header" in self.stack else "content"
+        for k in ("href", "src"):
+            if a.get(k) and tag in ("a", "img", "script", "link"):
+                self.links.append((region, tag, a[k], cls, a.get("aria-current")))
+
+    def handle_endtag(self, tag):
+        if tag in self.stack:
+            while self.stack:
+                self.classes.pop()
+                if self.stack.pop() == tag: break
+
+    def handle_data(self, data):
+        if self.stack and self.stack[-1] == "title": self.title += data
+        elif not set(self.stack) & {"script", "style"}:
+            self.text.append(data)
+            if any("api-entry" in c for c in self.classes): self.entry_text.append(data)
+            if "pre" in self.stack: self.pre_text.append(data)
+            elif "code" not in self.stack: self.prose_text.append(data)
+
+    def visible(self) -> str: return "".join(self.text)
+
+    def select(self, region, tag="a"): return [l for l in self.links if l[0] == region and l[1] == tag]
+
+
+def _fetch(url: str) -> tuple[int, bytes, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=20) as r:
+            return r.status, r.read(), r.headers.get_content_type()
+    except urllib.error.HTTPError as e:
+        return e.code, b"", ""
+
+
+def _assert_clean(name: str, page: _Page):
+    "no directive, no raw front matter, no internals in the API entries"
+    code = [l.strip() for l in "".join(page.pre_text).splitlines()]
+    bad = [l for l in code if l.startswith("#|")]
+    assert not bad, f"{name} shows directives in its code: {bad[:5]}"
+    prose = "".join(page.prose_text)  # `#| bench` in inline code is prose about the flag, not a directive
+    assert "#|" not in prose, f"{name} shows a directive: ...{prose[max(0, prose.index('#|') - 80):prose.index('#|') + 80]}..."
+    lines = [l.strip() for l in page.visible().splitlines()]
+    assert not any(l.startswith(("output-file:", "title:", "description:")) for l in lines), f"{name} shows raw front matter"
+    entries = "".join(page.entry_text)
+    assert "jax._src" not in entries and " object at 0x" not in entries, f"{name} shows internals in a signature"
+
+
+def test_pages_in_browser(site, chromium):
+    "the index and three module pages, as Chromium renders them"
+    status, body, _ = _fetch(site)  # the site root sends the reader on to nbs/index.html
+    assert status == 200 and b'http-equiv="refresh" content="0; url=nbs/index.html"' in body, body[:300]
+    for path in ["nbs/index.html", *MODULE_PAGES]:
+        r = _browse(chromium, site + path, "--dump-dom")
+        assert r.returncode == 0, f"{path}: chromium exited {r.returncode}: {r.stderr[-2000:]}"
+        page = _Page(r.stdout)
+        h1 = page.counts.get("title", 0)
+        assert h1 >= 2, f"{path}: no <title> and <h1 class=title>"
+        title = page.title.strip()
+        assert title and title != "Notebook" and "eformer-nb" in title, f"{path}: title {title!r}"
+        assert page.counts.get("navbar") == 1 and page.counts.get("description") == 1, f"{path}: no navbar or description"
+        sidebar = page.select("sidebar")
+        active = [l for l in sidebar if l[4] == "page"]
+        assert len(sidebar) >= 30 and len(active) == 1, f"{path}: sidebar has {len(sidebar)} links, {len(active)} current"
+        assert Path(urlparse(urljoin(site + path, active[0][2])).path).name == Path(path).name
+        text = page.visible()
+        assert all(a in text for a in AREAS), f"{path}: sidebar areas missing: {[a for a in AREAS if a not in text]}"
+        assert page.select("toc"), f"{path}: no table of contents"
+        _assert_clean(path, page)
+        if path == "nbs/index.html": continue
+        entries = page.counts.get("api-entry", 0)
+        assert entries >= 3, f"{path}: {entries} show_doc entries"
+        sources = [l for l in page.select("entry") if "source-link" in l[3]]
+        assert len(sources) >= entries // 2, f"{path}: {len(sources)} source links for {entries} entries"
+        assert all(l[2].startswith(f"{REPO}/blob/main/eformer_nb/") and "#L" in l[2] for l in sources), sources[:3]
+        # a backticked name in the prose links to its entry (nbdev's doc links from _modidx)
+        assert any(Path(urlparse(l[2]).path).suffix == ".html" and "#" in l[2] for l in page.select("content")), \
+            f"{path}: no backticked name links to an entry"
+
+
+def test_every_link_resolves(site):
+    "crawl from the index: every link into the site lands on a page and anchor that exist; every page is reachable"
+    start = site + "nbs/index.html"
+    seen, todo, pages, broken = set(), [start], {}, []
+    while todo:
+        url = todo.pop()
+        if url in seen: continue
+        seen.add(url)
+        status, body, ctype = _fetch(url)
+        assert status == 200, f"{url}: HTTP {status}"
+        if ctype != "text/html": continue
+        pages[url] = page = _Page(body.decode("utf-8"))
+        _assert_clean(url, page)
+        for region, tag, href, _, _ in page.links:
+            target = urljoin(url, href)
+            if not target.startswith(site): continue
+            todo.append(urldefrag(target).url)
+    for url, page in pages.items():
+        for region, tag, href, _, _ in page.links:
+            target, frag = urldefrag(urljoin(url, href))
+            if not target.startswith(site): continue
+            if frag and target in pages and frag not in pages[target].ids:
+                broken.append(f"{url} -> {href} ({region}): no #{frag} there")
+    assert not broken, f"{len(broken)} links to missing anchors:\n" + "\n".join(broken[:20])
+    plots = [u for u, p in pages.items() if "/benchmarks/" in u and any(t == "img" for _, t, *_ in p.links)]
+    assert plots, "no benchmark page shows a plot"
+    on_disk = {site + str(p.relative_to(DOCS)) for p in DOCS.glob("nbs/**/*.html")}
+    assert on_disk and on_disk <= set(pages), f"pages no link reaches: {sorted(on_disk - set(pages))}"
+
+
+def test_screenshots(site, chromium):
+    "the index, a module page and a benchmark page, saved for a reader of the PR to look at"
+    shots = DOCS / "screenshots"
+    shots.mkdir(exist_ok=True)
+    for name, path, height in [("index", "nbs/index.html", 1000), ("module-paths", "nbs/paths.html", 1000),
+                               ("benchmark-pytree-serialization", "nbs/benchmarks/pytree_serialization.html", 4600)]:
+        out = shots / f"{name}.png"
+        out.unlink(missing_ok=True)  # the benchmark page is taken whole: its plot is at the end
+        r = _browse(chromium, site + path, f"--screenshot={out}", f"--window-size=1400,{height}")
+        assert r.returncode == 0 and out.exists(), f"{path}: no screenshot ({r.returncode}): {r.stderr[-2000:]}"
+        png = out.read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 1400
+        assert len(png) > 50_000, f"{out}: {len(png)} bytes, a blank page?"
+
+
+def _docs_module():
+    spec = importlib.util.spec_from_file_location("ci_docs", ROOT / ".ci" / "docs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _Point(typing.NamedTuple):
+    x: int
+    label: str = "origin"
+
+
+def _scaled(x: float,  # the value to scale
+            factor: float = 2.0,  # multiplied with `x`
+            dtype=None,  # no annotation: none is invented from the default
+            ) -> float:  # `x` times `factor`
+    "Scale `x` by `factor`."
+    return x * factor
+
+
+def test_show_doc_renderer():
+    "parameter table where docments exist, no invented annotations, real constructor signatures"
+    import jax.numpy as jnp
+    from nbdev.showdoc import show_doc
+
+    def cast(x, dtype=jnp.float32): return x
+    restore = _docs_module()._offline_nbdev({"git_url": REPO, "branch": "main"})
+    try:
+        md = show_doc(_scaled)._repr_markdown_()
+        assert "| **Type** | **Default** | **Details** |" in md, md
+        assert "| x | float |  | the value to scale |" in md and "| factor | float | 2.0 | multiplied with `x` |" in md, md
+        assert "dtype=None" in md and "NoneType" not in md, md
+        sig = md.split("```python")[1].split("```")[0]
+        assert "#" not in sig, f"the table holds the docments, the signature stays short: {sig}"
+        md = show_doc(cast)._repr_markdown_()
+        assert "_ScalarMeta" not in md and "jax._src" not in md and "dtype=float32" in md, md
+        md = show_doc(_Point)._repr_markdown_()
+        assert "class _Point(x: int, label: str = 'origin')" in md, md
+    finally:
+        restore()
+    assert show_doc.__globals__["BasicMarkdownRenderer"].__name__ == "BasicMarkdownRenderer"
