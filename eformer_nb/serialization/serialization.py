@@ -23,8 +23,8 @@ from ..pytree.tree_util import tree_path_to_string
 # %% auto #0
 __all__ = ['INLINE_BYTES', 'MAX_CHUNK_BYTES', 'FORMAT_NAME', 'FORMAT_VERSION', 'INDEX_FILE', 'ARRAYS_DIR', 'BARRIER_TIMEOUT_S',
            'PROGRESS_BYTES', 'is_array_like', 'leaf_key_paths', 'process_info', 'sync_processes',
-           'CheckpointNotFoundError', 'TornCheckpointError', 'CorruptCheckpointError', 'read_index',
-           'tree_serialize_leaves', 'tree_deserialize_leaves']
+           'broadcast_from_first', 'CheckpointNotFoundError', 'TornCheckpointError', 'CorruptCheckpointError',
+           'read_index', 'tree_serialize_leaves', 'tree_deserialize_leaves']
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #f6e2ad16
 def is_array_like(x: tp.Any) -> bool:
@@ -173,6 +173,23 @@ def sync_processes(tag: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
         _barrier_seq += 1
         name = f"eformer_nb.serialization.{_barrier_seq}.{tag}"
     client.wait_at_barrier(name, int(timeout_s * 1000))
+
+
+def broadcast_from_first(value: str, tag: str, timeout_s: float = BARRIER_TIMEOUT_S) -> str:
+    "Process 0's `value` on every process (decisions that depend on a clock must agree); one process: `value`."
+    global _barrier_seq
+    if process_info()[1] == 1:
+        return value
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    with _barrier_lock:
+        _barrier_seq += 1
+        key = f"eformer_nb.serialization.{_barrier_seq}.{tag}"
+    if process_info()[0] == 0:
+        client.key_value_set(key, value)
+        return value
+    return client.blocking_key_value_get(key, int(timeout_s * 1000))
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #cd5ca3c0
 class _SavePlan(tp.NamedTuple):
@@ -367,7 +384,21 @@ def _write_arrays(tree_dir: ePath, plan: _SavePlan, compression: str | None) -> 
             w.result()
             bar.update()
 
-# %% ../../nbs/10a_serialization.serialization.ipynb #e363681a
+# %% ../../nbs/10a_serialization.serialization.ipynb #9bbde567
+def _commit_tree(tree_dir: ePath, plan: _SavePlan, compression: str | None) -> None:
+    "Uncommit `tree_dir`, write every process's chunks, then (process 0) the index: the four steps above."
+    first = process_info()[0] == 0
+    if first:
+        _begin_tree(tree_dir)
+    sync_processes("tree-begin")
+    _write_arrays(tree_dir, plan, compression)
+    sync_processes("tree-written")
+    if first:
+        save_dict(tree_dir / INDEX_FILE, {"format": FORMAT_NAME, "version": FORMAT_VERSION,
+                                          "leaves": plan.records, "tree": plan.structure}, format="json")
+    sync_processes("tree-committed")
+
+# %% ../../nbs/10a_serialization.serialization.ipynb #9b14f54a
 def tree_serialize_leaves(
     checkpoint_dir: str | ePath,  # directory of the checkpoint (local path or gs://)
     pytree: tp.Any,  # the tree to save: arrays (jax, sharded or not; numpy) and bool/int/float/complex/str leaves
@@ -387,16 +418,7 @@ def tree_serialize_leaves(
     plan = _plan_save(pytree, copy=manager is not None, dtype=dtype, with_structure=write_index)
 
     def finish() -> None:
-        first = process_info()[0] == 0
-        if first:
-            _begin_tree(tree_dir)
-        sync_processes("tree-begin")
-        _write_arrays(tree_dir, plan, compression)
-        sync_processes("tree-written")
-        if first:
-            save_dict(tree_dir / INDEX_FILE, {"format": FORMAT_NAME, "version": FORMAT_VERSION,
-                                              "leaves": plan.records, "tree": plan.structure}, format="json")
-        sync_processes("tree-committed")
+        _commit_tree(tree_dir, plan, compression)
         if commit_callback is not None:
             commit_callback()
 
@@ -406,7 +428,7 @@ def tree_serialize_leaves(
         manager.submit(finish)
     return tree_dir
 
-# %% ../../nbs/10a_serialization.serialization.ipynb #f5cfc204
+# %% ../../nbs/10a_serialization.serialization.ipynb #997bb004
 def _flat_with_keys(tree: tp.Any, is_leaf=None) -> tuple[list[str], list[tp.Any], tp.Any]:
     import jax
 
@@ -467,7 +489,7 @@ def _check_template(key: str, rec: dict, leaf: tp.Any, want: np.dtype | None, st
                          f" (cast to {want.name} as asked)") + f", the template asks for {np.dtype(leaf.dtype).name}"
                          f"{list(leaf.shape)}; pass dtype= to cast floating leaves")
 
-# %% ../../nbs/10a_serialization.serialization.ipynb #756f0c45
+# %% ../../nbs/10a_serialization.serialization.ipynb #97050ad7
 def _box(idx_map: dict, shape: tuple[int, ...]) -> tuple[slice, ...]:
     "The smallest box holding every device's index (this process's part of the array)."
     lo, hi = list(shape), [0] * len(shape)
@@ -490,7 +512,7 @@ def _place(data: np.ndarray, box: tuple[slice, ...], shape: tuple, sharding: tp.
         pieces.append(data[rel])
     return jax.make_array_from_single_device_arrays(shape, sharding, jax.device_put(pieces, devices))
 
-# %% ../../nbs/10a_serialization.serialization.ipynb #e20ac25d
+# %% ../../nbs/10a_serialization.serialization.ipynb #e1479984
 def _read_arrays(tree_dir: ePath, jobs: list[tuple[str, dict, tp.Any, np.dtype, str]]) -> dict[str, tp.Any]:
     "Read every job `(key, record, sharding, dtype, type)` concurrently: one read of this process's box per leaf."
     import jax
@@ -532,7 +554,7 @@ def _read_arrays(tree_dir: ePath, jobs: list[tuple[str, dict, tp.Any, np.dtype, 
             out[key] = data[()] if kind == "numpy_scalar" else data
     return out
 
-# %% ../../nbs/10a_serialization.serialization.ipynb #8cc4d829
+# %% ../../nbs/10a_serialization.serialization.ipynb #c0982f6d
 def tree_deserialize_leaves(
     checkpoint_dir: str | ePath,  # directory of the checkpoint (local path or gs://)
     mesh: tp.Any = None,  # mesh for `partition_rules` / `PartitionSpec` shardings; alone: replicate every array on it
