@@ -13,14 +13,16 @@ import typing as tp
 from collections.abc import Callable, Mapping
 
 from ..paths import LocalPath, ePath, make_gcs_filesystem, save_dict
+from ..pytree.tree_util import tree_path_to_string
 from eformer_nb.serialization.serialization import (
-    CheckpointNotFoundError, CorruptCheckpointError, TornCheckpointError, _commit_tree, _plan_save, _read_json,
+    INDEX_FILE, CheckpointNotFoundError, CorruptCheckpointError, TornCheckpointError, _commit_tree, _plan_save, _read_json,
     _tree_dir, leaf_key_paths, process_info, sync_processes, tree_deserialize_leaves,
 )
 
 # %% auto #0
 __all__ = ['METADATA_FILE', 'PARTIAL_SUFFIX', 'CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'DEFAULT_STEP_FORMAT', 'parse_step',
-           'read_metadata', 'save_checkpoint_dir', 'list_checkpoints', 'clean_stale', 'CheckpointManager']
+           'read_metadata', 'save_checkpoint_dir', 'list_checkpoints', 'clean_stale', 'apply_by_key',
+           'CheckpointManager']
 
 # %% ../../nbs/10b_serialization.base_manager.ipynb #65da9aa0
 METADATA_FILE = "metadata.json"
@@ -169,7 +171,20 @@ def clean_stale(base: str | ePath, step_format: str = DEFAULT_STEP_FORMAT) -> li
             removed.append(child.name)
     return sorted(removed)
 
-# %% ../../nbs/10b_serialization.base_manager.ipynb #cef08640
+# %% ../../nbs/10b_serialization.base_manager.ipynb #9f1745d6
+def apply_by_key(fns: tp.Any, tree: tp.Any, mismatch_allowed: bool = True, what: str = "fns") -> tp.Any:
+    "`tree` with `f(leaf)` for every leaf whose key path has a function `f` in `fns`; others unchanged."
+    import jax
+
+    fkeys = jax.tree_util.tree_flatten_with_path(fns, is_leaf=callable)[0]
+    fmap = {tree_path_to_string(p, sep="/"): f for p, f in fkeys}
+    tkeys = {k for k in jax.tree_util.tree_leaves(leaf_key_paths(tree))}
+    if not mismatch_allowed and set(fmap) != tkeys:
+        raise ValueError(f"{what} and the tree name different leaves: only in {what}: {sorted(set(fmap) - tkeys)[:5]}, "
+                         f"only in the tree: {sorted(tkeys - set(fmap))[:5]}; pass mismatch_allowed=True to skip them")
+    return jax.tree.map(lambda key, x: fmap[key](x) if key in fmap else x, leaf_key_paths(tree), tree)
+
+# %% ../../nbs/10b_serialization.base_manager.ipynb #3411e6c3
 class CheckpointManager:
     "Save and restore atomic checkpoints under one directory (local or `gs://`); the synchronous base of the async manager."
 
@@ -216,7 +231,7 @@ class CheckpointManager:
         found = list_checkpoints(self.base, self.step_format)
         return found[-1][1] if found else None
 
-    def _run(self, write: Callable[[], ePath]) -> ePath:
+    def _run(self, write: Callable[[], ePath], dest: ePath) -> ePath:
         "Run a planned save; the async manager runs it in the background instead."
         return write()
 
@@ -246,7 +261,7 @@ class CheckpointManager:
             from eformer_nb.loggings import get_logger
 
             get_logger("eformer_nb.serialization").info("saving checkpoint %s", path)
-        return self._run(write)
+        return self._run(write, path if isinstance(path, ePath) else ePath(path))
 
 
     def save(self, pytree: tp.Any, step: int, *, extras: Mapping | None = None, temporary: bool = False,
@@ -310,3 +325,52 @@ class CheckpointManager:
                 (path / METADATA_FILE).unlink()
             path.rmtree()
         sync_processes("ckpt-delete")
+
+    # --- eformer's CheckpointManager API ---
+    @staticmethod
+    def create_gcs_client(gcs_credentials_path: str | None = None) -> tp.Any:
+        "A gcsfs filesystem for GCS (credentials from the JSON file, else the default ones); pass it as `ePath(..., fs=)`."
+        return make_gcs_filesystem(token=gcs_credentials_path)
+
+    @staticmethod
+    def load_checkpoint(path: str | ePath, shard_fns: tp.Any = None, verbose: bool = False, mismatch_allowed: bool = True,
+                        callback: Callable | None = None, dtype: tp.Any = None, gcs_client: tp.Any = None) -> tp.Any:
+        "Restore the checkpoint or tree directory at `path`; `shard_fns` (a tree of functions) places each leaf."
+        p = path if isinstance(path, ePath) else ePath(path, fs=gcs_client) if gcs_client is not None else ePath(path)
+        if (p / METADATA_FILE).exists() or not (p / INDEX_FILE).exists():
+            read_metadata(p)  # a committed checkpoint, or a clear error
+        tree = tree_deserialize_leaves(p, dtype=dtype, callback=callback)
+        return tree if shard_fns is None else apply_by_key(shard_fns, tree, mismatch_allowed, "shard_fns")
+
+    @classmethod
+    def save_checkpoint(cls, tree: tp.Any, path: str | ePath, mesh: tp.Any = None, gather_fns: tp.Any = None,
+                        float_dtype: tp.Any = None, verbose: bool = True, mismatch_allowed: bool = True,
+                        metadata: Mapping | None = None, enable: bool | None = None, shard_size_gb: float = 5.0,
+                        write_index_file: bool = True) -> ePath | None:
+        "Save `tree` as one atomic checkpoint at `path` (`gather_fns` applied to each leaf first); chunks follow the shards."
+        if enable is False:
+            return None
+        if gather_fns is not None:
+            tree = apply_by_key(gather_fns, tree, mismatch_allowed, "gather_fns")
+        return save_checkpoint_dir(tree, path, metadata=metadata, dtype=float_dtype, write_index=write_index_file)()
+
+    def save_state_to_gcs_msgpack(self, tree: tp.Any, gcs_path: str | ePath, gather_fns: tp.Any = None,
+                                  float_dtype: tp.Any = None, verbose: bool = False, mismatch_allowed: bool = True) -> ePath:
+        "Write `tree` as one msgpack file (`pytree.to_bytes`; fully addressable arrays only) to a local or gs:// path."
+        from eformer_nb.pytree.serialization import to_bytes
+        from eformer_nb.pytree.tree_util import tree_cast
+
+        if gather_fns is not None:
+            tree = apply_by_key(gather_fns, tree, mismatch_allowed, "gather_fns")
+        if float_dtype is not None:
+            tree = tree_cast(tree, float_dtype, only_floating=True)
+        p = gcs_path if isinstance(gcs_path, ePath) else ePath(gcs_path)
+        p.write_bytes(to_bytes(tree))
+        return p
+
+    def load_state_from_gcs_msgpack(self, gcs_path: str | ePath, verbose: bool = False) -> tp.Any:
+        "The state dict stored by `save_state_to_gcs_msgpack`."
+        from eformer_nb.pytree.serialization import msgpack_restore
+
+        p = gcs_path if isinstance(gcs_path, ePath) else ePath(gcs_path)
+        return msgpack_restore(p.read_bytes())

@@ -277,7 +277,7 @@ def _plan_save(pytree: tp.Any, *, copy: bool = False, dtype: tp.Any = None, with
         rec.update(file=_leaf_file(key), stored_dtype=_stored_dtype(tag))
         if is_jax:
             shard_shape = x.sharding.shard_shape(x.shape)
-            owned = [(s.index, _host(s.data, copy)) for s in x.addressable_shards if s.replica_id == 0]
+            owned = [(s.index, np.asarray(s.data)) for s in x.addressable_shards if s.replica_id == 0]
         else:
             shard_shape, owned = x.shape, ([((), _host(x, copy))] if proc == 0 else [])
         records[key] = rec
