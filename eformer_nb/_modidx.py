@@ -1900,6 +1900,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                               'eformer_nb/serialization/serialization.py'),
                                                         'eformer_nb.serialization.serialization._leaf_file': ( 'nbs/serialization.serialization.html#_leaf_file',
                                                                                                                'eformer_nb/serialization/serialization.py'),
+                                                        'eformer_nb.serialization.serialization._next_name': ( 'nbs/serialization.serialization.html#_next_name',
+                                                                                                               'eformer_nb/serialization/serialization.py'),
                                                         'eformer_nb.serialization.serialization._place': ( 'nbs/serialization.serialization.html#_place',
                                                                                                            'eformer_nb/serialization/serialization.py'),
                                                         'eformer_nb.serialization.serialization._plan_save': ( 'nbs/serialization.serialization.html#_plan_save',
