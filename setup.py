@@ -22,6 +22,7 @@ spdx = licenses[cfg["license"]]
 requirements = cfg.get("requirements", "").split()
 dev_requirements = cfg.get("dev_requirements", "").split()
 bench_requirements = cfg.get("bench_requirements", "").split()
+hf_requirements = cfg.get("hf_requirements", "").split()
 
 readme = here / "README.md"
 setuptools.setup(
@@ -46,7 +47,7 @@ setuptools.setup(
     packages=setuptools.find_packages(include=[lib, lib + ".*"]),
     include_package_data=True,
     install_requires=requirements,
-    extras_require={"dev": dev_requirements, "bench": bench_requirements},
+    extras_require={"dev": dev_requirements, "bench": bench_requirements, "hf": hf_requirements},
     entry_points={"nbdev": [f"{cfg['lib_path']}={cfg['lib_path']}._modidx:d"]},
     project_urls={"Documentation": cfg["doc_host"] + cfg["doc_baseurl"], "Source": cfg.get("git_url", "")},
     zip_safe=False,

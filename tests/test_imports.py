@@ -14,7 +14,7 @@ NO_BACKEND = (
     "import importlib, sys; importlib.import_module(sys.argv[1]); "
     "import jax._src.xla_bridge as xb; "
     "assert not xb._backends, f'{sys.argv[1]} initialised XLA backends on import: {list(xb._backends)}'; "
-    "heavy = sorted(m for m in ('ray', 'tensorstore', 'gcsfs', 'torch') if m in sys.modules); "
+    "heavy = sorted(m for m in ('ray', 'tensorstore', 'gcsfs', 'torch', 'transformers', 'safetensors', 'huggingface_hub') if m in sys.modules); "
     "assert not heavy, f'{sys.argv[1]} imported heavy dependencies on import: {heavy}'"
 )
 
