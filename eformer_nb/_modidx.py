@@ -238,6 +238,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                       'eformer_nb/executor/cluster_util.py'),
                                                   'eformer_nb.executor.cluster_util._initialize': ( 'nbs/executor.cluster_util.html#_initialize',
                                                                                                     'eformer_nb/executor/cluster_util.py'),
+                                                  'eformer_nb.executor.cluster_util._local_start_lock': ( 'nbs/executor.cluster_util.html#_local_start_lock',
+                                                                                                          'eformer_nb/executor/cluster_util.py'),
                                                   'eformer_nb.executor.cluster_util._split_top': ( 'nbs/executor.cluster_util.html#_split_top',
                                                                                                    'eformer_nb/executor/cluster_util.py'),
                                                   'eformer_nb.executor.cluster_util.auto_ray_cluster': ( 'nbs/executor.cluster_util.html#auto_ray_cluster',
