@@ -104,9 +104,9 @@ def _leftovers(dashboard: str) -> dict:
     A task that was running on a node that was removed stays `RUNNING` in the task store (no event ever
     ends it); it counts only while its worker process still exists."""
     import psutil
-    from ray.util.state import list_actors, list_nodes, list_placement_groups, list_tasks
+    from ray.util.state import list_actors, list_placement_groups, list_tasks
 
-    alive = {n.node_id for n in list_nodes(address=dashboard, filters=[("state", "=", "ALIVE")], timeout=30)}
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     tasks = list_tasks(address=dashboard, filters=[("state", "=", "RUNNING")], timeout=30, detail=True)
     return {
         "actors": [a.class_name for a in list_actors(address=dashboard, filters=[("state", "=", "ALIVE")], timeout=30)],
@@ -126,10 +126,10 @@ def clean(cluster):
         time.sleep(0.5)
 
 
-def _wait_for_file(path: str, timeout: float = 120) -> str:
+def _wait_for_file(path: str, timeout: float = 120, nonempty: bool = True) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if os.path.exists(path) and (text := open(path).read()):
+        if os.path.exists(path) and ((text := open(path).read()) or not nonempty):
             return text
         time.sleep(0.05)
     raise TimeoutError(f"{path} did not appear within {timeout}s")
@@ -218,11 +218,12 @@ def test_exhausted_budgets_end_with_the_last_error(clean):
 
 
 def _multislice_fn(state_dir: str) -> dict:
-    "Slice 1 fails on the first attempt; every run is recorded."
+    "Slice 1 fails on the first attempt, once slice 0 has started; every run is recorded."
     slice_id = os.environ["MEGASCALE_SLICE_ID"]
     runs = len([f for f in os.listdir(state_dir) if f.startswith(f"s{slice_id}-")])
     open(os.path.join(state_dir, f"s{slice_id}-{runs}"), "w").close()
     if slice_id == "1" and runs == 0:
+        _wait_for_file(os.path.join(state_dir, "s0-0"), timeout=60, nonempty=False)  # slice 0 is running too
         raise RuntimeError("slice 1 fails once")
     return {k: v for k, v in os.environ.items() if k.startswith("MEGASCALE_")} | {"slice": os.environ["EFORMER_SLICE_NAME"]}
 
