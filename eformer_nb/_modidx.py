@@ -326,6 +326,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                    'eformer_nb/executor/ray/executor.py'),
                                                   'eformer_nb.executor.ray.executor._single_slice': ( 'nbs/executor.ray.executor.html#_single_slice',
                                                                                                       'eformer_nb/executor/ray/executor.py'),
+                                                  'eformer_nb.executor.ray.executor._with_options': ( 'nbs/executor.ray.executor.html#_with_options',
+                                                                                                      'eformer_nb/executor/ray/executor.py'),
                                                   'eformer_nb.executor.ray.executor.autoscale_execute': ( 'nbs/executor.ray.executor.html#autoscale_execute',
                                                                                                           'eformer_nb/executor/ray/executor.py'),
                                                   'eformer_nb.executor.ray.executor.autoscale_execute_resumable': ( 'nbs/executor.ray.executor.html#autoscale_execute_resumable',
