@@ -8,6 +8,7 @@ STAMP := $(VENV)/.installed.stamp
 HOST_DEVICES := --xla_force_host_platform_device_count=8
 NBDEV_TEST_FLAGS ?= multidevice
 NBDEV_WORKERS ?= 2
+TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: help install test check-sync check-notebooks check-readme nbtest pytest docs readme bench demo clean
 
@@ -24,7 +25,9 @@ install: $(STAMP)
 $(STAMP): settings.ini setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	# [hf] brings transformers + torch for the interop examples; torch is pinned to the CPU build
+	# (an unpinned torch resolves to a multi-GB CUDA build). TORCH_SPEC=torch overrides it.
+	$(BIN)/python -m pip install -q -e ".[dev,hf]" "$(TORCH_SPEC)"
 	touch $(STAMP)
 
 # Fails when nbdev-clean or nbdev-export would change any file: the notebooks are the source.
