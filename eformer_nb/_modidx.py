@@ -832,6 +832,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                          'eformer_nb/optimizers/factory.py'),
                                                'eformer_nb.optimizers.factory._check_number': ( 'nbs/optimizers.factory.html#_check_number',
                                                                                                 'eformer_nb/optimizers/factory.py'),
+                                               'eformer_nb.optimizers.factory._checked_mask': ( 'nbs/optimizers.factory.html#_checked_mask',
+                                                                                                'eformer_nb/optimizers/factory.py'),
                                                'eformer_nb.optimizers.factory._dt': ( 'nbs/optimizers.factory.html#_dt',
                                                                                       'eformer_nb/optimizers/factory.py'),
                                                'eformer_nb.optimizers.factory._kron': ( 'nbs/optimizers.factory.html#_kron',
