@@ -962,6 +962,8 @@ def save_jax_array(path: str | os.PathLike | ePath, array: tp.Any) -> ePath:
 
 def _read_npy(blob: bytes, where: str) -> np.ndarray:
     "The array in the `.npy` bytes `blob`; `ValueError` naming `where` unless the header's shape and dtype match the data length."
+    import tokenize  # NumPy's header reader can raise its TokenError (found by tests/test_fuzz.py)
+
     f = io.BytesIO(blob)
     try:
         version = np.lib.format.read_magic(f)
@@ -969,8 +971,8 @@ def _read_npy(blob: bytes, where: str) -> np.ndarray:
         if read_header is None:
             raise ValueError(f".npy format version {version} is not supported (1.0 and 2.0 are)")
         shape, fortran, dtype = read_header(f)
-    except (ValueError, SyntaxError, TypeError, EOFError, OverflowError, MemoryError) as e:
-        raise ValueError(f"load_jax_array: {where} is not a valid .npy file: {e}") from e
+    except (ValueError, SyntaxError, TypeError, EOFError, OverflowError, MemoryError, tokenize.TokenError) as e:
+        raise ValueError(f"load_jax_array: {where} is not a valid .npy file: {type(e).__name__}: {e}") from e
     if dtype.hasobject:
         raise ValueError(f"load_jax_array: {where} holds Python objects (dtype {dtype}), which need pickle; refused")
     expected, got = math.prod(shape) * dtype.itemsize, len(blob) - f.tell()

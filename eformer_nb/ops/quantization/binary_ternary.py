@@ -49,7 +49,9 @@ def _blocked(x: jax.Array, block_size: int | None, per_byte: int) -> tuple[jax.A
 
 
 def _mean(v: jax.Array, mask: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.where(mask, v, 0.0), axis=-1) / jnp.maximum(jnp.sum(mask, axis=-1), 1)
+    # divide before summing: a sum of values near float32's max would overflow to inf (found by tests/test_fuzz.py)
+    count = jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1).astype(v.dtype)
+    return jnp.sum(jnp.where(mask, v, 0.0) / count, axis=-1)
 
 # %% ../../../nbs/06d_ops.quantization.binary_ternary.ipynb #6b049a28
 def binary_quantize(x: jax.Array, block_size: int | None = 64) -> tuple[jax.Array, jax.Array, int]:
