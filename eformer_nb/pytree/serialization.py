@@ -21,7 +21,7 @@ from jax import tree_util as jtu
 from .tree_util import key_entry_name
 
 # %% auto #0
-__all__ = ['DTYPES', 'MAX_TREE_DEPTH', 'MAGIC', 'FORMAT_VERSION', 'ALIGN', 'PREFIX_SIZE', 'dtype_to_tag', 'dtype_from_tag',
+__all__ = ['DTYPES', 'MAGIC', 'FORMAT_VERSION', 'ALIGN', 'PREFIX_SIZE', 'dtype_to_tag', 'dtype_from_tag',
            'register_serialization_state', 'to_state_dict', 'from_state_dict', 'msgpack_serialize', 'to_bytes',
            'msgpack_restore', 'from_bytes', 'save_to_file', 'load_from_file']
 
@@ -78,7 +78,7 @@ def _join(path: str, name: str) -> str:
     return f"{path}/{name}" if path else name
 
 
-MAX_TREE_DEPTH = 100  # containers nested deeper than this (or a container inside itself) are refused
+_MAX_TREE_DEPTH = 100  # containers nested deeper than this (or a container inside itself) are refused
 
 
 def _enter(active: set[int], node: tp.Any, path: str, fn: str) -> None:
@@ -86,8 +86,8 @@ def _enter(active: set[int], node: tp.Any, path: str, fn: str) -> None:
     if id(node) in active:
         raise ValueError(f"{fn}: the {type(node).__name__} at {path or '<root>'!r} contains itself (a cycle); "
                          "a pytree must be a tree")
-    if len(active) >= MAX_TREE_DEPTH:
-        raise ValueError(f"{fn}: containers nest deeper than MAX_TREE_DEPTH={MAX_TREE_DEPTH} levels (at {path[:60] + '...' if len(path) > 60 else path!r})")
+    if len(active) >= _MAX_TREE_DEPTH:
+        raise ValueError(f"{fn}: containers nest deeper than {_MAX_TREE_DEPTH} levels (at {path[:60] + '...' if len(path) > 60 else path!r})")
     active.add(id(node))
 
 
