@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import difflib
 import enum
+import functools
 import json
 import os
 import sys
@@ -22,7 +23,8 @@ from .loggings import get_logger
 logger = get_logger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'Argu', 'ArgumentTypeError', 'convert_value', 'DataClassArgumentParser']
+__all__ = ['logger', 'MAX_CONFIG_DEPTH', 'MAX_CONFIG_NODES', 'Argu', 'ArgumentTypeError', 'check_config_value', 'convert_value',
+           'DataClassArgumentParser', 'load_config_file']
 
 # %% ../nbs/02_aparser.ipynb #0323810f
 _MISSING = dataclasses.MISSING
@@ -55,6 +57,57 @@ class ArgumentTypeError(argparse.ArgumentTypeError, TypeError, ValueError):
     "A value that does not fit its field: raised with the field path, the value and what was expected."
 
 
+MAX_CONFIG_DEPTH = 64  # nesting depth of a config value (lists/dicts inside each other)
+MAX_CONFIG_NODES = 1_000_000  # values in a config once YAML aliases are expanded (an alias bomb stops here)
+
+
+def check_config_value(data, where: str = "config"):
+    """`data` unchanged if it is a tree of at most `MAX_CONFIG_NODES` values (YAML aliases expanded) nested at most
+    `MAX_CONFIG_DEPTH` deep; a `ValueError` naming `where` otherwise (alias bombs, self-references, absurd nesting).
+    An iterative walk that visits each shared (aliased) value once: fast on a bomb, never a RecursionError."""
+    kinds = (Mapping, list, tuple, set, frozenset)
+    kids = lambda x: list(x.values()) if isinstance(x, Mapping) else list(x)  # noqa: E731
+    done: dict[int, tuple[int, int]] = {}  # id -> (values below and including it, container height)
+    active: set[int] = set()  # containers entered but not finished: the ancestors of the current one
+    stack = [(data, 1, False)]
+    while stack:
+        x, depth, finish = stack.pop()
+        if not isinstance(x, kinds):
+            continue
+        i = id(x)
+        if finish:
+            size = height = 0
+            for k in kids(x):
+                ks, kh = done.get(id(k), (1, 0)) if isinstance(k, kinds) else (1, 0)
+                size, height = size + ks, max(height, kh)
+            done[i] = (size + 1, height + 1)
+            active.discard(i)
+            if size + 1 > MAX_CONFIG_NODES:
+                raise ValueError(f"{where}: more than MAX_CONFIG_NODES={MAX_CONFIG_NODES} values (with YAML aliases "
+                                 "expanded); a config this big is almost certainly an alias bomb or a mistake")
+            continue
+        if i in active:
+            raise ValueError(f"{where}: a value contains itself (a recursive YAML anchor)")
+        if depth + (done[i][1] - 1 if i in done else 0) > MAX_CONFIG_DEPTH:
+            raise ValueError(f"{where}: values nest deeper than MAX_CONFIG_DEPTH={MAX_CONFIG_DEPTH} levels")
+        if i in done:
+            continue
+        active.add(i)
+        stack.append((x, depth, True))
+        stack.extend((k, depth + 1, False) for k in kids(x))
+    return data
+
+
+def _unique_keys(pairs: list) -> dict:
+    "A JSON `object_pairs_hook`: a key given twice is an error, not a silent last-one-wins."
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
 _TRUE, _FALSE = {"true", "yes", "y", "1", "on"}, {"false", "no", "n", "0", "off"}
 _NONE_STRINGS = {"none", "null"}
 
@@ -69,8 +122,17 @@ def _fail(where: str, value, expected: str):
     raise ArgumentTypeError(f"{where}: expected {expected}, got {value!r} ({type(value).__name__})")
 
 
-def convert_value(value, annotation, where: str = "value", *, from_string: bool = False):
-    "Check `value` against `annotation` and convert it (strings from a CLI when `from_string`); raise `ArgumentTypeError` if it does not fit."
+_INT_RANGE = (-2**63, 2**64)  # ints a field accepts: what int64/uint64 can hold
+
+
+def convert_value(value, annotation, where: str = "value", *, from_string: bool = False, numeric_strings: bool = False):
+    """Check `value` against `annotation` and convert it (strings from a CLI when `from_string`; numeric strings such as
+    YAML's `1e-3` for int/float fields when `numeric_strings`, as config files are read); raise `ArgumentTypeError` if
+    it does not fit. Floats must be finite and ints must fit in 64 bits."""
+    if numeric_strings and not from_string and annotation in (int, float) and isinstance(value, str):
+        return convert_value(value, annotation, where, from_string=True)
+    if numeric_strings:
+        return _convert_numeric_strings(value, annotation, where)
     origin, args = tp.get_origin(annotation), tp.get_args(annotation)
     if annotation is tp.Any or annotation is object:
         return value
@@ -107,23 +169,32 @@ def convert_value(value, annotation, where: str = "value", *, from_string: bool 
             return value.strip().lower() in _TRUE
         _fail(where, value, "bool" + (f" (one of {sorted(_TRUE | _FALSE)})" if from_string else ""))
     if annotation is int:
+        out = None
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if from_string and isinstance(value, str):
+            out = value
+        elif from_string and isinstance(value, str):
             try:
-                return int(value.replace("_", ""))
+                out = int(value.replace("_", ""))
             except ValueError:
                 pass
-        _fail(where, value, "int")
+        if out is not None and _INT_RANGE[0] <= out < _INT_RANGE[1]:
+            return out
+        _fail(where, _short(value), "int" if out is None else "an int that fits in 64 bits")
     if annotation is float:
+        out = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if from_string and isinstance(value, str):
             try:
-                return float(value)
+                out = float(value)
+            except OverflowError:
+                out = float("inf")
+        elif from_string and isinstance(value, str):
+            try:
+                out = float(value)
             except ValueError:
                 pass
-        _fail(where, value, "float")
+        if out is not None and out - out == 0.0:  # finite
+            return out
+        _fail(where, _short(value), "float" if out is None else "a finite float (not nan/inf or beyond float range)")
     if annotation is str:
         if isinstance(value, str):
             return value
@@ -172,11 +243,45 @@ def convert_value(value, annotation, where: str = "value", *, from_string: bool 
 
 def _json_or_fail(text: str, where: str, expected: str):
     try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        _fail(where, text, expected)
+        return check_config_value(json.loads(text, object_pairs_hook=_unique_keys), where)
+    except (ValueError, RecursionError):  # JSONDecodeError, duplicate keys, too deep or too big
+        _fail(where, _short(text), expected)
+
+
+def _short(value, limit: int = 200):
+    "`value`, or its repr cut to `limit` characters when that is longer (error messages stay small)."
+    r = repr(value)
+    return value if len(r) <= limit else f"{r[:limit]}... ({len(r)} characters)"
+
+
+def _convert_numeric_strings(value, annotation, where: str):
+    "`convert_value` where strings are also accepted for int/float fields, at any depth (lists, dicts, dataclasses)."
+    origin, args = tp.get_origin(annotation), tp.get_args(annotation)
+    if annotation in (int, float) and isinstance(value, str):
+        return convert_value(value, annotation, where, from_string=True)
+    if origin in (tp.Union, types.UnionType):
+        for arm in args:
+            try:
+                return convert_value(value, arm, where, numeric_strings=arm in (int, float) or tp.get_origin(arm) is not None)
+            except ArgumentTypeError:
+                continue
+        _fail(where, _short(value), " or ".join(_type_name(a) for a in args))
+    if origin in (list, Sequence, set, frozenset) and isinstance(value, (list, tuple)) and args:
+        value = [_convert_numeric_strings(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    elif origin is tuple and isinstance(value, (list, tuple)) and args and not (len(args) == 2 and args[1] is Ellipsis) \
+            and len(args) == len(value):
+        value = [_convert_numeric_strings(v, t, f"{where}[{i}]") for i, (v, t) in enumerate(zip(value, args))]
+    elif origin in (dict, Mapping) and isinstance(value, Mapping) and len(args) == 2:
+        value = {k: _convert_numeric_strings(v, args[1], f"{where}[{k!r}]") for k, v in value.items()}
+    return convert_value(value, annotation, where)
 
 # %% ../nbs/02_aparser.ipynb #e32513be
+def _check_keys(data: Mapping, where: str) -> None:
+    bad = [k for k in data if not isinstance(k, str)]
+    if bad:
+        raise ArgumentTypeError(f"{where}: keys must be field names (str), got {_short(bad[0])} ({type(bad[0]).__name__})")
+
+
 def _field_types(cls) -> dict[str, tp.Any]:
     try:
         return tp.get_type_hints(cls)
@@ -192,7 +297,8 @@ def _unknown_key_message(cls, key, valid, where) -> str:
 
 
 def _build_dataclass(cls, data: Mapping, where: str, *, allow_extra_keys: bool, extra: dict | None,
-                     from_string: bool = False):
+                     from_string: bool = False, numeric_strings: bool = False):
+    _check_keys(data, where)
     hints = _field_types(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
@@ -206,9 +312,9 @@ def _build_dataclass(cls, data: Mapping, where: str, *, allow_extra_keys: bool, 
         ann = hints[key]
         if dataclasses.is_dataclass(ann) and isinstance(value, Mapping):
             kwargs[key] = _build_dataclass(ann, value, f"{where}.{key}", allow_extra_keys=allow_extra_keys,
-                                           extra=extra, from_string=from_string)
+                                           extra=extra, from_string=from_string, numeric_strings=numeric_strings)
         else:
-            kwargs[key] = convert_value(value, ann, f"{where}.{key}", from_string=from_string)
+            kwargs[key] = convert_value(value, ann, f"{where}.{key}", from_string=from_string, numeric_strings=numeric_strings)
     missing = [n for n, f in fields.items() if n not in kwargs and f.default is _MISSING and f.default_factory is _MISSING]
     if missing:
         raise KeyError(f"{where}: missing required field(s) {missing}")
@@ -312,10 +418,13 @@ class DataClassArgumentParser(argparse.ArgumentParser):
         outputs = self._namespace_to_dataclasses(vars(ns))
         return (*outputs, remaining) if return_remaining_strings else tuple(outputs)
 
-    def parse_dict(self, args: Mapping[str, tp.Any], allow_extra_keys: bool = False):
-        "Build the dataclasses from a flat mapping of field names (nested dataclasses as nested mappings)."
+    def parse_dict(self, args: Mapping[str, tp.Any], allow_extra_keys: bool = False, _numeric_strings: bool = False):
+        """Build the dataclasses from a flat mapping of field names (nested dataclasses as nested mappings). The
+        mapping is checked by `check_config_value` first (size, depth, string keys)."""
         if not isinstance(args, Mapping):
             raise TypeError(f"parse_dict expects a mapping of field names to values, got {type(args).__name__}")
+        check_config_value(args, "parse_dict")
+        _check_keys(args, "parse_dict")
         remaining = dict(args)
         outputs = []
         all_keys = set()
@@ -324,7 +433,8 @@ class DataClassArgumentParser(argparse.ArgumentParser):
             all_keys |= names
             mine = {k: remaining.pop(k) for k in list(remaining) if k in names}
             extra: dict = {}
-            outputs.append(_build_dataclass(dtype, mine, dtype.__name__, allow_extra_keys=allow_extra_keys, extra=extra))
+            outputs.append(_build_dataclass(dtype, mine, dtype.__name__, allow_extra_keys=allow_extra_keys, extra=extra,
+                                            numeric_strings=_numeric_strings))
             self._report_extra(extra)
         if remaining:
             if not allow_extra_keys:
@@ -342,15 +452,16 @@ class DataClassArgumentParser(argparse.ArgumentParser):
             logger.warning_once("ignoring keys not in the dataclasses (allow_extra_keys=True): %s", sorted(extra))
 
     def parse_json_file(self, json_file: str | os.PathLike, allow_extra_keys: bool = False):
-        "Build the dataclasses from a JSON file (an object at the top level)."
-        data = json.loads(Path(json_file).read_text(encoding="utf-8"))
-        return self.parse_dict(_top_mapping(data, json_file), allow_extra_keys=allow_extra_keys)
+        """Build the dataclasses from a JSON file (an object at the top level). Duplicate keys, an empty or corrupt file
+        are `ValueError`s naming the file; numeric strings fit numeric fields."""
+        data = load_config_file(json_file, "json")
+        return self.parse_dict(data, allow_extra_keys=allow_extra_keys, _numeric_strings=True)
 
     def parse_yaml_file(self, yaml_file: str | os.PathLike, allow_extra_keys: bool = False):
-        "Build the dataclasses from a YAML file (a mapping at the top level)."
-        import yaml
-        data = yaml.safe_load(Path(yaml_file).read_text(encoding="utf-8"))
-        return self.parse_dict(_top_mapping(data, yaml_file), allow_extra_keys=allow_extra_keys)
+        """Build the dataclasses from a YAML file (a mapping at the top level), read as `load_config_file` does:
+        duplicate keys, alias bombs and absurd nesting are errors; `lr: 1e-3` fits a float field."""
+        data = load_config_file(yaml_file, "yaml")
+        return self.parse_dict(data, allow_extra_keys=allow_extra_keys, _numeric_strings=True)
 
 
 def _strip_optional(ann):
@@ -365,3 +476,62 @@ def _top_mapping(data, source) -> Mapping:
     if not isinstance(data, Mapping):
         raise TypeError(f"{source}: the top level must be a mapping of field names to values, got {type(data).__name__}")
     return data
+
+
+@functools.cache
+def _strict_yaml_loader():
+    "`yaml.SafeLoader` that refuses duplicate keys (PyYAML keeps the last one silently)."
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    dup = key in seen
+                except TypeError:  # an unhashable key: the base class raises its own clear error
+                    break
+                if dup:
+                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return StrictLoader
+
+
+def load_config_file(path: str | os.PathLike, format: str) -> Mapping:
+    """The mapping in the JSON or YAML (`format`) file `path`, checked by `check_config_value`. Every problem (missing,
+    empty, not UTF-8, corrupt, duplicate keys, too deep or too big, not a mapping) is an error naming the file."""
+    if format not in ("json", "yaml"):
+        raise ValueError(f"load_config_file: format {format!r} is not one of ('json', 'yaml')")
+    name = os.fspath(path)
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{name}: not UTF-8 text ({e})") from None
+    if not text.strip():
+        raise ValueError(f"{name}: the file is empty; expected a {format.upper()} mapping of field names to values")
+    try:
+        if format == "json":
+            data = json.loads(text, object_pairs_hook=_unique_keys)
+        else:
+            import yaml
+            try:
+                depth = 0  # the event stream is read without recursion: refuse deep nesting before composing it
+                for ev in yaml.parse(text, Loader=_strict_yaml_loader()):
+                    if isinstance(ev, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+                        depth += 1
+                        if depth > MAX_CONFIG_DEPTH + 1:  # + the top-level mapping
+                            raise RecursionError
+                    elif isinstance(ev, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+                        depth -= 1
+                data = yaml.load(text, Loader=_strict_yaml_loader())
+            except yaml.YAMLError as e:
+                raise ValueError(str(e)) from None
+    except RecursionError:
+        raise ValueError(f"{name}: values nest deeper than MAX_CONFIG_DEPTH={MAX_CONFIG_DEPTH} levels") from None
+    except ValueError as e:  # json.JSONDecodeError, duplicate keys, int/str limits
+        raise ValueError(f"{name}: not valid {format.upper()}: {_short(str(e), 500)}") from None
+    check_config_value(data, name)
+    return _top_mapping(data, name)

@@ -100,8 +100,26 @@ def materialize(x: tp.Any) -> tp.Any:
 _HANDLERS: dict[str, list[tuple[tp.Callable, tuple, tp.Any]]] = {}
 
 
+def _known_primitive_names(deep: bool = False) -> set[str]:
+    "Names of the JAX primitives defined in the loaded `jax*` modules (`deep`: every live Primitive object)."
+    import gc
+    import sys
+
+    objs = gc.get_objects() if deep else [v for name, m in list(sys.modules.items()) if name.split(".")[0] in ("jax", "jaxlib")
+                                          for v in list(getattr(m, "__dict__", {}).values())]
+    return {o.name for o in objs if isinstance(o, jex_core.Primitive)}
+
+
 def _primitive_name(primitive: str | jex_core.Primitive) -> str:
     if isinstance(primitive, str):
+        if primitive not in _HANDLERS and primitive not in _known_primitive_names() and primitive not in _known_primitive_names(deep=True):
+            import difflib
+
+            known = _known_primitive_names()
+            close = difflib.get_close_matches(primitive, sorted(known), n=5, cutoff=0.6)
+            raise ValueError(f"register(): {primitive!r} is not the name of a JAX primitive; "
+                             f"{f'did you mean one of {close}? ' if close else ''}valid names include "
+                             f"{sorted(known)[:8]}... ({len(known)} in all); or pass the Primitive object itself")
         return primitive
     if isinstance(primitive, jex_core.Primitive):
         return primitive.name

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import posixpath
 import re
@@ -21,8 +22,8 @@ import numpy as np
 
 # %% auto #0
 __all__ = ['LOCAL_PROTOCOLS', 'GCS_PROTOCOLS', 'path_protocol', 'is_remote_path', 'make_gcs_filesystem', 'set_gcs_filesystem',
-           'get_gcs_filesystem', 'PathStat', 'ePath', 'LocalPath', 'FsspecPath', 'GCSPath', 'save_jax_array',
-           'load_jax_array', 'save_dict', 'load_dict']
+           'get_gcs_filesystem', 'PathStat', 'ePath', 'LocalPath', 'FsspecPath', 'GCSPath', 'atomic_write_local',
+           'save_jax_array', 'load_jax_array', 'save_dict', 'load_dict']
 
 # %% ../nbs/04_paths.ipynb #25e8727c
 _PROTOCOL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
@@ -312,6 +313,17 @@ class ePath:
             (self / f)._copy_file_to(dst / f)
         return dst
 
+    def _protected_reason(self) -> str | None:
+        "Why removing this directory recursively needs `allow_protected=True` (a root, the cwd, home, a bucket), or None."
+        return None
+
+    def _refuse_protected(self, allow_protected: bool) -> None:
+        "The one rule every `rmtree` applies: a protected directory is never removed without the explicit opt-in."
+        why = self._protected_reason()
+        if why is not None and not allow_protected:
+            raise ValueError(f"rmtree: refusing to remove {str(self)!r}: it is {why} (an empty or '.' output path is the "
+                             "usual cause); pass allow_protected=True if you really mean to delete it")
+
     def _walk(self, maxdepth: int | None = None) -> dict[str, bool]:
         "`{relative posix path: is_dir}` for everything below this directory, `maxdepth` levels deep."
         raise NotImplementedError(f"{type(self).__name__} must implement _walk")
@@ -365,7 +377,16 @@ class LocalPath(ePath):
         if fs is not None or storage_options:
             raise ValueError(f"LocalPath({path!r}): local paths take no filesystem or storage options, got {sorted(storage_options) or ['fs']}")
         m = _PROTOCOL_RE.match(path)
-        self._p = Path(path[m.end():] if m else path)
+        if m:  # file:///abs, file://localhost/abs (RFC 8089); anything else names a host or is no URL at all
+            rest = path[m.end():]
+            if rest.startswith("localhost/"):
+                rest = rest[len("localhost"):]
+            if not rest.startswith("/"):
+                host = rest.split("/", 1)[0]
+                raise ValueError(f"LocalPath({path!r}): a {m.group(1)}:// URL needs an absolute path after the '//' "
+                                 f"(file:///abs/path){f', not the host {host!r}' if host else ''}; or pass a plain path")
+            path = rest
+        self._p = Path(path)
 
     @classmethod
     def _from_pathlib(cls, p: Path) -> LocalPath:
@@ -460,15 +481,27 @@ class LocalPath(ePath):
         "Remove this empty directory."
         self._p.rmdir()
 
-    def rmtree(self, missing_ok: bool = False) -> None:
-        "Remove this directory and everything below it."
+    def _protected_reason(self) -> str | None:
+        real = Path(os.path.realpath(self._p))
+        cwd, home = Path(os.path.realpath(os.getcwd())), Path(os.path.realpath(Path.home()))
+        for base, what in ((cwd, "the current directory"), (home, "the home directory")):
+            if real == base:
+                return f"{what} ({real})"
+            if real in base.parents:
+                return f"{real}, which contains {what}"
+        return None
+
+    def rmtree(self, missing_ok: bool = False, allow_protected: bool = False) -> None:
+        """Remove this directory and everything below it. The filesystem root, the current directory, the home
+        directory and their parents (`ePath('')` is the current directory) are refused unless `allow_protected`."""
         if not self._p.exists() and not self._p.is_symlink():
             if missing_ok:
                 return
             raise FileNotFoundError(f"rmtree: no such directory: {str(self)!r}")
         if not self._p.is_dir() or self._p.is_symlink():
             raise NotADirectoryError(f"rmtree: not a directory: {str(self)!r}")
-        shutil.rmtree(self._p)
+        self._refuse_protected(allow_protected)
+        shutil.rmtree(self._p.absolute())  # absolute: '.' itself cannot be rmdir-ed
 
     def _same_fs(self, other: ePath) -> bool:
         return isinstance(other, LocalPath)
@@ -707,23 +740,28 @@ class FsspecPath(ePath):
         self._fs_obj.rmdir(self._path)
         self._fs_obj.invalidate_cache(self._path)
 
-    def rmtree(self, missing_ok: bool = False) -> None:
-        "Remove this directory and everything below it (only what is below `name/`: `ckpt_1` never touches `ckpt_10`)."
+    def rmtree(self, missing_ok: bool = False, allow_protected: bool = False) -> None:
+        """Remove this directory and everything below it (only what is below `name/`: `ckpt_1` never touches `ckpt_10`).
+        A filesystem root or a bucket is refused unless `allow_protected`; then what is inside it is removed."""
         if not self.is_dir():
             if self.is_file():
                 raise NotADirectoryError(f"rmtree: not a directory: {str(self)!r}")
             if missing_ok:
                 return
             raise FileNotFoundError(f"rmtree: no such directory: {str(self)!r}")
-        self._check_rmtree()
+        self._refuse_protected(allow_protected)
+        if self._protected_reason() is not None:  # a root stays; its contents go
+            for child in self._children():
+                self._fs_obj.rm(child, recursive=True)
+            self._fs_obj.invalidate_cache(self._path)
+            return
         self._fs_obj.rm(self._path, recursive=True)
         self._fs_obj.invalidate_cache(self._path)
         if self.exists():
             raise OSError(f"rmtree: {str(self)!r} still exists after removal (a concurrent writer?)")
 
-    def _check_rmtree(self) -> None:
-        if len(self._path) <= self._root_len():
-            raise ValueError(f"rmtree: refusing to remove the root {str(self)!r}")
+    def _protected_reason(self) -> str | None:
+        return "the root of its filesystem" if len(self._path) <= self._root_len() else None
 
     def _same_fs(self, other: ePath) -> bool:
         return isinstance(other, FsspecPath) and other._fs_obj is self._fs_obj
@@ -744,6 +782,8 @@ class GCSPath(FsspecPath):
             raise ValueError(f"GCSPath({path!r}): pass either fs= or storage options, not both (got {sorted(storage_options)})")
         self._own_fs = make_gcs_filesystem(**storage_options) if storage_options else fs
         m = _PROTOCOL_RE.match(path)
+        if m and path[m.end():].startswith("/"):
+            raise ValueError(f"GCSPath({path!r}): the bucket name is empty (three slashes); write 'gs://my-bucket/dir'")
         key = re.sub(r"/+", "/", path[m.end():] if m else path).strip("/")
         bucket = key.split("/", 1)[0]
         if not bucket:
@@ -794,9 +834,8 @@ class GCSPath(FsspecPath):
             self._fs_obj.rm_file(self._path + "/")  # an empty directory is just its placeholder
         self._fs_obj.invalidate_cache(self._path)
 
-    def _check_rmtree(self) -> None:
-        if not self.key:
-            raise ValueError(f"rmtree: refusing to delete the whole bucket {str(self)!r}; remove the directories inside it instead")
+    def _protected_reason(self) -> str | None:
+        return f"the whole bucket {self.bucket!r}" if not self.key else None
 
     def _ensure_parent(self) -> None:
         pass  # parents of an object are implied by its name
@@ -828,17 +867,78 @@ def _from_stored(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _atomic_local_write(p: LocalPath, data: bytes) -> None:
-    "Write via a temporary file and `os.replace`, so a crash never leaves half a file."
-    fd, tmp = tempfile.mkstemp(prefix="." + p.name + ".", suffix=".tmp", dir=p._p.parent)
+_TMP_TAG = ".enb-tmp"  # our temporaries: .{name}.{host}.{pid}.{random}.enb-tmp
+_TMP_RE = re.compile(r"^\..+\.(?P<host>[^.]+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+" + re.escape(_TMP_TAG) + "$")
+_SWEPT: set[str] = set()  # directories whose stale temporaries this process already removed
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "-", os.uname().nodename) or "host"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _sweep_stale_temporaries(directory: str) -> list[str]:
+    "Remove the temporaries of our naming in `directory` whose writer (on this host) is dead; once per directory per process."
+    if directory in _SWEPT:
+        return []
+    _SWEPT.add(directory)
+    removed, host = [], _host()
+    with os.scandir(directory) as it:
+        for e in it:
+            m = _TMP_RE.match(e.name) if e.name.endswith(_TMP_TAG) else None
+            if m and m["host"] == host and int(m["pid"]) != os.getpid() and not _pid_alive(int(m["pid"])):
+                try:
+                    os.unlink(e.path)
+                    removed.append(e.name)
+                except FileNotFoundError:
+                    pass  # another process swept it first
+    return removed
+
+
+def _new_file_mode(target: str) -> int:
+    "The mode `open(target, 'w')` would give: the existing file's, else 0o666 less the umask."
+    try:
+        return os.stat(target).st_mode & 0o7777
+    except FileNotFoundError:
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return 0o666 & ~mask
+
+
+def atomic_write_local(path: str | os.PathLike, parts: tp.Iterable[tp.Any], fsync: bool = False) -> int:
+    """Write the buffers `parts` to the local file `path` via a temporary and `os.replace`, so a crash never leaves half a
+    file. A symlink at `path` is kept (its target is replaced); the mode is what `open(path, 'w')` gives (umask
+    respected); temporaries left by killed writers in that directory are removed. Returns the bytes written."""
+    target = os.path.realpath(os.fspath(path))
+    directory, name = os.path.split(target)
+    _sweep_stale_temporaries(directory)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.{_host()}.{os.getpid()}.", suffix=_TMP_TAG, dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, p._p)
+            os.fchmod(f.fileno(), _new_file_mode(target))
+            n = sum(f.write(part) for part in parts)
+            if fsync:  # the data is on disk before the rename makes it visible
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    return n
+
+
+def _atomic_local_write(p: LocalPath, data: bytes) -> None:
+    atomic_write_local(p._p, [data])
 
 
 def _write_whole(p: ePath, data: bytes) -> None:
@@ -860,12 +960,36 @@ def save_jax_array(path: str | os.PathLike | ePath, array: tp.Any) -> ePath:
     return p
 
 
+def _read_npy(blob: bytes, where: str) -> np.ndarray:
+    "The array in the `.npy` bytes `blob`; `ValueError` naming `where` unless the header's shape and dtype match the data length."
+    import tokenize  # NumPy's header reader can raise its TokenError (found by tests/test_fuzz.py)
+
+    f = io.BytesIO(blob)
+    try:
+        version = np.lib.format.read_magic(f)
+        read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+        if read_header is None:
+            raise ValueError(f".npy format version {version} is not supported (1.0 and 2.0 are)")
+        shape, fortran, dtype = read_header(f)
+    except (ValueError, SyntaxError, TypeError, EOFError, OverflowError, MemoryError, tokenize.TokenError) as e:
+        raise ValueError(f"load_jax_array: {where} is not a valid .npy file: {type(e).__name__}: {e}") from e
+    if dtype.hasobject:
+        raise ValueError(f"load_jax_array: {where} holds Python objects (dtype {dtype}), which need pickle; refused")
+    expected, got = math.prod(shape) * dtype.itemsize, len(blob) - f.tell()
+    if expected != got:
+        raise ValueError(f"load_jax_array: {where}: the header says shape {shape} of {dtype} ({expected} bytes) but the "
+                         f"file holds {got} data bytes; the file is truncated or its header was altered")
+    a = np.frombuffer(blob, dtype=dtype, count=math.prod(shape), offset=f.tell())
+    return a.reshape(shape[::-1]).T if fortran else a.reshape(shape)
+
+
 def load_jax_array(path: str | os.PathLike | ePath, sharding: tp.Any = None) -> tp.Any:
-    "Load an `.npy` file written by `save_jax_array` (or `np.save`) as a `jax.Array`, placed with `sharding` when given."
+    """Load an `.npy` file written by `save_jax_array` (or `np.save`) as a `jax.Array`, placed with `sharding` when given.
+    The header's shape and dtype must account for the data exactly (`ValueError` naming the file otherwise)."""
     import jax
 
     p = path if isinstance(path, ePath) else ePath(path)
-    a = _from_stored(np.load(io.BytesIO(p.read_bytes()), allow_pickle=False))
+    a = _from_stored(_read_npy(p.read_bytes(), repr(str(p))))
     return jax.device_put(a, sharding) if sharding is not None else jax.numpy.asarray(a)
 
 # %% ../nbs/04_paths.ipynb #8a009096
@@ -881,14 +1005,30 @@ def _dict_format(p: ePath, format: str | None, fn: str) -> str:
     return fmt
 
 
+def _first_nonfinite(x: tp.Any, at: str = "data") -> str | None:
+    "Where the first NaN/Infinity float in `x` (nested dicts and lists) is, as `data['a'][0]`, or None."
+    if isinstance(x, float) and not math.isfinite(x):
+        return f"{at} = {x!r}"
+    items = x.items() if isinstance(x, Mapping) else enumerate(x) if isinstance(x, (list, tuple)) else ()
+    for k, v in items:
+        found = _first_nonfinite(v, f"{at}[{k!r}]")
+        if found:
+            return found
+    return None
+
+
 def save_dict(path: str | os.PathLike | ePath, data: Mapping, format: str | None = None) -> ePath:
-    "Save the mapping `data` to `path` as JSON or msgpack (`format`, else from the suffix). Returns the path."
+    """Save the mapping `data` to `path` as JSON or msgpack (`format`, else from the suffix). Returns the path.
+    JSON has no NaN or Infinity: such a float is a `ValueError` naming where it is (msgpack stores them)."""
     import msgpack
 
     p = path if isinstance(path, ePath) else ePath(path)
     if not isinstance(data, Mapping):
         raise TypeError(f"save_dict: data must be a mapping, not {type(data).__name__}")
     fmt = _dict_format(p, format, "save_dict")
+    if fmt == "json" and (bad := _first_nonfinite(data)):
+        raise ValueError(f"save_dict({str(p)!r}): {bad} has no JSON form (JSON allows no NaN/Infinity); "
+                         "replace it, store it as a string, or save as .msgpack")
     try:
         blob = json.dumps(dict(data), indent=2).encode() if fmt == "json" else msgpack.packb(dict(data), use_bin_type=True)
     except (TypeError, ValueError) as e:
@@ -897,14 +1037,26 @@ def save_dict(path: str | os.PathLike | ePath, data: Mapping, format: str | None
     return p
 
 
+def _no_ext(code: int, data: bytes) -> tp.NoReturn:
+    raise ValueError(f"msgpack extension type {code} ({len(data)} bytes) is not plain data; files written by "
+                     "pytree.save_to_file/to_bytes are read with load_from_file/from_bytes")
+
+
 def load_dict(path: str | os.PathLike | ePath, format: str | None = None) -> dict:
-    "Load a dict saved by `save_dict` (`format`, else from the suffix)."
+    """Load a dict saved by `save_dict` (`format`, else from the suffix). A file that does not decode (empty, corrupt,
+    too deeply nested, msgpack extension types) is a `ValueError` that names the file."""
     import msgpack
 
     p = path if isinstance(path, ePath) else ePath(path)
     fmt = _dict_format(p, format, "load_dict")
     blob = p.read_bytes()
-    out = json.loads(blob) if fmt == "json" else msgpack.unpackb(blob, raw=False, strict_map_key=False)
+    try:
+        out = json.loads(blob) if fmt == "json" else msgpack.unpackb(blob, raw=False, strict_map_key=False, ext_hook=_no_ext)
+    except RecursionError:
+        raise ValueError(f"load_dict: {str(p)!r} nests containers too deeply to decode as {fmt}") from None
+    except (ValueError, TypeError, msgpack.UnpackException) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        what = "is empty" if not blob else f"does not decode as {fmt}: {type(e).__name__}: {e}"
+        raise ValueError(f"load_dict: {str(p)!r} {what}") from e
     if not isinstance(out, dict):
         raise TypeError(f"load_dict: {str(p)!r} holds a {type(out).__name__}, not a dict")
     return out

@@ -21,7 +21,10 @@ sizes = {"dp": 2, "fsdp": 4, "tp": 4, "sp": 2, "ep": 1}
 for shape in [(6, 14), (12, 3, 8), (2, 8), (1, 24, 10), (16, 16, 16)]:
     for spec in [P(("fsdp", "dp"), "tp"), P(("tp", "dp", "fsdp"), None), P("sp", ("tp", "fsdp"), "dp"), P("ep", "zz")]:
         spec = P(*list(spec)[:len(shape)])
-        out.append(str(correct_partition_spec(shape, spec, sizes)))
+        try:  # 'zz' is not in the mesh: an error, with the same message everywhere
+            out.append(str(correct_partition_spec(shape, spec, sizes)))
+        except ValueError as e:
+            out.append(f"ValueError: {e}")
 am = AbstractMesh(tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
 for shape in [(1024, 4096), (4096, 4096), (6, 10), (64, 3), (48, 48, 48)]:
     out.append(str(auto_partition_spec(shape, am, min_sharding_size=1)))

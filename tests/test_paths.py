@@ -309,10 +309,16 @@ def test_gcs_bucket_rules(gcs_fs, gcs_emulator):
         bucket.mkdir()
     (bucket / "d" / "x.txt").write_text("x")  # parents of an object are implied
     assert (bucket / "d").is_dir()
-    with pytest.raises(ValueError, match="refusing to delete the whole bucket"):
+    with pytest.raises(ValueError, match="it is the whole bucket 'fresh-bucket-for-test'.*allow_protected=True"):
         bucket.rmtree()
+    assert (bucket / "d" / "x.txt").read_text() == "x"
     (bucket / "d").rmtree()
     assert [p for p in bucket.iterdir()] == []
+    (bucket / "e" / "y.txt").write_text("y")
+    bucket.rmtree(allow_protected=True)  # the opt-in empties the bucket; the bucket itself stays
+    assert bucket.is_dir() and [p for p in bucket.iterdir()] == []
+    with pytest.raises(ValueError, match="the bucket name is empty"):
+        ePath("gs:///fresh-bucket-for-test/d")
     bucket.rmdir()
     assert not bucket.exists()
 

@@ -49,8 +49,11 @@ def test_sigkill_during_save_leaves_a_whole_file(tmp_path, delay):
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
     _check_whole(path)  # the last completed save, whole
-    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith("state.msgpack.tmp-")]
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".state.msgpack.") and p.name.endswith(".enb-tmp")]
     assert len(leftovers) <= 1  # at most the one temporary the killed save was writing
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ready", "state.msgpack", *leftovers])
+    save_to_file({"step": -1}, tmp_path / "other.msgpack")  # the next save into that directory removes it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.msgpack", "ready", "state.msgpack"]
 
 
 def test_damaged_files_are_rejected(tmp_path):

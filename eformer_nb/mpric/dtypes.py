@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 # %% auto #0
-__all__ = ['HALF', 'DTYPE_ALIASES', 'CANONICAL_NAMES', 'DTYPE_NAMES', 'FP8_DTYPES', 'DTypeSpec', 'half_dtype', 'canonical_name',
-           'resolve_dtype', 'dtype_name', 'is_floating', 'cast_floating']
+__all__ = ['HALF', 'DTYPE_ALIASES', 'CANONICAL_NAMES', 'DTYPE_NAMES', 'FP8_DTYPES', 'DTypeSpec', 'half_dtype', 'short_repr',
+           'canonical_name', 'resolve_dtype', 'dtype_name', 'is_floating', 'cast_floating']
 
 # %% ../../nbs/07a_mpric.dtypes.ipynb #a8450045
 HALF = "half"  # bfloat16 on TPU, float16 elsewhere; resolved lazily (see `half_dtype`)
@@ -52,6 +52,11 @@ DTypeSpec = tp.Union[str, np.dtype, type, tp.Any]  # a name from `DTYPE_NAMES`, 
 def _valid_names() -> str:
     return ", ".join(DTYPE_NAMES)
 
+def short_repr(value: tp.Any, limit: int = 80) -> str:
+    "`repr(value)`, cut to `limit` characters (with the full length noted) so a huge bad input gives a small error."
+    r = repr(value)
+    return r if len(r) <= limit else f"{r[:limit]}... ({len(r)} characters)"
+
 def canonical_name(value: DTypeSpec) -> str:
     "The canonical short name of a dtype given by name or as a dtype; raises `ValueError` listing the valid names."
     if isinstance(value, str):
@@ -60,11 +65,13 @@ def canonical_name(value: DTypeSpec) -> str:
             return HALF
         if name in DTYPE_ALIASES:
             return CANONICAL_NAMES[DTYPE_ALIASES[name]]
-        raise ValueError(f"Unknown dtype name {value!r}; expected one of: {_valid_names()}")
+        raise ValueError(f"Unknown dtype name {short_repr(value)}; expected one of: {_valid_names()}")
+    if value is None:  # np.dtype(None) would be float64
+        raise ValueError(f"None is not a dtype; expected a floating dtype or one of: {_valid_names()}")
     try:
         dtype = np.dtype(value)
     except TypeError as e:
-        raise ValueError(f"Cannot read {value!r} as a dtype; expected a floating dtype or one of: {_valid_names()}") from e
+        raise ValueError(f"Cannot read {short_repr(value)} as a dtype; expected a floating dtype or one of: {_valid_names()}") from e
     if dtype not in CANONICAL_NAMES:
         raise ValueError(f"Dtype {dtype} is not a floating dtype a precision policy supports; "
                          f"expected one of: {_valid_names()}")

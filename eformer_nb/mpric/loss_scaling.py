@@ -22,6 +22,26 @@ __all__ = ['LossScale', 'NoOpLossScale', 'StaticLossScale', 'DynamicLossScale', 
 def _as_float(x):
     return jnp.asarray(x, jnp.float32) if isinstance(x, float) else x
 
+def _check_number(where: str, value, *, integer: bool = False, lo: float = 0.0, lo_open: bool = True,
+                  hi: float | None = None):
+    """The one check of every loss-scale setting: a host number (Python or NumPy scalar, 0-d NumPy array) is
+    returned as a Python int/float if it is finite and in range, else a `ValueError` naming it. Anything else (a JAX
+    array, a tracer, a placeholder JAX puts in while rebuilding the pytree) is returned unchanged."""
+    if isinstance(value, np.ndarray) and value.shape == ():
+        value = value[()]
+    if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, (bool, np.bool_)):
+        if isinstance(value, (bool, np.bool_, str)):
+            raise ValueError(f"{where} must be {'an int' if integer else 'a number'}, got {value!r}")
+        return value
+    if integer and not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{where} must be an int, got {value!r} ({type(value).__name__})")
+    v = int(value) if integer else float(value)
+    ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and (hi is None or v <= hi)
+    if not ok:
+        bounds = f"{'>' if lo_open else '>='} {lo:g}" + (f" and <= {hi:g}" if hi is not None else "")
+        raise ValueError(f"{where} must be a finite {'int' if integer else 'number'} {bounds}, got {v!r}")
+    return v
+
 def _scale_tree(tree, scale):
     def f(x):
         x = _as_float(x)
@@ -65,10 +85,9 @@ class StaticLossScale:
     loss_scale: tp.Any = 2.0**15
 
     def __post_init__(self):
-        if isinstance(self.loss_scale, (int, float)):
-            if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
-                raise ValueError(f"loss_scale must be a finite positive number, got {self.loss_scale!r}")
-            object.__setattr__(self, "loss_scale", np.asarray(self.loss_scale, np.float32))
+        v = _check_number("StaticLossScale.loss_scale", self.loss_scale)
+        if isinstance(v, float):
+            object.__setattr__(self, "loss_scale", np.asarray(v, np.float32))
 
     def scale(self, tree): return _scale_tree(tree, self.loss_scale)
     def unscale(self, tree): return _unscale_tree(tree, self.loss_scale)
@@ -90,16 +109,23 @@ class DynamicLossScale:
     factor: float = 2.0
 
     def __post_init__(self):
-        if isinstance(self.period, bool) or not isinstance(self.period, (int, np.integer)) or self.period < 1:
-            raise ValueError(f"period must be a positive int (finite steps before the scale grows), got {self.period!r}")
-        if not isinstance(self.factor, (int, float)) or not self.factor > 1:
-            raise ValueError(f"factor must be a number > 1, got {self.factor!r} (the scale is multiplied or divided by it)")
+        period = _check_number("DynamicLossScale.period (finite steps before the scale grows)", self.period,
+                               integer=True, lo=1, lo_open=False)
+        factor = _check_number("DynamicLossScale.factor (the scale is multiplied or divided by it)", self.factor, lo=1)
+        if not isinstance(period, int) or not isinstance(factor, float):
+            raise ValueError(f"DynamicLossScale: period and factor are static settings, got {self.period!r} and {self.factor!r}")
+        object.__setattr__(self, "period", period)
+        object.__setattr__(self, "factor", factor)
         for name, dtype in (("loss_scale", np.float32), ("counter", np.int32), ("min_loss_scale", np.float32)):
-            value = getattr(self, name)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):  # python numbers -> numpy; arrays/tracers kept
-                if name != "counter" and not (math.isfinite(value) and value > 0):
-                    raise ValueError(f"{name} must be a finite positive number, got {value!r}")
-                object.__setattr__(self, name, np.asarray(value, dtype))
+            v = _check_number(f"DynamicLossScale.{name}", getattr(self, name), integer=name == "counter",
+                              lo=0, lo_open=name != "counter")
+            if isinstance(v, (int, float)):  # host numbers -> numpy scalars; arrays/tracers kept
+                object.__setattr__(self, name, np.asarray(v, dtype))
+        if isinstance(self.loss_scale, np.ndarray) and isinstance(self.min_loss_scale, np.ndarray) \
+                and self.min_loss_scale > self.loss_scale:
+            raise ValueError(f"DynamicLossScale.min_loss_scale={float(self.min_loss_scale)} is above loss_scale="
+                             f"{float(self.loss_scale)}: the floor must be at most the starting scale (an overflow would "
+                             "otherwise raise the scale)")
 
     def scale(self, tree): return _scale_tree(tree, self.loss_scale)
     def unscale(self, tree): return _unscale_tree(tree, self.loss_scale)
@@ -155,14 +181,15 @@ class LossScaleConfig:
     min_scale: float = 1.0  # the dynamic scale never goes below this
 
     def __post_init__(self):
-        if not (isinstance(self.initial_scale, (int, float)) and math.isfinite(self.initial_scale) and self.initial_scale > 0):
-            raise ValueError(f"initial_scale must be a finite positive number, got {self.initial_scale!r}")
-        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) or self.growth_interval < 1:
-            raise ValueError(f"growth_interval must be a positive int, got {self.growth_interval!r}")
-        if not (isinstance(self.scale_factor, (int, float)) and self.scale_factor > 1):
-            raise ValueError(f"scale_factor must be a number > 1, got {self.scale_factor!r}")
-        if not (isinstance(self.min_scale, (int, float)) and 0 < self.min_scale <= self.initial_scale):
-            raise ValueError(f"min_scale must be positive and at most initial_scale ({self.initial_scale}), got {self.min_scale!r}")
+        checks = {"initial_scale": dict(), "growth_interval": dict(integer=True, lo=1, lo_open=False),
+                  "scale_factor": dict(lo=1), "min_scale": dict()}
+        for name, kw in checks.items():
+            v = _check_number(f"LossScaleConfig.{name}", getattr(self, name), **kw)
+            if not isinstance(v, (int, float)):
+                raise ValueError(f"LossScaleConfig.{name} must be a number, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, v)
+        if self.min_scale > self.initial_scale:
+            raise ValueError(f"LossScaleConfig.min_scale must be at most initial_scale ({self.initial_scale}), got {self.min_scale!r}")
 
     def create(self, dynamic: bool = True) -> DynamicLossScale | StaticLossScale:
         "A `DynamicLossScale` with these settings, or (`dynamic=False`) a `StaticLossScale(initial_scale)`."

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from .dtypes import DTYPE_ALIASES, DTYPE_NAMES, DTypeSpec, HALF, canonical_name, cast_floating, resolve_dtype
+from .dtypes import short_repr
 
 # %% auto #0
 __all__ = ['Policy', 'get_policy']
@@ -97,31 +98,32 @@ def get_policy(policy: str | Policy) -> Policy:
     if isinstance(policy, Policy):
         return policy
     if not isinstance(policy, str):
-        raise TypeError(f"A precision policy is a string such as 'p=f32,c=bf16,o=f32' or a Policy, not {policy!r}")
+        raise TypeError(f"A precision policy is a string such as 'p=f32,c=bf16,o=f32' or a Policy, not {short_repr(policy)}")
+    shown = short_repr(policy)  # messages quote the policy cut short: a 1 MB string gives a small error
     text = policy.strip()
     if not text:
         raise ValueError("Empty precision policy ''; expected e.g. 'p=f32,c=bf16,o=f32' or a single dtype name "
                          f"(one of: {', '.join(DTYPE_NAMES)})")
     if "=" not in text:  # one dtype for params, compute and output
-        name = _parse_name(text, f"in policy {policy!r}")
+        name = _parse_name(text, f"in policy {shown}")
         return Policy(name, name, name)
     names: list[str | None] = [None, None, None]
     for part in text.split(","):
         key, sep, value = part.partition("=")
         key = key.strip()
         if not part.strip():
-            raise ValueError(f"Empty entry in policy {policy!r} (two commas in a row or a trailing comma); "
+            raise ValueError(f"Empty entry in policy {shown} (two commas in a row or a trailing comma); "
                              "expected comma-separated key=dtype pairs")
         if not sep:
-            raise ValueError(f"Entry {part.strip()!r} in policy {policy!r} has no '='; expected key=dtype "
+            raise ValueError(f"Entry {short_repr(part.strip())} in policy {shown} has no '='; expected key=dtype "
                              f"with key one of: {_VALID_KEYS}")
         if key not in _KEYS:
-            raise ValueError(f"Unknown key {key!r} in policy {policy!r}; expected one of: {_VALID_KEYS}")
+            raise ValueError(f"Unknown key {short_repr(key)} in policy {shown}; expected one of: {_VALID_KEYS}")
         role = _KEYS[key]
         if names[role] is not None:
-            raise ValueError(f"The {_ROLE[role]} dtype is given twice in policy {policy!r} (key {key!r}); "
+            raise ValueError(f"The {_ROLE[role]} dtype is given twice in policy {shown} (key {key!r}); "
                              "give each of params, compute, output at most once")
-        names[role] = _parse_name(value, f"for key {key!r} in policy {policy!r}")
+        names[role] = _parse_name(value, f"for key {key!r} in policy {shown}")
     p, c, o = names
     return Policy("f32" if p is None else p, c, o)  # params default to f32; the constructor cascades the rest
 

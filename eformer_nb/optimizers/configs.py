@@ -101,6 +101,13 @@ class ConfigMixin:
 
 # %% ../../nbs/08a_optimizers.configs.ipynb #c42db992
 BUILTIN_SCHEDULERS = ("constant", "linear", "cosine", "warmup_cosine", "warmup_stable_decay")
+_UNUSED_BY = {  # fields a built-in schedule ignores: setting one is an error, not a silent no-op
+    "constant": ("learning_rate_end", "exponent", "decay_steps"),
+    "linear": ("exponent", "decay_steps"),
+    "cosine": ("decay_steps",),
+    "warmup_cosine": ("decay_steps",),
+    "warmup_stable_decay": ("exponent",),
+}
 
 
 @dataclasses.dataclass
@@ -128,6 +135,13 @@ class SchedulerConfig(ConfigMixin):
         check_int(o, "decay_steps", self.decay_steps, 1, allow_none=True)
         check_range(o, "warmup_init_value", self.warmup_init_value, 0)
         t = self.scheduler_type
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in _UNUSED_BY.get(t, ()):
+            if getattr(self, name) != defaults[name]:
+                _fail(o, name, getattr(self, name), f"{defaults[name]!r}: scheduler_type={t!r} does not use it (the "
+                      f"schedules that do: {[s for s in BUILTIN_SCHEDULERS if name not in _UNUSED_BY[s]]})")
+        if self.warmup_init_value and not self.warmup_steps:
+            _fail(o, "warmup_init_value", self.warmup_init_value, "0.0 without warmup_steps (it is the warmup's start)")
         if t != "constant" and t in BUILTIN_SCHEDULERS and self.steps is None:
             _fail(o, "steps", None, f"the total number of steps (an integer >= 1) for scheduler_type={t!r}")
         if t == "linear" and self.learning_rate_end is None:

@@ -10,6 +10,7 @@ import difflib
 import inspect
 import typing as tp
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -23,7 +24,8 @@ from .schedulers import SchedulerFactory
 from .transforms import optax_add_scheduled_weight_decay, scale_by_mars, scale_by_soap
 
 # %% auto #0
-__all__ = ['register_optimizer', 'available_optimizers', 'kron_update_probability', 'OptimizerFactory']
+__all__ = ['MAX_CONSECUTIVE_NONFINITE', 'register_optimizer', 'available_optimizers', 'kron_update_probability',
+           'OptimizerFactory']
 
 # %% ../../nbs/08e_optimizers.factory.ipynb #459748b7
 class _Entry(tp.NamedTuple):
@@ -162,6 +164,31 @@ def _check_number(name, value, lo, *, allow_none=False, strict=False):
                          f"{'>' if strict else '>='} {lo}" + (" or None" if allow_none else "") + ".")
 
 
+def _checked_mask(mask: tp.Any) -> tp.Any:
+    """`mask` (a callable or a pytree of bools) for `optax.masked`-style arguments; a pytree mask is checked here and,
+    against the parameters, when the optimizer is initialised: a mismatch is a `ValueError` at `tx.init`, before any
+    update."""
+    if mask is None or callable(mask):
+        return mask
+    leaves = jax.tree_util.tree_leaves(mask)
+    bad = [x for x in leaves if not isinstance(x, (bool, np.bool_))]
+    if bad or not leaves:
+        raise ValueError(f"OptimizerFactory.create: weight_decay_mask must be a callable params -> pytree of bools, or a "
+                         f"pytree of bools; got {'no leaves' if not leaves else f'a leaf {bad[0]!r}'}")
+    mask_def = jax.tree_util.tree_structure(mask)
+
+    def checked(params):
+        params_def = jax.tree_util.tree_structure(params)
+        if params_def != mask_def:
+            raise ValueError(f"weight_decay_mask does not match the parameters: the mask is {mask_def}, the "
+                             f"parameters are {params_def}")
+        return mask
+    return checked
+
+
+MAX_CONSECUTIVE_NONFINITE = 16  # `skip_nonfinite=True`: updates skipped in a row before a non-finite one goes through
+
+
 class OptimizerFactory:
     "Builds `(optax.GradientTransformation, optax.Schedule)` from an optimizer name and config data."
 
@@ -207,12 +234,23 @@ class OptimizerFactory:
     def create(cls, optimizer_type: str, scheduler_config: SchedulerConfig | tp.Mapping | None = None,
                optimizer_config: tp.Any = None, *, weight_decay: float = 0.0, weight_decay_mask: tp.Any = None,
                gradient_accumulation_steps: int = 1, clip_grad: float | None = None,
-               custom_scheduler: tp.Callable[[int], optax.Schedule] | None = None,
+               custom_scheduler: tp.Callable[[int], optax.Schedule] | None = None, skip_nonfinite: bool | int = True,
                **kwargs) -> tuple[optax.GradientTransformation, optax.Schedule]:
         """Build `(tx, schedule)`. `kwargs` override fields of the optimizer config. `weight_decay` is decoupled
         and scaled by the schedule (AdamW's rule); `clip_grad` clips by global norm first; accumulation uses
-        `optax.MultiSteps`."""
+        `optax.MultiSteps`. `skip_nonfinite` (on by default) wraps it all in `optax.apply_if_finite`: a gradient with
+        a NaN/Inf changes neither the parameters nor the optimizer state, and is counted (`state.total_notfinite`);
+        after `MAX_CONSECUTIVE_NONFINITE` in a row (or the int given) the update goes through, so a run that has
+        gone bad for good does not freeze silently. A `weight_decay_mask` pytree must match the parameters (checked
+        at `tx.init`)."""
         config = cls.make_config(optimizer_type, optimizer_config, **kwargs)
+        if isinstance(skip_nonfinite, (bool, np.bool_)):
+            max_nonfinite = MAX_CONSECUTIVE_NONFINITE if skip_nonfinite else None
+        elif isinstance(skip_nonfinite, (int, np.integer)) and skip_nonfinite >= 1:
+            max_nonfinite = int(skip_nonfinite)
+        else:
+            raise ValueError(f"OptimizerFactory.create: skip_nonfinite={skip_nonfinite!r} is invalid: expected True, "
+                             "False or the number of non-finite updates in a row to skip (an integer >= 1)")
         _check_number("weight_decay", weight_decay, 0.0)
         _check_number("clip_grad", clip_grad, 0.0, allow_none=True)
         if (isinstance(gradient_accumulation_steps, bool) or not isinstance(gradient_accumulation_steps, (int, np.integer))
@@ -222,6 +260,7 @@ class OptimizerFactory:
         if weight_decay_mask is not None and not weight_decay:
             raise ValueError(f"OptimizerFactory.create: weight_decay_mask is given but weight_decay={weight_decay!r}; "
                              "expected weight_decay > 0 with a mask (or no mask)")
+        weight_decay_mask = _checked_mask(weight_decay_mask)
         schedule = SchedulerFactory.create_scheduler(scheduler_config, custom_scheduler)
         sc = scheduler_config if isinstance(scheduler_config, SchedulerConfig) else (
             SchedulerConfig() if scheduler_config is None else SchedulerConfig.from_dict(scheduler_config))
@@ -240,6 +279,8 @@ class OptimizerFactory:
         tx = parts[0] if len(parts) == 1 else optax.chain(*parts)
         if gradient_accumulation_steps > 1:
             tx = optax.MultiSteps(tx, every_k_schedule=gradient_accumulation_steps)
+        if max_nonfinite is not None:  # outermost: a bad gradient never reaches the accumulator or the moments
+            tx = optax.apply_if_finite(tx, max_consecutive_errors=max_nonfinite)
         return tx, schedule
 
     @classmethod

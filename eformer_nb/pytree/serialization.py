@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import os
 import struct
-import uuid
 import typing as tp
 import zlib
 from collections.abc import Callable
@@ -68,7 +67,8 @@ def _children(x: tp.Any):
     "Immediate children of a pytree node as `[(name, child)]` and the one-level treedef (None for a leaf)."
     if type(x) is dict:  # plain dicts keep their insertion order (and may mix key types)
         return [(str(k), v) for k, v in x.items()], None
-    kids, treedef = jtu.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+    calls = iter((False,))  # the root is not a leaf; everything below it is (even `x` itself inside a cyclic `x`)
+    kids, treedef = jtu.tree_flatten_with_path(x, is_leaf=lambda y: next(calls, True))
     if jtu.treedef_is_leaf(treedef) and len(kids) == 1 and kids[0][0] == ():
         return None, None  # x itself is a leaf
     return [(key_entry_name(path[0]), child) for path, child in kids], treedef
@@ -78,21 +78,39 @@ def _join(path: str, name: str) -> str:
     return f"{path}/{name}" if path else name
 
 
-def to_state_dict(tree: tp.Any, *, _path: str = "") -> tp.Any:
+_MAX_TREE_DEPTH = 100  # containers nested deeper than this (or a container inside itself) are refused
+
+
+def _enter(active: set[int], node: tp.Any, path: str, fn: str) -> None:
+    "The one guard of every recursive walk here: no cycles, bounded depth (a clear error, never a RecursionError)."
+    if id(node) in active:
+        raise ValueError(f"{fn}: the {type(node).__name__} at {path or '<root>'!r} contains itself (a cycle); "
+                         "a pytree must be a tree")
+    if len(active) >= _MAX_TREE_DEPTH:
+        raise ValueError(f"{fn}: containers nest deeper than {_MAX_TREE_DEPTH} levels (at {path[:60] + '...' if len(path) > 60 else path!r})")
+    active.add(id(node))
+
+
+def to_state_dict(tree: tp.Any, *, _path: str = "", _active: set[int] | None = None) -> tp.Any:
     "Nested dicts with string keys for every pytree node of `tree`; leaves are returned unchanged."
     if type(tree) in _STATE_REGISTRY:
         return _STATE_REGISTRY[type(tree)][0](tree)
     if tree is None:
         return None
-    kids, _ = _children(tree)
-    if kids is None:
-        return tree
-    out: dict[str, tp.Any] = {}
-    for name, child in kids:
-        if name in out:
-            raise ValueError(f"two children of {type(tree).__name__} at {_path or '<root>'!r} are both named {name!r}")
-        out[name] = to_state_dict(child, _path=_join(_path, name))
-    return out
+    active = set() if _active is None else _active
+    _enter(active, tree, _path, "to_state_dict")
+    try:
+        kids, _ = _children(tree)
+        if kids is None:
+            return tree
+        out: dict[str, tp.Any] = {}
+        for name, child in kids:
+            if name in out:
+                raise ValueError(f"two children of {type(tree).__name__} at {_path or '<root>'!r} are both named {name!r}")
+            out[name] = to_state_dict(child, _path=_join(_path, name), _active=active)
+        return out
+    finally:
+        active.discard(id(tree))
 
 
 def _same_dtype(a: tp.Any, b: tp.Any) -> bool:
@@ -175,6 +193,7 @@ def _host_array(x: tp.Any, path: str) -> np.ndarray:
 class _Encoder:
     def __init__(self):
         self.arrays: list[np.ndarray] = []
+        self.active: set[int] = set()  # ids of the containers being encoded (see `_enter`)
 
     def add_array(self, x: tp.Any, path: str) -> bytes:
         arr = _host_array(x, path)
@@ -193,17 +212,12 @@ class _Encoder:
             return obj if -2**63 <= obj < 2**64 else msgpack.ExtType(_EXT_BIGINT, str(obj).encode())
         if ty is complex:
             return msgpack.ExtType(_EXT_COMPLEX, struct.pack("<dd", obj.real, obj.imag))
-        if isinstance(obj, dict):
-            out = {}
-            for k, v in obj.items():
-                if type(k) not in (str, int):
-                    raise TypeError(f"dict key {k!r} at {path or '<root>'!r} must be str or int, got {type(k).__name__}")
-                out[k] = self.encode(v, _join(path, str(k)))
-            return out
-        if ty is list:
-            return [self.encode(v, _join(path, str(i))) for i, v in enumerate(obj)]
-        if ty is tuple:
-            return msgpack.ExtType(_EXT_TUPLE, _pack([self.encode(v, _join(path, str(i))) for i, v in enumerate(obj)]))
+        if isinstance(obj, dict) or ty in (list, tuple):
+            _enter(self.active, obj, path, "to_bytes")
+            try:
+                return self._encode_container(obj, path)
+            finally:
+                self.active.discard(id(obj))
         if isinstance(obj, jax.Array) and jax.dtypes.issubdtype(obj.dtype, jax.dtypes.prng_key):
             impl = str(jax.random.key_impl(obj))
             ref = self.add_array(jax.random.key_data(obj), path)
@@ -214,6 +228,18 @@ class _Encoder:
             return msgpack.ExtType(_EXT_SCALAR, self.add_array(np.asarray(obj), path))
         raise TypeError(f"cannot serialize the leaf at {path or '<root>'!r} of type {ty.__qualname__}; "
                         f"supported: {_SUPPORTED} (containers other than these go through to_state_dict)")
+
+    def _encode_container(self, obj: tp.Any, path: str) -> tp.Any:
+        if isinstance(obj, dict):
+            out = {}
+            for k, v in obj.items():
+                if type(k) not in (str, int):
+                    raise TypeError(f"dict key {k!r} at {path or '<root>'!r} must be str or int, got {type(k).__name__}")
+                out[k] = self.encode(v, _join(path, str(k)))
+            return out
+        if type(obj) is list:
+            return [self.encode(v, _join(path, str(i))) for i, v in enumerate(obj)]
+        return msgpack.ExtType(_EXT_TUPLE, _pack([self.encode(v, _join(path, str(i))) for i, v in enumerate(obj)]))
 
 # %% ../../nbs/03b_pytree.serialization.ipynb #0ec0585c
 def _pad(n: int) -> int:
@@ -414,20 +440,9 @@ def save_to_file(tree: tp.Any, path: str | os.PathLike, checksum: bool = True, f
             for part in parts:
                 f.write(part)
         return sum(memoryview(p).nbytes for p in parts)
-    path = path.removeprefix("file://")
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
-    try:
-        with open(tmp, "wb") as f:
-            for part in parts:
-                f.write(part)
-            if fsync:  # the data is on disk before the rename makes it visible
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return os.path.getsize(path)
+    from eformer_nb.paths import atomic_write_local  # one atomic write: temporary + rename, umask, symlinks, stale temporaries
+
+    return atomic_write_local(path.removeprefix("file://"), parts, fsync=fsync)
 
 
 def load_from_file(path: str | os.PathLike, target: tp.Any = None, verify: bool = True) -> tp.Any:

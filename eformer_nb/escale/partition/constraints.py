@@ -16,6 +16,8 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ..mesh import get_current_mesh, mesh_axis_sizes
+from ..mesh import DEFAULT_AXIS_NAMES
+import operator
 from ...loggings import get_logger
 
 logger = get_logger(__name__)
@@ -29,13 +31,34 @@ def _entry_names(entry) -> tuple:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+_DIVISIBILITY_WARNED: set[tuple] = set()  # (axis, axis size, dim size) already warned about
+
+
+def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    try:
+        out = tuple(operator.index(s) for s in shape)
+    except TypeError:
+        raise TypeError(f"shape {tuple(shape)!r} must hold ints") from None
+    if any(s < 0 for s in out):
+        raise ValueError(f"shape {out} has a negative dimension")
+    return out
+
+
+def _absent_axis_is_size_one(name: str, sizes: dict) -> bool:
+    """A standard axis name (`DEFAULT_AXIS_NAMES`) that a mesh of standard names lacks is an axis of size 1 (a
+    dp/fsdp/tp mesh has no sequence parallelism). Any other absent name is a configuration error."""
+    return name in DEFAULT_AXIS_NAMES and any(n in DEFAULT_AXIS_NAMES for n in sizes)
+
+
 def correct_partition_spec(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh | AbstractMesh | dict[str, int], *,
                            auto_correct: bool = True) -> PartitionSpec:
     """Fit `spec` to an array of `shape` on `mesh` (a mesh or `{axis: size}`).
 
-    Mesh axes that do not divide their dimension, or that the mesh lacks, are dropped when
-    `auto_correct` (each drop logged once at warning level); otherwise a `ValueError` names them."""
-    shape = tuple(int(s) for s in shape)
+    Mesh axes that do not divide their dimension are dropped when `auto_correct` (logged once per axis, axis size
+    and dimension size, at warning level); otherwise a `ValueError` names them. An axis the mesh does not have is a
+    `ValueError`, except a standard name on a mesh of standard names (see `_absent_axis_is_size_one`), which is
+    size 1 there. Negative dimensions are a `ValueError`."""
+    shape = _check_shape(shape)
     if not isinstance(spec, PartitionSpec):
         raise TypeError(f"expected a jax.sharding.PartitionSpec, got {spec!r} ({type(spec).__name__})")
     sizes = dict(mesh) if isinstance(mesh, dict) else mesh_axis_sizes(mesh)
@@ -57,6 +80,11 @@ def correct_partition_spec(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh
             if name not in sizes:
                 problem = (f"array of shape {shape}: mesh axis {name!r} (in dim {dim} of {spec}) is not in the mesh "
                            f"{sizes}")
+                if not _absent_axis_is_size_one(name, sizes):
+                    raise ValueError(f"cannot shard {problem}; valid axis names are {sorted(sizes)}. A renamed axis "
+                                     "(e.g. PartitionAxis(tensor_parallel_axis=...)) must match the mesh's axis_names")
+                if auto_correct:
+                    continue  # an axis of size 1: nothing is lost
             elif shape[dim] % (prod * sizes[name]):
                 problem = (f"array of shape {shape}: dim {dim} (size {shape[dim]}) is not divisible by mesh axis "
                            f"{name!r} of size {sizes[name]}"
@@ -69,7 +97,11 @@ def correct_partition_spec(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh
             if not auto_correct:
                 raise ValueError(f"cannot shard {problem}. Pass auto_correct=True to replicate that dimension over "
                                  f"{name!r} instead, or change the spec or the mesh")
-            logger.warning_once(f"sharding corrected: {problem}; {name!r} is dropped from that dimension")
+            key = (name, sizes.get(name), shape[dim])
+            if key not in _DIVISIBILITY_WARNED:
+                _DIVISIBILITY_WARNED.add(key)
+                logger.warning(f"sharding corrected: {problem}; {name!r} is dropped from that dimension (warned once "
+                               f"per axis and dimension size)")
         new = kept[0] if len(kept) == 1 and isinstance(entry, str) else (tuple(kept) if kept else None)
         if len(kept) == len(_entry_names(entry)):
             new = entry  # untouched: keep the caller's spelling so the HLO matches a hand-written spec
@@ -102,8 +134,8 @@ def _constrain_leaf(x, sharding, mesh, auto_correct: bool):
         raise TypeError(f"expected a PartitionSpec or NamedSharding, got {sharding!r} ({type(sharding).__name__})")
     mesh = get_current_mesh() if mesh is None else mesh
     if mesh is None:
-        logger.info_once("with_sharding_constraint: no mesh in context, sharding constraints are skipped "
-                         "(single-device run); enter `with jax.set_mesh(mesh):` to apply them")
+        logger.warning_once("with_sharding_constraint: no mesh in context, sharding constraints are skipped "
+                            "(fine on one device); enter `with jax.set_mesh(mesh):` to apply them")
         return x
     spec = correct_partition_spec(np.shape(x), spec, mesh, auto_correct=auto_correct)
     named = NamedSharding(mesh, spec)

@@ -46,11 +46,11 @@ def quantize(x: jax.Array, config: QuantizationConfig | QuantizationType | str |
     "Quantize the float array `x` as `config` says; returns an implicit array (`ArrayNF4`, `Array8B`, `Array1B`, `ArrayTernary`)."
     c = resolve_config(config, **overrides)
     if c.dtype is QuantizationType.NF4:
-        return ArrayNF4.quantize(x, c.block_size, double_quant=c.double_quant)
+        return ArrayNF4.quantize(x, c.block_size, double_quant=c.double_quant, nonfinite=c.nonfinite)
     if c.dtype is QuantizationType.INT8:
-        return Array8B.quantize(x, None if c.granularity == "channel" else c.block_size)
+        return Array8B.quantize(x, None if c.granularity == "channel" else c.block_size, nonfinite=c.nonfinite)
     cls = Array1B if c.dtype is QuantizationType.BINARY else ArrayTernary
-    return cls.quantize(x, None if c.granularity == "row" else c.block_size)
+    return cls.quantize(x, None if c.granularity == "row" else c.block_size, nonfinite=c.nonfinite)
 
 
 def straight_through(x: jax.Array, config: QuantizationConfig | QuantizationType | str | None = None, **overrides) -> jax.Array:

@@ -13,6 +13,7 @@ import numpy as np
 
 from ...jaximus import aux_field
 from .config import QuantizedArray, check_float_input, pad_last
+from .config import check_block_size, restore_nonfinite, split_nonfinite
 
 # %% auto #0
 __all__ = ['TERNARY_THRESHOLD', 'binary_quantize', 'binary_dequantize', 'Array1B', 'ternary_quantize', 'ternary_dequantize',
@@ -22,13 +23,19 @@ __all__ = ['TERNARY_THRESHOLD', 'binary_quantize', 'binary_dequantize', 'Array1B
 TERNARY_THRESHOLD = 0.7  # zero a value when |x| <= TERNARY_THRESHOLD * mean(|x|) of its block (TWN)
 
 
-def _check_block(block_size, multiple: int, fmt: str) -> int | None:
-    if block_size is None:
-        return None
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0 or block_size % multiple:
-        raise ValueError(f"{fmt} block_size must be a positive multiple of {multiple} (whole bytes per block), "
-                         f"got {block_size!r}")
-    return int(block_size)
+def _check_block(block_size, multiple: int, fmt: str, n: int | None = None) -> int | None:
+    return None if block_size is None else check_block_size(block_size, n, multiple, fmt)
+
+
+def _check_scaled(arr: QuantizedArray, codes: jax.Array, per_byte: int) -> None:
+    "Leaf shapes of `Array1B`/`ArrayTernary`: `per_byte` codes per byte, one scale per `block` of them."
+    c = tuple(codes.shape)
+    width = c[-1] * per_byte if c else 0
+    if not c or arr.block <= 0 or width % arr.block or not 0 < arr.n <= width:
+        raise ValueError(f"{type(arr).__name__}: n={arr.n} and block={arr.block} do not fit codes of shape {c}")
+    want = (*c[:-1], width // arr.block)
+    if tuple(arr.scale.shape) != want:
+        raise arr._leaf_error("scale", arr.scale.shape, want)
 
 
 def _blocked(x: jax.Array, block_size: int | None, per_byte: int) -> tuple[jax.Array, jax.Array, int]:
@@ -42,13 +49,15 @@ def _blocked(x: jax.Array, block_size: int | None, per_byte: int) -> tuple[jax.A
 
 
 def _mean(v: jax.Array, mask: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.where(mask, v, 0.0), axis=-1) / jnp.maximum(jnp.sum(mask, axis=-1), 1)
+    # divide before summing: a sum of values near float32's max would overflow to inf (found by tests/test_fuzz.py)
+    count = jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1).astype(v.dtype)
+    return jnp.sum(jnp.where(mask, v, 0.0) / count, axis=-1)
 
 # %% ../../../nbs/06d_ops.quantization.binary_ternary.ipynb #6b049a28
 def binary_quantize(x: jax.Array, block_size: int | None = 64) -> tuple[jax.Array, jax.Array, int]:
     "`(bits, scale, block)`: sign bits packed 8 per byte and mean |x| per block (`None`: per row)."
     x = check_float_input(x, "binary")
-    blocks, mask, block = _blocked(x, _check_block(block_size, 8, "binary"), 8)
+    blocks, mask, block = _blocked(x, _check_block(block_size, 8, "binary", x.shape[-1]), 8)
     scale = _mean(jnp.abs(blocks), mask)
     bits = jnp.packbits(blocks.reshape(*blocks.shape[:-2], -1) >= 0, axis=-1)
     return bits, scale, block
@@ -73,21 +82,27 @@ class Array1B(QuantizedArray):
     def shape(self) -> tuple[int, ...]:
         return (*self.bits.shape[:-1], self.n)
 
+    nonfinite: jax.Array | None = None  # uint8 NaN/Inf codes (shape of the array) when quantized with nonfinite="keep"
+
+    def _check_leaves(self) -> None:
+        _check_scaled(self, self.bits, 8)
+
     def materialize(self) -> jax.Array:
-        return binary_dequantize(self.bits, self.scale, self.block, self.n, self.dtype)
+        return restore_nonfinite(binary_dequantize(self.bits, self.scale, self.block, self.n, self.dtype), self.nonfinite)
 
     @classmethod
-    def quantize(cls, x: jax.Array, block_size: int | None = 64, dtype=None) -> Array1B:
-        "Binarize `x` with a scale per block of `block_size` values along the last axis (`None`: per row)."
-        x = check_float_input(x, "binary")
+    def quantize(cls, x: jax.Array, block_size: int | None = 64, dtype=None, nonfinite: str = "raise") -> Array1B:
+        "Binarize `x` with a scale per block of `block_size` values along the last axis (`None`: per row); NaN/Inf as `nonfinite` says."
+        x, keep = split_nonfinite(x, "binary", nonfinite)
         bits, scale, block = binary_quantize(x, block_size)
-        return cls(bits, scale, n=x.shape[-1], block=block, dtype=jnp.dtype(x.dtype if dtype is None else dtype))
+        return cls(bits, scale, n=x.shape[-1], block=block, dtype=jnp.dtype(x.dtype if dtype is None else dtype),
+                   nonfinite=keep)
 
 # %% ../../../nbs/06d_ops.quantization.binary_ternary.ipynb #23e17b52
 def ternary_quantize(x: jax.Array, block_size: int | None = 64) -> tuple[jax.Array, jax.Array, int]:
     "`(packed, scale, block)`: 2-bit codes (0: 0, 1: +1, 2: -1) 4 per byte and the TWN scale per block."
     x = check_float_input(x, "ternary")
-    blocks, mask, block = _blocked(x, _check_block(block_size, 4, "ternary"), 4)
+    blocks, mask, block = _blocked(x, _check_block(block_size, 4, "ternary", x.shape[-1]), 4)
     mag = jnp.abs(blocks)
     delta = TERNARY_THRESHOLD * _mean(mag, mask)
     keep = (mag > delta[..., None]) & mask
@@ -118,12 +133,18 @@ class ArrayTernary(QuantizedArray):
     def shape(self) -> tuple[int, ...]:
         return (*self.packed.shape[:-1], self.n)
 
+    nonfinite: jax.Array | None = None  # uint8 NaN/Inf codes (shape of the array) when quantized with nonfinite="keep"
+
+    def _check_leaves(self) -> None:
+        _check_scaled(self, self.packed, 4)
+
     def materialize(self) -> jax.Array:
-        return ternary_dequantize(self.packed, self.scale, self.block, self.n, self.dtype)
+        return restore_nonfinite(ternary_dequantize(self.packed, self.scale, self.block, self.n, self.dtype), self.nonfinite)
 
     @classmethod
-    def quantize(cls, x: jax.Array, block_size: int | None = 64, dtype=None) -> ArrayTernary:
-        "Ternarize `x` with a scale per block of `block_size` values along the last axis (`None`: per row)."
-        x = check_float_input(x, "ternary")
+    def quantize(cls, x: jax.Array, block_size: int | None = 64, dtype=None, nonfinite: str = "raise") -> ArrayTernary:
+        "Ternarize `x` with a scale per block of `block_size` values along the last axis (`None`: per row); NaN/Inf as `nonfinite` says."
+        x, keep = split_nonfinite(x, "ternary", nonfinite)
         packed, scale, block = ternary_quantize(x, block_size)
-        return cls(packed, scale, n=x.shape[-1], block=block, dtype=jnp.dtype(x.dtype if dtype is None else dtype))
+        return cls(packed, scale, n=x.shape[-1], block=block, dtype=jnp.dtype(x.dtype if dtype is None else dtype),
+                   nonfinite=keep)

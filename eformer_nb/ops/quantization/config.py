@@ -18,7 +18,8 @@ from jax import lax
 from ...jaximus import ImplicitArray, materialize, register
 
 # %% auto #0
-__all__ = ['GRANULARITIES', 'BLOCK_MULTIPLE', 'QuantizationType', 'QuantizationConfig', 'check_float_input', 'pad_last',
+__all__ = ['GRANULARITIES', 'NONFINITE_MODES', 'BLOCK_MULTIPLE', 'SMALL_ROW_BLOCK', 'QuantizationType', 'QuantizationConfig',
+           'check_float_input', 'split_nonfinite', 'restore_nonfinite', 'check_block_size', 'pad_last',
            'QuantizedArray', 'kernels_module', 'dot_out_dtype', 'plain_matmul_kind']
 
 # %% ../../../nbs/06a_ops.quantization.config.ipynb #d9500117
@@ -49,6 +50,7 @@ GRANULARITIES: dict[QuantizationType, tuple[str, ...]] = {
     QuantizationType.BINARY: ("block", "row"),
     QuantizationType.TERNARY: ("block", "row"),
 }  # valid `granularity` values per type; the first is the default
+NONFINITE_MODES = ("raise", "keep")  # what quantizing does with NaN/Inf input: refuse it, or keep it exactly
 BLOCK_MULTIPLE: dict[QuantizationType, int] = {
     QuantizationType.NF4: 2, QuantizationType.INT8: 1, QuantizationType.BINARY: 8, QuantizationType.TERNARY: 4,
 }  # `block_size` must be a multiple of this (whole bytes per block)
@@ -61,6 +63,7 @@ class QuantizationConfig:
     block_size: int = 64
     granularity: str | None = None  # None: the type's default (see `GRANULARITIES`)
     double_quant: bool = False
+    nonfinite: str = "raise"  # NaN/Inf in the input: "raise" (a clear error) or "keep" (exactly where they were)
 
     def __post_init__(self):
         qt = QuantizationType.parse(self.dtype)
@@ -79,17 +82,69 @@ class QuantizationConfig:
         object.__setattr__(self, "granularity", gran)
         if self.double_quant and qt is not QuantizationType.NF4:
             raise ValueError(f"double_quant=True is only defined for nf4, got dtype={qt.value!r}")
+        if self.nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite={self.nonfinite!r} is not one of {NONFINITE_MODES}")
 
 # %% ../../../nbs/06a_ops.quantization.config.ipynb #f1c4b600
-def check_float_input(x: tp.Any, fmt: str) -> jax.Array:
-    "`x` as a JAX array if it is a floating array with at least one dimension; a clear error otherwise."
+def check_float_input(x: tp.Any, fmt: str, nonfinite: str = "raise") -> jax.Array:
+    """`x` as a JAX array if it is a floating array with at least one dimension; a clear error otherwise.
+    With `nonfinite="raise"` a concrete `x` holding NaN or Inf is a `ValueError` that says how many and where (under
+    `jit` the values are unknown and cannot be checked: pass `nonfinite="keep"` there to keep them)."""
     dtype = getattr(x, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"{fmt} quantization expects a floating-point array, got "
                         f"{type(x).__name__} with dtype {dtype}; cast it first (e.g. x.astype(jnp.float32))")
     if np.ndim(x) < 1 or np.shape(x)[-1] == 0:
         raise ValueError(f"{fmt} quantization expects an array with a non-empty last axis, got shape {np.shape(x)}")
-    return jnp.asarray(x)
+    if nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"{fmt} quantization: nonfinite={nonfinite!r} is not one of {NONFINITE_MODES}")
+    x = jnp.asarray(x)
+    if nonfinite == "raise" and not isinstance(x, jax.core.Tracer):
+        bad = ~jnp.isfinite(x)
+        count = int(jnp.sum(bad))
+        if count:
+            where = [tuple(int(i) for i in ix) for ix in np.argwhere(np.asarray(bad))[:3]]
+            shown = ", ".join(f"{ix}: {float(x[ix])}" for ix in where)
+            raise ValueError(f"{fmt} quantization: {count} of {x.size} values are not finite (at {shown}"
+                             f"{', ...' if count > 3 else ''}); they would quantize to plausible numbers. Fix the input, "
+                             "or pass nonfinite='keep' to keep them exactly where they are")
+    return x
+
+
+def split_nonfinite(x: tp.Any, fmt: str, nonfinite: str = "raise") -> tuple[jax.Array, jax.Array | None]:
+    """`(finite x, codes)`: `x` checked as `check_float_input` does, with NaN/Inf replaced by 0 (so they never touch a
+    block's scale) and, for `nonfinite="keep"`, uint8 codes of what was there (0 finite, 1 NaN, 2 +Inf, 3 -Inf)."""
+    x = check_float_input(x, fmt, nonfinite)
+    fin = jnp.isfinite(x)
+    codes = None
+    if nonfinite == "keep":
+        codes = jnp.where(fin, 0, jnp.where(jnp.isnan(x), 1, jnp.where(x > 0, 2, 3))).astype(jnp.uint8)
+    return jnp.where(fin, x, jnp.zeros((), x.dtype)), codes
+
+
+def restore_nonfinite(out: jax.Array, codes: jax.Array | None) -> jax.Array:
+    "`out` with the NaN/Inf recorded by `split_nonfinite` put back where they were."
+    if codes is None:
+        return out
+    table = jnp.asarray([0.0, jnp.nan, jnp.inf, -jnp.inf], out.dtype)
+    return jnp.where(codes == 0, out, table[codes])
+
+
+SMALL_ROW_BLOCK = 64  # a block may pad a shorter row up to this many values (the default block size)
+
+
+def check_block_size(block_size: tp.Any, n: int | None, multiple: int, fmt: str) -> int:
+    """`block_size` as an int if it is a positive multiple of `multiple` that fits a row of `n` values: a block beyond
+    the row only pads it, and a mistyped `1 << 30` would allocate gigabytes. The row may be padded up to the default
+    block (`SMALL_ROW_BLOCK`, so that one config quantizes small layers too) or up to the next multiple; anything
+    larger is refused, before anything is allocated."""
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0 or block_size % multiple:
+        raise ValueError(f"{fmt} block_size must be a positive multiple of {multiple} (whole bytes per block), got {block_size!r}")
+    limit = None if n is None else max(-(-n // multiple) * multiple, SMALL_ROW_BLOCK)
+    if limit is not None and block_size > limit:
+        raise ValueError(f"{fmt} block_size={int(block_size)} is larger than the last axis ({n} values); use at most "
+                         f"{limit}, or a per-row/per-channel granularity")
+    return int(block_size)
 
 
 def pad_last(x: jax.Array, multiple: int) -> jax.Array:
@@ -99,7 +154,32 @@ def pad_last(x: jax.Array, multiple: int) -> jax.Array:
 
 # %% ../../../nbs/06a_ops.quantization.config.ipynb #329a8724
 class QuantizedArray(ImplicitArray):
-    "Base class of the quantized implicit arrays (subclasses declare a static `dtype` field)."
+    """Base class of the quantized implicit arrays (subclasses declare a static `dtype` field). Construction checks
+    that the logical `dtype` is floating and that the leaves' shapes agree (`_check_leaves`), so a hand-built array
+    with a wrong scale fails at once, not at its first use."""
+
+    def __post_init__(self):
+        dtype = jnp.dtype(self.dtype)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(f"{type(self).__name__}: the logical dtype (what materialize() returns) must be floating, "
+                            f"got {dtype}; e.g. jnp.float32 or jnp.bfloat16")
+        object.__setattr__(self, "dtype", dtype)
+        if all(hasattr(v, "shape") for v in jax.tree_util.tree_leaves(self)):  # not while JAX rebuilds placeholders
+            self._check_leaves()
+            codes = getattr(self, "nonfinite", None)
+            if codes is not None and tuple(codes.shape) != tuple(self.shape):
+                raise ValueError(f"{type(self).__name__}: nonfinite codes of shape {tuple(codes.shape)} for an array "
+                                 f"of shape {tuple(self.shape)}")
+
+    def _check_leaves(self) -> None:
+        "Raise a `ValueError` naming the leaf whose shape does not fit the others (subclasses)."
+
+    def _leaf_error(self, what: str, got: tp.Any, expected: tp.Any) -> ValueError:
+        return ValueError(f"{type(self).__name__}: {what} has shape {tuple(got)}, expected {tuple(expected)} "
+                          f"for {self._shape_note()}")
+
+    def _shape_note(self) -> str:
+        return f"an array of shape {tuple(self.shape)}"
 
     def astype(self, dtype) -> QuantizedArray:
         "The same quantized data with logical dtype `dtype` (a float dtype)."

@@ -16,6 +16,7 @@ from jax import lax
 from ...jaximus import aux_field, implicit, register
 from .config import (QuantizedArray, check_float_input, dot_out_dtype, kernels_module,
                                                 plain_matmul_kind)
+from .config import check_block_size, restore_nonfinite, split_nonfinite
 
 # %% auto #0
 __all__ = ['int8_quantize', 'int8_dequantize', 'Array8B', 'int8_matmul', 'int8_matmul_t']
@@ -31,8 +32,7 @@ def int8_quantize(x: jax.Array, block_size: int | None = None) -> tuple[jax.Arra
         scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
         q = jnp.clip(jnp.round(xf / scale), -127, 127).astype(jnp.int8)
         return q, scale
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0:
-        raise ValueError(f"int8 block_size must be a positive int, got {block_size!r}")
+    block_size = check_block_size(block_size, n, 1, "int8")
     if n % block_size:
         raise ValueError(f"int8 per-block quantization needs block_size to divide the last axis: got block_size="
                          f"{block_size} for a last axis of {n}; use a divisor of {n} or granularity='channel'")
@@ -57,6 +57,23 @@ class Array8B(QuantizedArray):
     scale: jax.Array
     block_size: int | None = aux_field()  # None: per last-axis channel
     dtype: tp.Any = aux_field()
+    nonfinite: jax.Array | None = None  # uint8 NaN/Inf codes (shape of the array) when quantized with nonfinite="keep"
+
+    def _check_leaves(self) -> None:
+        q = tuple(self.q.shape)
+        if self.block_size is None:
+            want = q[-1:]
+        else:
+            check_block_size(self.block_size, None, 1, "int8")
+            if not q or q[-1] % self.block_size:
+                raise ValueError(f"Array8B: block_size={self.block_size} does not divide the last axis of q {q}")
+            want = (*q[:-1], q[-1] // self.block_size)
+        if tuple(self.scale.shape) != want:
+            raise self._leaf_error("scale", self.scale.shape, want)
+
+    def _shape_note(self) -> str:
+        how = "per channel" if self.block_size is None else f"per block of {self.block_size}"
+        return f"q of shape {tuple(self.q.shape)} scaled {how}"
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -67,15 +84,15 @@ class Array8B(QuantizedArray):
         return self.block_size is not None and super().slices_along_axis0()
 
     def materialize(self) -> jax.Array:
-        return int8_dequantize(self.q, self.scale, self.block_size, self.dtype)
+        return restore_nonfinite(int8_dequantize(self.q, self.scale, self.block_size, self.dtype), self.nonfinite)
 
     @classmethod
-    def quantize(cls, x: jax.Array, block_size: int | None = None, dtype=None) -> Array8B:
-        "INT8-quantize `x`: per channel (`block_size=None`) or per block of the last axis."
-        x = check_float_input(x, "int8")
+    def quantize(cls, x: jax.Array, block_size: int | None = None, dtype=None, nonfinite: str = "raise") -> Array8B:
+        "INT8-quantize `x`: per channel (`block_size=None`) or per block of the last axis; NaN/Inf as `nonfinite` says."
+        x, keep = split_nonfinite(x, "int8", nonfinite)
         q, scale = int8_quantize(x, block_size)
         return cls(q, scale, block_size=None if block_size is None else int(block_size),
-                   dtype=jnp.dtype(x.dtype if dtype is None else dtype))
+                   dtype=jnp.dtype(x.dtype if dtype is None else dtype), nonfinite=keep)
 
 # %% ../../../nbs/06c_ops.quantization.int8.ipynb #5aa0f372
 def _scale_grad(dw: jax.Array, q: jax.Array) -> jax.Array:
@@ -124,8 +141,8 @@ int8_matmul_t.defvjp(_mmt_fwd, _mmt_bwd)
 
 @register(lax.dot_general_p)
 def _int8_dot_general(lhs: jax.Array, rhs: Array8B, *, dimension_numbers, **params):
-    if rhs.block_size is not None or rhs.ndim < 2:
-        return NotImplemented  # per-block: the general path
+    if rhs.block_size is not None or rhs.ndim < 2 or rhs.nonfinite is not None:
+        return NotImplemented  # per-block, or kept NaN/Inf: the general path
     all_params = dict(dimension_numbers=dimension_numbers, **params)
     out_dtype = dot_out_dtype(lhs, rhs, all_params)
     kind = plain_matmul_kind(lhs, rhs, dimension_numbers)

@@ -15,6 +15,7 @@ from jax import lax
 
 from ...jaximus import aux_field, implicit, register
 from .config import QuantizedArray, check_float_input, dot_out_dtype, kernels_module, pad_last, plain_matmul_kind
+from .config import check_block_size, restore_nonfinite, split_nonfinite
 
 # %% auto #0
 __all__ = ['NF4_CODEBOOK', 'NF4_MIDPOINTS', 'DOUBLE_QUANT_BLOCK', 'DYNAMIC_MAP', 'DYNAMIC_THRESHOLDS', 'nf4_encode', 'nf4_pack',
@@ -34,16 +35,14 @@ NF4_MIDPOINTS.setflags(write=False)
 DOUBLE_QUANT_BLOCK = 256  # absmax values per second-level block in double quantization
 
 
-def _check_block(block_size: int) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0 or block_size % 2:
-        raise ValueError(f"nf4 block_size must be a positive even int (two codes per byte), got {block_size!r}")
-    return int(block_size)
+def _check_block(block_size: int, n: int | None = None) -> int:
+    return check_block_size(block_size, n, 2, "nf4")  # even: two codes per byte
 
 
 def nf4_encode(x: jax.Array, block_size: int = 64) -> tuple[jax.Array, jax.Array]:
     "NF4 codes of `x` (uint8, one per value, last axis padded to the block) and the float32 absmax per block."
     x = check_float_input(x, "nf4")
-    block_size = _check_block(block_size)
+    block_size = _check_block(block_size, x.shape[-1])
     xf = pad_last(x.astype(jnp.float32), block_size)
     blocks = xf.reshape(*xf.shape[:-1], xf.shape[-1] // block_size, block_size)
     absmax = jnp.max(jnp.abs(blocks), axis=-1)
@@ -225,6 +224,20 @@ class ArrayNF4(QuantizedArray):
     qabsmax: jax.Array | None = None  # uint8 codes of DYNAMIC_MAP (..., Np // block_size) when double-quantized
     absmax_scale: jax.Array | None = None  # float32 second-level absmax, (ceil(num_blocks / 256),)
     absmax_offset: jax.Array | None = None  # float32 (): the mean of absmax, subtracted before quantizing
+    nonfinite: jax.Array | None = None  # uint8 NaN/Inf codes (shape of the array) when quantized with nonfinite="keep"
+
+    def _check_leaves(self) -> None:
+        _check_block(self.block_size)
+        p = tuple(self.packed.shape)
+        if not 0 < self.n <= 2 * p[-1] or (2 * p[-1]) % self.block_size:
+            raise ValueError(f"ArrayNF4: n={self.n} and block_size={self.block_size} do not fit packed codes of shape {p}")
+        blocks = (*p[:-1], 2 * p[-1] // self.block_size)
+        if self.absmax is not None and tuple(self.absmax.shape) != blocks:
+            raise self._leaf_error("absmax", self.absmax.shape, blocks)
+        if self.qabsmax is not None and tuple(self.qabsmax.shape) != blocks:
+            raise self._leaf_error("qabsmax", self.qabsmax.shape, blocks)
+        if (self.absmax is None) == (self.qabsmax is None):
+            raise ValueError("ArrayNF4: give exactly one of absmax (float32) and qabsmax (double quantization)")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -245,15 +258,16 @@ class ArrayNF4(QuantizedArray):
         return dequantize_absmax(self.qabsmax, self.absmax_scale, self.absmax_offset)
 
     def materialize(self) -> jax.Array:
-        return nf4_decode(self.packed, self.absmax_f32(), self.block_size, self.n, self.dtype)
+        return restore_nonfinite(nf4_decode(self.packed, self.absmax_f32(), self.block_size, self.n, self.dtype), self.nonfinite)
 
     @classmethod
-    def quantize(cls, x: jax.Array, block_size: int = 64, double_quant: bool = False, dtype=None) -> ArrayNF4:
-        "NF4-quantize the float array `x` (logical dtype `dtype`, default `x.dtype`)."
-        x = check_float_input(x, "nf4")
+    def quantize(cls, x: jax.Array, block_size: int = 64, double_quant: bool = False, dtype=None,
+                 nonfinite: str = "raise") -> ArrayNF4:
+        "NF4-quantize the float array `x` (logical dtype `dtype`, default `x.dtype`); NaN/Inf as `nonfinite` says."
+        x, keep = split_nonfinite(x, "nf4", nonfinite)
         codes, absmax = nf4_encode(x, block_size)
         dtype = jnp.dtype(x.dtype if dtype is None else dtype)
-        kw = dict(n=x.shape[-1], block_size=int(block_size), dtype=dtype)
+        kw = dict(n=x.shape[-1], block_size=int(block_size), dtype=dtype, nonfinite=keep)
         if double_quant:
             q, s, o = quantize_absmax(absmax)
             return cls(nf4_pack(codes), None, qabsmax=q, absmax_scale=s, absmax_offset=o, **kw)
@@ -311,7 +325,7 @@ nf4_matmul_t.defvjp(_mmt_fwd, _mmt_bwd)
 @register(lax.dot_general_p)
 def _nf4_dot_general(lhs: jax.Array, rhs: ArrayNF4, *, dimension_numbers, **params):
     kind = plain_matmul_kind(lhs, rhs, dimension_numbers)
-    if kind is None:
+    if kind is None or rhs.nonfinite is not None:  # kept NaN/Inf: the general (materializing) path
         return NotImplemented
     out_dtype = dot_out_dtype(lhs, rhs, dict(dimension_numbers=dimension_numbers, **params))
     k, n = rhs.shape

@@ -1,0 +1,518 @@
+"""Fuzz the parsers and decoders with hypothesis: config input (CLI, dict, YAML, JSON), policy strings, mesh
+strings, msgpack payloads (`from_bytes`), `.npy` and dict files, and quantization inputs.
+
+The property, for every input: either the documented result, or an exception of the documented type whose message
+names the bad value (or the file or field it came from); never a hang (hypothesis' per-example deadline, and a
+wall-clock limit on the whole run); never more than `MEMORY_LIMIT` of address space (each target runs in a fresh
+subprocess under `resource.RLIMIT_AS`); never a file touched outside the target directory (checked on the whole
+scratch tree around it).
+
+Runs are derandomized (the same inputs every time) and bounded. Each target prints one JSON line with the number
+of inputs tried and the outcomes; `python tests/test_fuzz.py TARGET[,TARGET...] DIR` runs targets by hand
+(`FUZZ_EXAMPLES=N` changes how many inputs each tries)."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime
+import io
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+import typing as tp
+from pathlib import Path
+
+import pytest
+
+MEMORY_LIMIT = 4 << 30  # bytes of address space per target process (JAX on CPU peaks at ~1.6 GB of it here)
+WALL_LIMIT = 120  # seconds per target process: a hang fails the test instead of stalling CI
+DEADLINE_MS = 2000  # hypothesis' per-example deadline
+MESSAGE_LIMIT = 4000  # characters an error message may have beyond twice the input's size
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The property, shared by every target
+# --------------------------------------------------------------------------------------------------------------
+
+class Outcomes:
+    "Counts inputs and outcomes; `check` applies the property to one call."
+
+    def __init__(self):
+        self.inputs = 0
+        self.kinds: collections.Counter = collections.Counter()
+
+    def check(self, fn: tp.Callable[[], tp.Any], allowed: tuple[type, ...], names: tp.Sequence[str] = (),
+              size: int = 0, on_ok: tp.Callable[[tp.Any], None] | None = None):
+        """Run `fn`; an exception must be one of `allowed` and its message must be non-empty, not absurdly long,
+        and contain one of `names` (the bad value, the key, the field or the file) when names are given."""
+        self.inputs += 1
+        try:
+            out = fn()
+        except allowed as e:
+            msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+            assert msg.strip(), f"{type(e).__name__} with an empty message"
+            assert len(msg) <= 2 * size + MESSAGE_LIMIT, f"{type(e).__name__} message of {len(msg)} characters"
+            if names:
+                assert any(n in msg for n in names), f"{type(e).__name__}: {msg[:500]!r} names none of {list(names)[:5]}"
+            self.kinds[type(e).__name__] += 1
+            return None
+        self.kinds["ok"] += 1
+        if on_ok is not None:
+            on_ok(out)
+        return out
+
+    def summary(self, target: str) -> str:
+        return json.dumps({"target": target, "inputs": self.inputs, "outcomes": dict(sorted(self.kinds.items()))})
+
+
+def _settings(max_examples: int, deadline_ms: int = DEADLINE_MS):
+    from hypothesis import HealthCheck, settings
+    return settings(max_examples=max_examples, derandomize=True, database=None, print_blob=True,
+                    deadline=datetime.timedelta(milliseconds=deadline_ms),
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Targets (each runs in its own process; `target_dir` is the only place it may write)
+# --------------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Model:
+    hidden: int = 8
+    dtype: tp.Literal["bf16", "f32"] = "bf16"
+
+
+def _parser():
+    from eformer_nb.aparser import Argu, DataClassArgumentParser
+
+    @dataclasses.dataclass
+    class Run:
+        steps: int = Argu(default=10, aliases=["-s"])
+        lr: float = 3e-4
+        name: str = "run"
+        compile: bool = True
+        seed: tp.Optional[int] = None
+        layers: list[int] = Argu(default=[1, 2])
+        ratios: tuple[float, float] = (0.5, 0.5)
+        tags: dict[str, int] = Argu(default={})
+        model: Model = dataclasses.field(default_factory=Model)
+
+    return Run, DataClassArgumentParser(Run)
+
+
+FIELDS = ["steps", "lr", "name", "compile", "seed", "layers", "ratios", "tags", "model", "hidden", "dtype"]
+
+
+def _check_run(run) -> None:
+    "An accepted config has the declared types (and finite floats, 64-bit ints)."
+    import math
+    (r,) = run
+    assert type(r.steps) is int and -2**63 <= r.steps < 2**64
+    assert type(r.lr) is float and math.isfinite(r.lr)
+    assert type(r.name) is str and type(r.compile) is bool and (r.seed is None or type(r.seed) is int)
+    assert all(type(x) is int for x in r.layers) and len(r.ratios) == 2
+    assert all(type(x) is float and math.isfinite(x) for x in r.ratios)
+    assert all(type(k) is str and type(v) is int for k, v in r.tags.items())
+    assert type(r.model.hidden) is int and r.model.dtype in ("bf16", "f32")
+
+
+def _json_values(st):
+    leaves = (st.none() | st.booleans() | st.integers() | st.integers(min_value=2**62, max_value=2**70)
+              | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8)
+              | st.sampled_from(["1e-3", "12", "nan", "inf", "true", "bf16", "f32", "", "1_000", "0x10"]))
+    return st.recursive(leaves, lambda kids: st.lists(kids, max_size=4)
+                        | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=6) | st.integers(0, 3), kids, max_size=4),
+                        max_leaves=12)
+
+
+def _config_dicts(st):
+    "Dicts that are mostly valid configs, with a junk value, key or type mixed in now and then."
+    junk = _json_values(st)
+    good = {"steps": st.integers(-5, 10**6), "lr": st.floats(1e-8, 1.0), "name": st.text(max_size=5),
+            "compile": st.booleans(), "seed": st.none() | st.integers(0, 99), "layers": st.lists(st.integers(0, 9), max_size=3),
+            "ratios": st.tuples(st.floats(0, 1), st.floats(0, 1)).map(list), "tags": st.dictionaries(st.text(max_size=3), st.integers(0, 9), max_size=2),
+            "model": st.fixed_dictionaries({}, optional={"hidden": st.integers(1, 64), "dtype": st.sampled_from(["bf16", "f32"])})}
+    valid = st.fixed_dictionaries({}, optional={k: v | junk if k in ("lr", "model") else v for k, v in good.items()})
+    mixed = st.fixed_dictionaries({}, optional={k: v | junk for k, v in good.items()})
+    return valid | mixed
+
+
+def _names_of(data) -> list[str]:
+    "Strings an error about `data` may name: field paths, keys, the reprs of keys and short values."
+    out = ["Run", "parse_dict"]
+    if isinstance(data, dict):
+        for k, v in data.items():
+            out += [repr(k), str(k)]
+            if isinstance(v, dict):
+                out += [repr(kk) for kk in v]
+    return out
+
+
+def fuzz_aparser_dict(target_dir: Path, n: int) -> Outcomes:
+    from hypothesis import given, strategies as st
+    from eformer_nb.aparser import ArgumentTypeError
+    Run, parser = _parser()
+    o = Outcomes()
+
+    @_settings(n)
+    @given(_config_dicts(st) | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=6) | st.integers(0, 3)
+                                               | st.tuples(st.integers()), _json_values(st), max_size=5))
+    def run(data):
+        o.check(lambda: parser.parse_dict(data), (ArgumentTypeError, KeyError, TypeError, ValueError),
+                names=_names_of(data), size=len(repr(data)), on_ok=_check_run)
+
+    run()
+    return o
+
+
+def fuzz_aparser_cli(target_dir: Path, n: int) -> Outcomes:
+    from hypothesis import given, strategies as st
+    from eformer_nb.aparser import ArgumentTypeError
+    import contextlib
+    Run, parser = _parser()
+    o = Outcomes()
+    options = ["--steps", "-s", "--lr", "--name", "--compile", "--no-compile", "--seed", "--layers", "--ratios",
+               "--tags", "--model.hidden", "--model.dtype", "--model", "--stepz", "--", "-x"]
+    values = st.sampled_from(["1", "-3", "1e-3", "nan", "inf", "none", "yes", "[1, 2]", "[[[[", '{"a": 1}', "bf16",
+                              "9" * 30, "1_0", "", "0.5"]) | st.text(max_size=6)
+
+    plausible = {"--steps": "12", "-s": "7", "--lr": "1e-3", "--name": "x", "--seed": "3", "--layers": "4",
+                 "--ratios": "0.1", "--tags": '{"a": 1}', "--model.hidden": "16", "--model.dtype": "f32"}
+    pairs = st.sampled_from(sorted(plausible)).flatmap(lambda k: st.tuples(st.just(k), st.just(plausible[k]) | values))
+    argvs = st.lists(pairs, max_size=4).map(lambda ps: [t for p in ps for t in p])
+
+    @_settings(n)
+    @given(argvs | st.lists(st.sampled_from(options) | values, max_size=8))
+    def run(argv):
+        err = io.StringIO()
+
+        def call():
+            with contextlib.redirect_stderr(err):
+                try:
+                    return parser.parse_args_into_dataclasses(argv)
+                except SystemExit as e:  # argparse's documented way out: usage and the error on stderr
+                    assert e.code == 2, e.code
+                    text = err.getvalue()
+                    assert "error:" in text and len(text) <= 2 * len(" ".join(argv)) + MESSAGE_LIMIT, text[:300]
+                    raise ValueError(text) from None
+
+        o.check(call, (ArgumentTypeError, ValueError), names=["error:", "Run", "layers", "ratios", "tags"],
+                size=len(" ".join(argv)), on_ok=_check_run)
+
+    run()
+    return o
+
+
+def _yaml_text(st):
+    scalar = st.sampled_from(["1", "1e-3", "1.0e-3", ".nan", ".inf", "-.inf", "true", "~", "bf16", "'12'", "[1, 2]",
+                              "{a: 1}", "1" + "0" * 400, "0x1F", "[", "]", "{", ":", "&a [1, 1]", "*a", "*b", "!!python/name:os.system",
+                              "!!binary aGk=", "|", "- 1", '"\\x00"'])
+    key = st.sampled_from(FIELDS + ["1", "null", "? x", "<<", "a b", "steps"])
+    line = st.tuples(st.integers(0, 2), key, scalar).map(lambda t: "  " * t[0] + f"{t[1]}: {t[2]}")
+    bomb = st.integers(2, 9).map(lambda k: "x0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + "".join(
+        f"x{i}: &a{i} [{', '.join(['*a' + str(i - 1)] * 9)}]\n" for i in range(1, k)) + f"layers: *a{k - 1}\n")
+    deep = st.integers(1, 3000).map(lambda d: "layers: " + "[" * d + "1" + "]" * d + "\n")
+    return st.lists(line, max_size=6).map("\n".join) | bomb | deep | st.text(max_size=40)
+
+
+def fuzz_aparser_files(target_dir: Path, n: int) -> Outcomes:
+    from hypothesis import given, strategies as st
+    from eformer_nb.aparser import ArgumentTypeError
+    Run, parser = _parser()
+    o = Outcomes()
+    y, j = target_dir / "config.yaml", target_dir / "config.json"
+    allowed = (ArgumentTypeError, KeyError, TypeError, ValueError)
+
+    import yaml
+
+    @_settings(n)
+    @given(_yaml_text(st), st.binary(max_size=24), _json_values(st), st.integers(0, 3), _config_dicts(st))
+    def run(yaml_text, junk, value, mode, cfg):
+        as_json = mode % 2 == 1
+        if mode == 2:  # a (mostly) valid config, dumped as YAML
+            yaml_text, junk = yaml.safe_dump(cfg), b""
+        if as_json:
+            text = (json.dumps(cfg, allow_nan=True) if mode == 3 else json.dumps({"layers": value, "lr": value}, allow_nan=True)) \
+                if not junk else junk.decode("latin-1")
+            j.write_text(text, encoding="utf-8")
+            o.check(lambda: parser.parse_json_file(j), allowed, names=[str(j), "Run"], size=len(text), on_ok=_check_run)
+        else:
+            data = yaml_text.encode() if not junk or len(junk) % 3 else junk
+            y.write_bytes(data)
+            o.check(lambda: parser.parse_yaml_file(y), allowed, names=[str(y), "Run"], size=len(data), on_ok=_check_run)
+
+    run()
+    return o
+
+
+def fuzz_policy(target_dir: Path, n: int) -> Outcomes:
+    from hypothesis import given, strategies as st
+    from eformer_nb.mpric.dtypes import DTYPE_NAMES
+    from eformer_nb.mpric.policy import Policy, get_policy
+    o = Outcomes()
+    token = st.sampled_from(list(DTYPE_NAMES) + ["p", "c", "o", "params", "compute", "output", "=", ",", " ", "fp32",
+                                                 "int8", "x", "==", "p=", ",,"])
+    name = st.sampled_from(list(DTYPE_NAMES) + ["fp32", "int8", ""])
+    pair = st.tuples(st.sampled_from(["p", "c", "o", "params", "compute", "output", "q"]), name).map("=".join)
+    well_formed = name | st.lists(pair, min_size=1, max_size=3).map(",".join)
+    policy = well_formed | st.lists(token, max_size=8).map("".join) | st.text(max_size=20) \
+        | st.integers(1, 10**5).map(lambda k: "p=" + "f" * k)
+
+    def ok(p):
+        assert isinstance(p, Policy) and str(get_policy(str(p))) == str(p)
+
+    @_settings(n)
+    @given(policy | st.none() | st.integers())
+    def run(s):
+        o.check(lambda: get_policy(s), (ValueError, TypeError), names=["policy", "dtype"], size=min(len(repr(s)), 1000), on_ok=ok)
+
+    run()
+    return o
+
+
+def fuzz_mesh(target_dir: Path, n: int) -> Outcomes:
+    from hypothesis import given, strategies as st
+    from eformer_nb.escale.mesh import parse_mesh_spec, resolve_axis_dims
+    o = Outcomes()
+    token = st.sampled_from(["dp", "tp", "fsdp", "sp", "ep", ":", ",", "-1", "2", "4", "0", " ", "x", "99999999999",
+                             "1e3", "dp:2", "tp:-1", ":4"])
+    item = st.tuples(st.sampled_from(["dp", "tp", "fsdp", "sp", "ep", "x1", "1a", ""]), st.integers(-2, 16)).map(lambda t: f"{t[0]}:{t[1]}")
+    well_formed = st.lists(item, min_size=1, max_size=4).map(",".join) | st.lists(st.integers(-1, 8), min_size=1, max_size=3).map(
+        lambda ds: ",".join(map(str, ds)))
+    spec = well_formed | st.lists(token, max_size=8).map("".join) | st.text(max_size=16)
+
+    def ok(out):
+        dims, names = out
+        assert len(dims) == len(names) and len(set(names)) == len(names) and all(type(d) is int for d in dims)
+        o.check(lambda: resolve_axis_dims(dims, names, 8), (ValueError, TypeError), names=["axis", "devices", "-1", "dims"])
+
+    @_settings(n)
+    @given(spec, st.none() | st.lists(st.sampled_from(["dp", "tp", "sp", "", "dp"]), max_size=4))
+    def run(s, names):
+        o.check(lambda: parse_mesh_spec(s, names), (ValueError, TypeError), names=[repr(s), "names"], size=len(s), on_ok=ok)
+
+    run()
+    return o
+
+
+def fuzz_msgpack(target_dir: Path, n: int) -> Outcomes:
+    import struct
+    import zlib
+    import msgpack
+    import numpy as np
+    from hypothesis import given, strategies as st
+    from eformer_nb.pytree import serialization as ser
+    o = Outcomes()
+    good = ser.to_bytes({"w": np.arange(6, dtype=np.float32).reshape(2, 3), "step": 3, "t": (1, 2.5, None), "k": b"x"})
+
+    def with_header(header: bytes, data: bytes = b"") -> bytes:
+        "A payload whose prefix and header checksum are right, so the header itself is what is parsed."
+        pad = b"\0" * ser._pad(ser.PREFIX_SIZE + len(header))
+        prefix = ser._PREFIX.pack(ser.MAGIC, ser.FORMAT_VERSION, len(header), len(data), zlib.crc32(data), ser._FLAG_DATA_CRC)
+        return prefix + ser._HCRC.pack(zlib.crc32(header, zlib.crc32(prefix))) + header + pad + data
+
+    leaf = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=4) | st.binary(max_size=4) \
+        | st.builds(msgpack.ExtType, st.integers(0, 8), st.binary(max_size=12))
+    tree = st.recursive(leaf, lambda k: st.lists(k, max_size=3) | st.dictionaries(st.text(max_size=3) | st.integers(), k, max_size=3),
+                        max_leaves=10)
+    entry = st.lists(st.sampled_from(["float32", "int8", "bfloat16", "nope"]) | st.integers() | st.lists(st.integers(-1, 10**12), max_size=3),
+                     min_size=0, max_size=5)
+    header = st.builds(lambda arrays, t: {"arrays": arrays, "tree": t}, st.lists(entry, max_size=3), tree) | tree
+
+    def payload(kind, blob, at, head, data):
+        if kind == 0:
+            return blob
+        if kind == 1:  # a flipped byte of a good payload
+            b = bytearray(good); b[at % len(b)] ^= 1 + blob[0] % 255 if blob else 1; return bytes(b)
+        if kind == 2:  # a cut good payload
+            return good[:at % len(good)]
+        return with_header(msgpack.packb(head, use_bin_type=True, strict_types=False), data)
+
+    def ok(out):
+        assert out is None or isinstance(out, (dict, list, tuple, int, float, str, bytes, bool, np.ndarray, np.generic, complex))
+
+    @_settings(n)
+    @given(st.integers(0, 3), st.binary(max_size=64), st.integers(0, 10**6), header, st.binary(max_size=96), st.booleans())
+    def run(kind, blob, at, head, data, verify):
+        try:
+            p = payload(kind, blob, at, head, data)
+        except (TypeError, ValueError, OverflowError):  # msgpack cannot pack this header: not an input
+            return
+        o.check(lambda: ser.from_bytes(None, p, verify=verify), (ValueError, TypeError),
+                names=["input", "header", "array", "entry", "tuple", "extension", "dtype", "bytes", "PRNG", "payload",
+                       "corrupted", "reference", "shape", "version", "flags"], size=len(p), on_ok=ok)
+
+    run()
+    return o
+
+
+def fuzz_files(target_dir: Path, n: int) -> Outcomes:
+    "`.npy` and dict files: crafted headers, cut and flipped bytes, random JSON and msgpack."
+    import msgpack
+    import numpy as np
+    from hypothesis import given, strategies as st
+    from eformer_nb.paths import ePath, load_dict, load_jax_array, save_dict, save_jax_array
+    o = Outcomes()
+    buf = io.BytesIO(); np.save(buf, np.arange(12, dtype=np.float32).reshape(3, 4)); good = buf.getvalue()
+    npy, js, mp = target_dir / "a.npy", target_dir / "d.json", target_dir / "d.msgpack"
+    load_jax_array(save_jax_array(npy, np.ones(2)))  # warm up: the first call starts JAX's backend
+
+    def npy_bytes(kind, shape, descr, blob, at):
+        if kind == 0:  # a header written by hand: any shape, dtype string and order against 48 data bytes
+            h = "{'descr': %r, 'fortran_order': %s, 'shape': %r, }" % (descr, "True" if at % 2 else "False", tuple(shape))
+            h = h.ljust(118) + "\n"
+            return b"\x93NUMPY\x01\x00" + len(h).to_bytes(2, "little") + h.encode("latin-1") + good[128:]
+        if kind == 1:
+            b = bytearray(good); b[at % len(b)] = blob[0] if blob else 0; return bytes(b)
+        if kind == 2:
+            return good[:at % len(good)]
+        return blob
+
+    def ok_arr(a):
+        assert a.size * a.dtype.itemsize <= 48
+
+    @_settings(n)
+    @given(st.integers(0, 3), st.lists(st.integers(-2, 2**40), max_size=4), st.sampled_from(["<f4", "<i2", "|u1", "|O", "<f8", "x", "|V4", "<U1", "|b1"]),
+           st.binary(max_size=64), st.integers(0, 10**6), _json_values(st), st.text(max_size=30), st.booleans())
+    def run(kind, shape, descr, blob, at, value, text, which):
+        npy.write_bytes(npy_bytes(kind, shape, descr, blob, at))
+        o.check(lambda: load_jax_array(npy), (ValueError,), names=[str(npy)], size=0, on_ok=ok_arr)
+        if which:
+            js.write_text(text if kind % 2 else json.dumps({"v": value}, allow_nan=True), encoding="utf-8")
+            o.check(lambda: load_dict(js), (ValueError, TypeError), names=[str(js)], size=0)
+            o.check(lambda: save_dict(ePath(target_dir) / "out.json", {"v": value}), (ValueError, TypeError),
+                    names=["out.json"], size=len(repr(value)))
+        else:
+            try:
+                mp.write_bytes(blob if kind % 2 else msgpack.packb({"v": value}, use_bin_type=True))
+            except (OverflowError, TypeError, ValueError):  # msgpack cannot hold this value (ints beyond 64 bits)
+                mp.write_bytes(blob)
+            o.check(lambda: load_dict(mp), (ValueError, TypeError), names=[str(mp)], size=0)
+        o.check(lambda: save_jax_array(target_dir / "out.npy", np.asarray(shape, np.int64)), (ValueError, TypeError))
+
+    run()
+    return o
+
+
+def fuzz_quantization(target_dir: Path, n: int) -> Outcomes:
+    import jax.numpy as jnp
+    import numpy as np
+    from hypothesis import given, strategies as st
+    from eformer_nb.ops.quantization import quantize
+    o = Outcomes()
+    fmts = ["nf4", "int8", "binary", "ternary"]
+    specials = [0.0, -0.0, 1e-30, 3e38, -3e38, float("nan"), float("inf"), -float("inf")]
+    quantize(jnp.ones((4, 8)), "int8")  # warm up: the first call starts JAX's backend
+
+    def ok_for(x, fmt, nonfinite):
+        def ok(q):
+            d = np.asarray(q.materialize(), np.float32)
+            assert q.shape == x.shape and d.shape == x.shape and q.dtype == x.dtype
+            xf = np.asarray(x, np.float32)
+            fin = np.isfinite(xf)
+            if nonfinite == "keep":  # kept exactly where they were, and nowhere else
+                np.testing.assert_array_equal(np.isnan(d), np.isnan(xf))
+                np.testing.assert_array_equal(d[np.isinf(xf)], xf[np.isinf(xf)])
+            else:
+                assert fin.all(), "non-finite input was accepted without nonfinite='keep'"
+            finite_in = fin & (np.abs(xf) < 1e30)  # values near float max may round to inf in bf16/f16 outputs
+            assert np.isfinite(d[finite_in]).all() or x.dtype != np.float32, (fmt, "finite input became non-finite")
+        return ok
+
+    @_settings(n, deadline_ms=20_000)  # the first call of each shape compiles
+    @given(st.sampled_from(fmts), st.sampled_from([(4, 8), (3, 7), (2, 0), ()]),
+           st.sampled_from(["float32", "bfloat16", "int32"]),
+           st.none() | st.sampled_from([8, 64, 128, 3, 0, -8, 1 << 30, 2**63]),
+           st.lists(st.sampled_from(specials), max_size=3), st.integers(0, 2**32 - 1), st.sampled_from(["raise", "keep", "zero"]))
+    def run(fmt, shape, dtype, block, special, seed, nonfinite):
+        x = np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+        for i, v in enumerate(special):
+            if x.size:
+                x.flat[(seed + 7 * i) % x.size] = v
+        x = jnp.asarray(x).astype(dtype)
+        kw = {"nonfinite": nonfinite}
+        if block is not None:
+            kw["block_size"] = block
+            if fmt == "int8":
+                kw["granularity"] = "block"
+        o.check(lambda: quantize(x, fmt, **kw), (ValueError, TypeError),
+                names=["block_size", "not finite", "floating", "last axis", "nonfinite", "granularity", repr(block)],
+                on_ok=ok_for(x, fmt, nonfinite))
+
+    run()
+    return o
+
+
+TARGETS: dict[str, tuple[tp.Callable[[Path, int], Outcomes], int]] = {
+    "aparser_dict": (fuzz_aparser_dict, 400),
+    "aparser_cli": (fuzz_aparser_cli, 300),
+    "aparser_files": (fuzz_aparser_files, 300),
+    "policy": (fuzz_policy, 500),
+    "mesh": (fuzz_mesh, 500),
+    "msgpack": (fuzz_msgpack, 500),
+    "files": (fuzz_files, 250),
+    "quantization": (fuzz_quantization, 60),
+}
+GROUPS = {  # targets sharing one process (one interpreter start each; the config group never imports a backend)
+    "config": ["aparser_dict", "aparser_cli", "aparser_files", "policy", "mesh"],
+    "arrays": ["msgpack", "files", "quantization"],
+}
+
+
+def _main(targets: list[str], target_dir: str) -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+    for target in targets:
+        fn, n = TARGETS[target]
+        t0 = time.monotonic()
+        (Path(target_dir) / target).mkdir()
+        out = fn(Path(target_dir) / target, int(os.environ.get("FUZZ_EXAMPLES", n)))
+        line = json.loads(out.summary(target))
+        line["seconds"] = round(time.monotonic() - t0, 1)
+        print("FUZZ " + json.dumps(line), flush=True)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# pytest: one subprocess per target, in a scratch tree whose only writable target is target/
+# --------------------------------------------------------------------------------------------------------------
+
+def _snapshot(root: Path, skip: Path) -> dict[str, tuple]:
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p == skip or skip in p.parents:
+            continue
+        st = p.lstat()
+        out[str(p.relative_to(root))] = (st.st_mode, st.st_size, st.st_mtime_ns, p.read_bytes() if p.is_file() else None)
+    return out
+
+
+@pytest.mark.timeout(WALL_LIMIT + 60)
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_fuzz(group, tmp_path):
+    target_dir, work, home = tmp_path / "target", tmp_path / "work", tmp_path / "home"
+    for d in (target_dir, work, home):
+        d.mkdir()
+    (tmp_path / "canary.txt").write_text("must stay as it is")
+    (work / "config.yaml").write_text("steps: 1\n")  # a file of the same name as the target's, one level off
+    before = _snapshot(tmp_path, target_dir)
+    env = dict(os.environ, HOME=str(home), TMPDIR=str(target_dir), PYTHONDONTWRITEBYTECODE="1",
+               HYPOTHESIS_STORAGE_DIRECTORY=str(target_dir / ".hypothesis"),
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
+               EFORMER_NB_LOG_LEVEL="ERROR", JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # one device is enough here; 8 would only cost memory
+    proc = subprocess.run([sys.executable, "-B", __file__, ",".join(GROUPS[group]), str(target_dir)], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=WALL_LIMIT)
+    assert proc.returncode == 0, f"{group}: exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("FUZZ ")]
+    print("\n".join(lines))
+    summaries = [json.loads(l[5:]) for l in lines]
+    assert [s["target"] for s in summaries] == GROUPS[group], proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert all(s["inputs"] > 0 for s in summaries)
+    after = _snapshot(tmp_path, target_dir)
+    assert after == before, f"{group} touched files outside its target: {sorted(set(after) ^ set(before))}"
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1].split(","), sys.argv[2])
