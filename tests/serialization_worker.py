@@ -1,0 +1,72 @@
+"""Subprocess bodies for tests/test_serialization.py (run as `python serialization_worker.py MODE ...`).
+
+`multiprocess PORT PID DIR`: one of two JAX processes (4 host CPU devices each) on 127.0.0.1: together they save one
+sharded array as a step checkpoint and restore it onto another sharding; each checks the shards it holds.
+`crashloop DIR`: saves step checkpoints 1, 2, 3, ... forever (the test SIGKILLs it); prints "ready" after the first.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+
+def expected(step: int) -> dict:
+    "The deterministic content of the crash-loop checkpoint of `step`."
+    rng = np.random.default_rng(step)
+    return {"a": rng.standard_normal((256, 256)).astype(np.float32), "b": rng.integers(0, 2**31, (128, 512), dtype=np.int64),
+            "step": step}
+
+
+def multiprocess(port: int, pid: int, root: str) -> None:
+    import jax
+
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid,
+                               initialization_timeout=120)
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from eformer_nb.serialization import CheckpointManager, read_metadata
+
+    assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
+    mesh = jax.make_mesh((4, 2), ("x", "y"), devices=jax.devices())
+    full = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    src = NamedSharding(mesh, P("x", "y"))
+    arr = jax.make_array_from_callback(full.shape, src, lambda idx: full[idx])
+    mgr = CheckpointManager(root)
+    mgr.save({"w": arr, "note": "two processes"}, 7, extras={"writer": "both"})
+    assert mgr.all_steps() == [7], mgr.all_steps()
+    meta = read_metadata(mgr.step_path(7))
+    assert meta["process_count"] == 2, meta
+    # restore onto another sharding: columns split over 'x', rows over 'y'
+    dst = NamedSharding(mesh, P("y", "x"))
+    back = mgr.load(7, template={"w": jax.ShapeDtypeStruct(full.shape, np.float32, sharding=dst), "note": ""})
+    assert back["note"] == "two processes"
+    assert back["w"].sharding == dst
+    for shard in back["w"].addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
+    print(f"process {pid}: checked {len(back['w'].addressable_shards)} shards", flush=True)
+    jax.distributed.shutdown()
+
+
+def crashloop(root: str) -> None:
+    from eformer_nb.serialization import CheckpointManager
+
+    mgr = CheckpointManager(root)
+    step = (mgr.all_steps() or [0])[-1]
+    while True:
+        step += 1
+        mgr.save(expected(step), step)
+        if step % 3 == 0 and len(mgr.all_steps()) > 2:
+            mgr.delete(mgr.all_steps()[0])  # deletes are killed half-way too
+        print("ready", step, flush=True)
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "multiprocess":
+        multiprocess(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    elif mode == "crashloop":
+        crashloop(sys.argv[2])
+    else:
+        sys.exit(f"unknown mode {mode!r}; expected multiprocess or crashloop")
