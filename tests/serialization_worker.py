@@ -46,7 +46,36 @@ def multiprocess(port: int, pid: int, root: str) -> None:
     for shard in back["w"].addressable_shards:
         np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
     print(f"process {pid}: checked {len(back['w'].addressable_shards)} shards", flush=True)
+    policies(pid, root, arr, full)
     jax.distributed.shutdown()
+
+
+def policies(pid: int, root: str, arr, full) -> None:
+    "Checkpointer + AsyncCheckpointManager on two processes whose clocks disagree: process 0 decides for both."
+    import datetime as dt
+
+    from eformer_nb.serialization import AsyncCheckpointManager, CheckpointInterval, Checkpointer
+
+    t0 = dt.datetime(2026, 1, 1)
+    clock = {"step": 0}
+    speed = 1 if pid == 0 else 7  # process 1's clock runs 7x faster: left alone it would save other steps
+    now = lambda: t0 + dt.timedelta(minutes=speed * clock["step"])
+    with AsyncCheckpointManager(checkpoint_dir=f"{root}/policies") as mgr:
+        ck = Checkpointer(f"{root}/policies", dt.timedelta(minutes=3), [CheckpointInterval(4)], manager=mgr,
+                          dt_now_injection=now)
+        saved = []
+        for step in range(1, 11):
+            clock["step"] = step
+            if ck.on_step({"w": arr, "step": step}, step=step):
+                saved.append(step)
+        ck.wait_until_finished()
+        assert saved == [3, 4, 7, 8], saved  # process 0's clock: temporaries at 3 and 7, permanent at 4 and 8
+        assert mgr.all_steps() == [4, 8], mgr.all_steps()
+        back = ck.load_checkpoint(step=8)
+        assert back["step"] == 8
+        for shard in back["w"].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
+    print(f"process {pid}: policies agreed on {saved}", flush=True)
 
 
 def crashloop(root: str) -> None:

@@ -155,9 +155,10 @@ def test_two_processes_save_and_reshard(tmp_path):
     for i, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"process {i} failed:\n{out[-3000:]}"
         assert f"process {i}: checked 4 shards" in out
+        assert f"process {i}: policies agreed on [3, 4, 7, 8]" in out
     # one commit: a single step directory, no work directory left, one metadata.json
     run = ePath(tmp_path / "run")
-    assert sorted(p.name for p in run.iterdir()) == ["step-7"]
+    assert sorted(p.name for p in run.iterdir()) == ["policies", "step-7"]
     assert [s for s, _ in list_checkpoints(run)] == [7]
 
 

@@ -24,7 +24,8 @@ from ..pytree.tree_util import tree_bytes
 logger = get_logger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'OptimizerStateMissingError', 'EasyDeLState']
+__all__ = ['logger', 'STATE_FILE', 'OPTIMIZER_PREFIX', 'STATE_FORMAT', 'STATE_FORMAT_VERSION', 'OptimizerStateMissingError',
+           'EasyDeLState']
 
 # %% ../../nbs/13a_infra.base_state.ipynb #71d8092e
 class OptimizerStateMissingError(AssertionError, ValueError):
@@ -300,3 +301,194 @@ def _shard_with_shape(self, shape: EasyDeLState  # a state-shaped tree of `Shard
             return x
         return jax.lax.with_sharding_constraint(x, s) if isinstance(x, jax.core.Tracer) else jax.device_put(x, s)
     return jax.tree_util.tree_map(put, shape, self, is_leaf=lambda s: s is None or isinstance(s, Sharding))
+
+# %% ../../nbs/13a_infra.base_state.ipynb #9df3f4b9
+STATE_FILE = "easydel_state.json"  # step, format and optimizer leaf list of a saved state
+OPTIMIZER_PREFIX = "optimizer"  # the optimizer state's tree, inside the state folder
+STATE_FORMAT, STATE_FORMAT_VERSION = "eformer_nb.EasyDeLState", 1
+
+
+def _leaf_specs(tree) -> dict[str, list]:
+    "`{path: [shape, dtype]}` of a tree of arrays or shape structs (nnx Variables count as leaves)."
+    return {p: [list(np.shape(x)), np.dtype(x.dtype).name] for p, x in _leaf_paths(tree).items()}
+
+
+def _read_state_file(directory) -> dict:
+    from eformer_nb.paths import ePath, load_dict
+    path = ePath(directory) / STATE_FILE
+    if not path.exists():
+        hint = (" It holds a model (config.json) but no saved training state: load the model with "
+                "AutoModelForCausalLM.from_pretrained(...) and call .to_state()") if (ePath(directory) / "config.json").exists() else ""
+        raise FileNotFoundError(f"{str(path)!r} does not exist: {str(directory)!r} is not a folder written by "
+                                f"EasyDeLState.save_state (or its save did not finish).{hint}")
+    meta = load_dict(path, format="json")
+    if meta.get("format") != STATE_FORMAT or meta.get("version") != STATE_FORMAT_VERSION:
+        raise ValueError(f"{str(path)!r} has format {meta.get('format')!r} version {meta.get('version')!r}; "
+                         f"expected {STATE_FORMAT!r} version {STATE_FORMAT_VERSION}")
+    return meta
+
+
+def _check_optimizer_leaves(saved: dict, expected: dict, directory, tx) -> None:
+    "A `ValueError` naming the differing leaves when the saved optimizer state is not the one `tx` makes."
+    only_disk, only_tx = sorted(set(saved) - set(expected)), sorted(set(expected) - set(saved))
+    differ = [f"{k}: saved {saved[k][1]}{saved[k][0]}, expected {expected[k][1]}{expected[k][0]}"
+              for k in sorted(set(saved) & set(expected)) if list(saved[k]) != list(expected[k])]
+    if only_disk or only_tx or differ:
+        parts = [f"{len(v)} {what} (e.g. {v[:3]})" for what, v in (("leaves only in the saved state", only_disk),
+                 ("leaves only in this optimizer's state", only_tx), ("leaves with another shape or dtype", differ)) if v]
+        raise ValueError(f"the optimizer state saved in {str(directory)!r} does not match the state's optimizer "
+                         f"({type(tx).__name__}) for these parameters: " + "; ".join(parts) + ". Load it with the "
+                         "optimizer and model it was saved with, or start a fresh one with state.init_tx(tx)")
+
+# %% ../../nbs/13a_infra.base_state.ipynb #fe3a2804
+@_method("save_state")
+def _save_state(self, save_directory,  # folder to write (local path or gs://)
+                float_dtype=None,  # cast floating parameters to this dtype in the saved model (the state is unchanged)
+                verbose: bool = True,  # log what was written
+                mismatch_allowed: bool = True,  # the reference's argument; saving writes exactly the model's parameters, so nothing can mismatch
+                save_optimizer: bool = True,  # also save the optimizer state (when the state has one)
+                enable: bool | None = None,  # False: write nothing; None/True: every process takes part (writes are collective)
+                ):
+    "Save the model (Hugging Face layout, through its `save_pretrained`), the optimizer state and the step."
+    from eformer_nb.paths import ePath, save_dict
+    from eformer_nb.serialization.serialization import tree_serialize_leaves
+    if enable is False:
+        return None
+    model = self.model
+    if not callable(getattr(model, "save_pretrained", None)):
+        raise TypeError(f"save_state writes the parameters with the model's save_pretrained (Hugging Face layout); "
+                        f"{type(model).__name__} has none. Use an eformer_nb model (e.g. modules.llama.LlamaForCausalLM)")
+    directory = ePath(save_directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    first = jax.process_index() == 0
+    if first and (directory / STATE_FILE).exists():
+        (directory / STATE_FILE).unlink()  # the folder is not a complete state until the new file is written
+    step = int(jax.device_get(self.step))
+    model.save_pretrained(str(directory), float_dtype=float_dtype)  # not step=: that would write into run-{step}/
+    optimizer = None
+    if save_optimizer and self.opt_state is not None:
+        tree_serialize_leaves(directory, self.opt_state, prefix=OPTIMIZER_PREFIX)
+        optimizer = {"prefix": OPTIMIZER_PREFIX, "tx": type(self.tx).__name__, "leaves": _leaf_specs(self.opt_state)}
+    if first:
+        save_dict(directory / STATE_FILE, {"format": STATE_FORMAT, "version": STATE_FORMAT_VERSION, "step": step,
+                                           "optimizer": optimizer}, format="json")
+    if verbose:
+        logger.info("saved state at step %d to %s (model%s)", step, directory,
+                    " and optimizer state" if optimizer else "; no optimizer state")
+    return directory
+
+# %% ../../nbs/13a_infra.base_state.ipynb #58659812
+@_method("load_optimizer")
+def _load_optimizer(self, load_directory,  # a folder written by `save_state`
+                   ) -> EasyDeLState:
+    "The state with the optimizer state saved in `load_directory`, placed like the parameters. Needs `tx`."
+    from eformer_nb.serialization.serialization import tree_deserialize_leaves
+    if self.tx is None:
+        raise ValueError("load_optimizer needs the optimizer the state was saved with, to rebuild its structure: "
+                         "state.replace(tx=tx).load_optimizer(dir), or EasyDeLState.load_state(dir, tx=tx)")
+    saved = _read_state_file(load_directory).get("optimizer")
+    if saved is None:
+        raise FileNotFoundError(f"{str(load_directory)!r} holds no optimizer state: it was saved with "
+                                "save_optimizer=False or from a state without one; start one with state.init_tx(tx)")
+    shapes = jax.eval_shape(self.tx.init, self.graphstate)
+    _check_optimizer_leaves(saved["leaves"], _leaf_specs(shapes), load_directory, self.tx)
+    shardings = _opt_shardings(self, shapes)
+    template = shapes if shardings is None else jax.tree_util.tree_map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+    return self.replace(opt_state=tree_deserialize_leaves(load_directory, prefix=saved["prefix"], template=template))
+
+# %% ../../nbs/13a_infra.base_state.ipynb #784596ac
+def _module_class(model_task, directory):
+    "The registered module class for `model_task` (None/'auto': causal LM) and the folder's `model_type`."
+    from eformer_nb.infra.factory import AutoConfig, TaskType, get_module_class
+    task = TaskType.CAUSAL_LM if model_task in (None, "auto", "auto_bind", "auto-bind") else TaskType.parse(model_task)
+    return get_module_class(task, AutoConfig.from_pretrained(directory).model_type)
+
+
+def _apply_shard_fns(graphstate, shard_fns):
+    "Apply `{path: fn}` (path as 'a/b/c' or a tuple of keys) to the matching parameters; unknown paths are an error."
+    fns = {("/".join(map(str, k)) if isinstance(k, tuple) else str(k)): f for k, f in dict(shard_fns).items()}
+    paths = _leaf_paths(graphstate)
+    unknown = sorted(set(fns) - set(paths))
+    if unknown:
+        raise ValueError(f"shard_fns names parameters the model does not have: {unknown[:5]}; parameters are like {sorted(paths)[:5]}")
+    return map_leaves_with_path(lambda p, x: fns[p](x) if p in fns else x, graphstate)
+
+
+def _check_platform(name: str, value) -> None:
+    if value is None:
+        return
+    have = jax.default_backend()
+    if str(getattr(value, "value", value)).lower() != have:
+        raise ValueError(f"load_state: {name}={value!r} but JAX runs on {have!r}; eformer_nb models have one "
+                         f"implementation per JAX backend, so pass {name}=None (or {have!r})")
+
+# %% ../../nbs/13a_infra.base_state.ipynb #0664bbc7
+@_method("load_state", kind="classmethod")
+def _load_state(cls, load_directory,  # a folder written by `save_state`
+                device="cpu",  # where to put the model when not sharding it: a `jax.Device`, a platform name, or None (default device)
+                dtype=jnp.float32,  # computation dtype of the model
+                param_dtype=jnp.float32,  # dtype the parameters are loaded in
+                precision=None,  # `jax.lax.Precision` of the model's matmuls
+                sharding_axis_dims: tp.Sequence[int] = (1, -1, 1, 1),  # mesh shape for `auto_shard_model` (one -1 allowed)
+                sharding_dcn_axis_dims: tp.Sequence[int] | None = None,  # how many slices each mesh axis spans
+                sharding_axis_names: tp.Sequence[str] = ("dp", "fsdp", "tp", "sp"),  # mesh axis names
+                partition_axis=None,  # a `PartitionAxis` for the model's config
+                shard_attention_computation: bool = True,  # kept on the model's config
+                shard_fns: tp.Mapping | None = None,  # `{parameter path: fn}` applied to those parameters after loading
+                backend=None,  # must be None or the JAX backend in use
+                platform=None,  # must be None or the JAX platform in use
+                config_kwargs: dict | None = None,  # overrides of the saved config
+                model_task="auto",  # the registry task; 'auto': causal language model
+                auto_shard_model: bool = False,  # place the model on a mesh of `sharding_axis_dims` by `partition_rules`
+                partition_rules: tp.Sequence[tuple[str, PartitionSpec]] | None = None,  # None: the config's rules
+                quantization_platform=None,  # must be None or the JAX platform in use
+                quantization_method=None,  # quantize the loaded weights: 'nf4', 'int8', 'binary', 'ternary' (None: no)
+                quantization_block_size: int = 128,  # block size of the quantization
+                quantization_pattern: str | None = None,  # regex of the parameter paths to quantize (None: the model's default)
+                quantize_tensors: bool = True,  # quantize the arrays (False: only mark the layers)
+                verbose: bool = True,  # log what was loaded
+                tx: optax.GradientTransformation | None = None,  # the optimizer: also load the saved optimizer state
+                **kwargs,  # more arguments for the model's `from_pretrained`
+                ) -> EasyDeLState:
+    "Rebuild the model from `config.json` through the registry, load its weights, step and (with `tx`) optimizer state."
+    from eformer_nb.escale.mesh import create_mesh
+    from eformer_nb.paths import ePath
+    meta = _read_state_file(load_directory)  # first: a clear error for a folder that is not a saved state
+    if tx is not None and meta.get("optimizer") is None:
+        raise FileNotFoundError(f"load_state(tx=...) asks for the optimizer state, but {str(load_directory)!r} holds none "
+                                "(saved with save_optimizer=False or from a state without one); leave tx out and call "
+                                "state.init_tx(tx) for a fresh one")
+    for name, value in (("backend", backend), ("platform", platform), ("quantization_platform", quantization_platform)):
+        _check_platform(name, value)
+    config_kwargs = dict(config_kwargs or {})
+    module_cls = _module_class(model_task, ePath(load_directory))
+    if "shard_attention_computation" in module_cls.config_class.known_keys():
+        config_kwargs.setdefault("shard_attention_computation", shard_attention_computation)
+    elif not shard_attention_computation:
+        raise ValueError(f"load_state: shard_attention_computation=False is not supported by {module_cls.__name__} (its "
+                         "config has no such setting; attention is sharded by the config's partition_axis)")
+    if partition_axis is not None:
+        config_kwargs["partition_axis"] = partition_axis
+    mesh = create_mesh(sharding_axis_dims, sharding_axis_names, sharding_dcn_axis_dims) if auto_shard_model else None
+    model = module_cls.from_pretrained(
+        str(load_directory), dtype=dtype, param_dtype=param_dtype, precision=precision, mesh=mesh,
+        partition_rules=partition_rules, config_kwargs=config_kwargs, **kwargs)
+    if quantization_method is not None:
+        from eformer_nb.ops.quantization import QuantizationConfig
+        model = model.quantize(QuantizationConfig(dtype=quantization_method, block_size=quantization_block_size),
+                               quantize_tensors=quantize_tensors, verbose=verbose, pattern=quantization_pattern)
+    state = cls.create(model=model, step=meta["step"])
+    if shard_fns is not None:
+        state = state.replace(graphstate=_apply_shard_fns(state.graphstate, shard_fns))
+    if not auto_shard_model and device is not None:
+        target = jax.devices(device)[0] if isinstance(device, str) else device
+        state = jax.device_put(state, target)
+    elif auto_shard_model:
+        state = state.replace(step=jax.device_put(state.step, NamedSharding(mesh, PartitionSpec())))
+    if tx is not None:
+        state = state.replace(tx=tx).load_optimizer(load_directory)
+    if verbose:
+        logger.info("loaded %s at step %d from %s%s", type(model).__name__, meta["step"], load_directory,
+                    " with its optimizer state" if tx is not None else "")
+    return state

@@ -81,7 +81,10 @@ class _EformerAsyncAPI:
         "`load` without a mesh (every array is read concurrently anyway)."
         return self.load(path, None, shardings, mismatch_allowed, callback, None, dtype, validate, prefix_filter)
 
-# %% ../../nbs/10d_serialization.async_manager.ipynb #6c5f12a1
+# %% ../../nbs/10d_serialization.async_manager.ipynb #e3e0122e
+_MANAGERS = 0  # AsyncCheckpointManagers created in this process
+
+
 class BackgroundSaveError(RuntimeError):
     "A background save failed; raised by the next call to the manager, with the original exception as `__cause__`."
 
@@ -108,7 +111,9 @@ class AsyncCheckpointManager(_EformerAsyncAPI, CheckpointManager):
     ):
         if not use_tensorstore:
             raise ValueError("use_tensorstore=False: eformer_nb stores arrays with TensorStore only (never pickle)")
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eformer_nb-ckpt")
+        global _MANAGERS
+        _MANAGERS += 1  # the thread's name (and so its barrier names) is the same on every process
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"eformer_nb-ckpt{_MANAGERS}")
         self._inflight: Future | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -180,10 +185,14 @@ class AsyncCheckpointManager(_EformerAsyncAPI, CheckpointManager):
                                    compression=compression if compression is not None else self.compression,
                                    commit_callback=commit_callback)
 
-    def load_pytree(self, path: str | ePath, mesh: tp.Any = None, **kwargs) -> tp.Any:
-        "Restore the checkpoint at `path` (after the save in flight commits); keyword arguments as `CheckpointManager.load_pytree`."
+    def load_pytree(self, path: str | ePath, mesh: tp.Any = None, *, prefix: str | None = None, shardings: tp.Any = None,
+                    partition_rules: tp.Any = None, dtype: tp.Any = None, template: tp.Any = None,
+                    strict_shapes: bool = True, callback: Callable | None = None, chunk_size: int | None = None) -> tp.Any:
+        "Restore the checkpoint at `path` after the save in flight commits (arguments as `CheckpointManager.load_pytree`)."
         self._wait_unless_worker()
-        return super().load_pytree(path, mesh, **kwargs)
+        return super().load_pytree(path, mesh, prefix=prefix, shardings=shardings, partition_rules=partition_rules,
+                                   dtype=dtype, template=template, strict_shapes=strict_shapes, callback=callback,
+                                   chunk_size=chunk_size)
 
     def delete(self, step: int) -> None:
         "Delete the checkpoint of `step` (after the save in flight, unless called from its commit callback)."

@@ -151,6 +151,7 @@ class Checkpointer:
         structured: bool = False,  # unused: the structure is always stored
         dtype: tp.Any = None,  # cast floating arrays
         extras: Mapping | None = None,  # user metadata
+        write_index: bool = True,  # store the structure (restore without a template)
     ) -> ePath | None:
         "Save `tree` now, whatever the policies say."
         step_ = None if step is None or step < 0 else step
@@ -171,7 +172,7 @@ class Checkpointer:
                 commit_callback()
 
         out = self.manager.save_pytree(tree, path, prefix=prefix, dtype=dtype, extras=extras, step=step_,
-                                       temporary=is_temporary, commit_callback=committed)
+                                       temporary=is_temporary, commit_callback=committed, write_index=write_index)
         if is_temporary and step_ is not None:
             self._temporary.append(step_)
         self._last_save_time, self._last_save_step = self._now(), step_
@@ -247,7 +248,7 @@ class Checkpointer:
         if destination is None and step is None:
             raise ValueError("save_pytree needs step= or destination=")
         return self.save_checkpoint(tree, destination, step=-1 if step is None else step, prefix=prefix, dtype=dtype,
-                                    extras=extras, is_temporary=temporary)
+                                    extras=extras, is_temporary=temporary, write_index=write_index)
 
     def load_pytree(self, mesh: tp.Any = None, *, prefix: str | None = None, path: str | ePath | None = None,
                     discover_latest: bool = True, discover_raise: bool = True, partition_rules: tp.Any = None,

@@ -145,10 +145,18 @@ def _array_spec(kvstore: dict, rec: dict, chunks: list[int] | None = None, compr
                             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}}}
     return spec
 
-# %% ../../nbs/10a_serialization.serialization.ipynb #4472f2f0
+# %% ../../nbs/10a_serialization.serialization.ipynb #8626039c
 _barrier_lock = threading.Lock()
-_barrier_seq = 0
+_barrier_seq: dict[str, int] = {}  # per thread name: each thread's sequence of barriers is the same on every process
 BARRIER_TIMEOUT_S = 600.0  # how long a process waits for the others at a checkpoint barrier
+
+
+def _next_name(tag: str) -> str:
+    "A barrier/key name that every process derives identically: the calling thread's name and its call count."
+    thread = threading.current_thread().name
+    with _barrier_lock:
+        n = _barrier_seq[thread] = _barrier_seq.get(thread, 0) + 1
+    return f"eformer_nb.serialization.{thread}.{n}.{tag}"
 
 
 def process_info() -> tuple[int, int]:
@@ -160,7 +168,6 @@ def process_info() -> tuple[int, int]:
 
 def sync_processes(tag: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
     "Block until every JAX process reached this barrier (a no-op with one process); `tag` names it in errors."
-    global _barrier_seq
     if process_info()[1] == 1:
         return
     from jax._src import distributed  # the runtime client of jax.distributed.initialize
@@ -169,23 +176,17 @@ def sync_processes(tag: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
     if client is None:
         raise RuntimeError(f"sync_processes({tag!r}): {process_info()[1]} processes but no jax.distributed client; "
                            "call jax.distributed.initialize() first")
-    with _barrier_lock:
-        _barrier_seq += 1
-        name = f"eformer_nb.serialization.{_barrier_seq}.{tag}"
-    client.wait_at_barrier(name, int(timeout_s * 1000))
+    client.wait_at_barrier(_next_name(tag), int(timeout_s * 1000))
 
 
 def broadcast_from_first(value: str, tag: str, timeout_s: float = BARRIER_TIMEOUT_S) -> str:
     "Process 0's `value` on every process (decisions that depend on a clock must agree); one process: `value`."
-    global _barrier_seq
     if process_info()[1] == 1:
         return value
     from jax._src import distributed
 
     client = distributed.global_state.client
-    with _barrier_lock:
-        _barrier_seq += 1
-        key = f"eformer_nb.serialization.{_barrier_seq}.{tag}"
+    key = _next_name(tag)
     if process_info()[0] == 0:
         client.key_value_set(key, value)
         return value
