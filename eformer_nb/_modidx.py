@@ -69,6 +69,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                  'eformer_nb.demo._tree_bytes': ('nbs/demo.html#_tree_bytes', 'eformer_nb/demo.py'),
                                  'eformer_nb.demo.accelerator_config': ('nbs/demo.html#accelerator_config', 'eformer_nb/demo.py'),
                                  'eformer_nb.demo.build_model': ('nbs/demo.html#build_model', 'eformer_nb/demo.py'),
+                                 'eformer_nb.demo.connect_ray': ('nbs/demo.html#connect_ray', 'eformer_nb/demo.py'),
                                  'eformer_nb.demo.corpus_batch': ('nbs/demo.html#corpus_batch', 'eformer_nb/demo.py'),
                                  'eformer_nb.demo.create_state': ('nbs/demo.html#create_state', 'eformer_nb/demo.py'),
                                  'eformer_nb.demo.data_file': ('nbs/demo.html#data_file', 'eformer_nb/demo.py'),
