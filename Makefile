@@ -39,7 +39,8 @@ check-readme: install
 	$(BIN)/python .ci/docs.py readme --check
 
 nbtest: install
-	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/nbdev-test --n-workers $(NBDEV_WORKERS) --flags "$(NBDEV_TEST_FLAGS)" --timing
+	# the `hf` flag (transformers interop examples) runs where torch and transformers import (pip install -e ".[hf]")
+	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/nbdev-test --n-workers $(NBDEV_WORKERS) --flags "$(NBDEV_TEST_FLAGS) $$($(BIN)/python -c 'import torch, transformers; print("hf")' 2>/dev/null)" --timing
 
 pytest: install
 	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python -m pytest -q tests/
@@ -55,7 +56,7 @@ docs: install
 
 bench: install
 	$(BIN)/python -m pip install -q -e ".[bench]" || echo "bench extras (torch/bitsandbytes) unavailable: peer columns that need them are skipped"
-	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/nbdev-test nbs/benchmarks --flags "bench multidevice" --n-workers 0 --save --timing
+	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/nbdev-test nbs/benchmarks --flags "bench multidevice hf" --n-workers 0 --save --timing
 	$(BIN)/nbdev-clean
 
 demo: install

@@ -3,7 +3,7 @@
 1. Each module is exported from exactly one notebook: `#| default_exp` values are unique.
 2. nbdev's docs build runs every code cell that contains an import, so a cell with imports holds
    imports only (unless it is exported, or marked `#| exec_doc` because the docs need it to run).
-3. Cells behind a test flag (slow, gpu, tpu, multidevice, bench) hold no import statements:
+3. Cells behind a test flag (slow, gpu, tpu, multidevice, bench, hf) hold no import statements:
    the docs build would run them anyway.
 """
 import ast, json, re, sys
@@ -11,7 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 
 root = Path(sys.argv[1] if len(sys.argv) > 1 else "nbs")
-FLAGS = {"slow", "gpu", "tpu", "multidevice", "bench", "notest"}
+FLAGS = {"slow", "gpu", "tpu", "multidevice", "bench", "notest", "hf"}
 RUN_IN_DOCS = {"export", "exports", "exporti", "exec_doc"}
 directive = re.compile(r"^#\|\s*([\w-]+)")
 default_exp = re.compile(r"^#\|\s*default_exp\s+(\S+)", re.M)
