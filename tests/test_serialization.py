@@ -43,6 +43,7 @@ def _env(devices: int) -> dict:
 
 
 def _mesh():
+    assert len(jax.devices()) >= 8, "these tests need 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8"
     return jax.make_mesh((2, 4), ("fsdp", "tp"), devices=jax.devices()[:8])
 
 

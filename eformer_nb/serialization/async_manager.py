@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from ..loggings import get_logger
 from ..paths import ePath
 from eformer_nb.serialization.base_manager import (
     DEFAULT_STEP_FORMAT, METADATA_FILE, CheckpointManager, apply_by_key, read_metadata,
@@ -151,6 +152,9 @@ class AsyncCheckpointManager(_EformerAsyncAPI, CheckpointManager):
             except BaseException as e:
                 with self._lock:
                     self._error = e
+                # logged now as well: a process that exits without another call still leaves a trace
+                get_logger("eformer_nb.serialization").error("background checkpoint save failed (raised by the next "
+                                                             "call): %s: %s", type(e).__name__, e)
                 raise
 
         self._inflight = self._pool.submit(job)

@@ -336,7 +336,8 @@ class CheckpointManager:
     def load_checkpoint(path: str | ePath, shard_fns: tp.Any = None, verbose: bool = False, mismatch_allowed: bool = True,
                         callback: Callable | None = None, dtype: tp.Any = None, gcs_client: tp.Any = None) -> tp.Any:
         "Restore the checkpoint or tree directory at `path`; `shard_fns` (a tree of functions) places each leaf."
-        p = path if isinstance(path, ePath) else ePath(path, fs=gcs_client) if gcs_client is not None else ePath(path)
+        remote = gcs_client is not None and str(path).startswith(("gs://", "gcs://"))
+        p = path if isinstance(path, ePath) else ePath(path, fs=gcs_client) if remote else ePath(path)
         if (p / METADATA_FILE).exists() or not (p / INDEX_FILE).exists():
             read_metadata(p)  # a committed checkpoint, or a clear error
         tree = tree_deserialize_leaves(p, dtype=dtype, callback=callback)
