@@ -423,7 +423,7 @@ def _check_platform(name: str, value) -> None:
         raise ValueError(f"load_state: {name}={value!r} but JAX runs on {have!r}; eformer_nb models have one "
                          f"implementation per JAX backend, so pass {name}=None (or {have!r})")
 
-# %% ../../nbs/13a_infra.base_state.ipynb #0664bbc7
+# %% ../../nbs/13a_infra.base_state.ipynb #95b9b2eb
 @_method("load_state", kind="classmethod")
 def _load_state(cls, load_directory,  # a folder written by `save_state`
                 device="cpu",  # where to put the model when not sharding it: a `jax.Device`, a platform name, or None (default device)
@@ -484,8 +484,10 @@ def _load_state(cls, load_directory,  # a folder written by `save_state`
     if not auto_shard_model and device is not None:
         target = jax.devices(device)[0] if isinstance(device, str) else device
         state = jax.device_put(state, target)
-    elif auto_shard_model:
-        state = state.replace(step=jax.device_put(state.step, NamedSharding(mesh, PartitionSpec())))
+    elif auto_shard_model:  # the parameters are placed by from_pretrained; the rest joins them on the mesh
+        rules = model.config.get_partition_rules() if partition_rules is None else partition_rules
+        state = state.replace(step=jax.device_put(state.step, NamedSharding(mesh, PartitionSpec())),
+                              graphother=_shard_tree(state.graphother, rules, mesh))
     if tx is not None:
         state = state.replace(tx=tx).load_optimizer(load_directory)
     if verbose:
