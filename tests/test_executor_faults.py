@@ -1,4 +1,8 @@
-"""Executor faults on a real 3-node Ray cluster on 127.0.0.1 (`ray.cluster_utils.Cluster`).
+"""Executor faults on a real 3-node Ray cluster on this machine (`ray.cluster_utils.Cluster`).
+
+Ray binds its nodes to this host's own interface address (asking for 127.0.0.1 makes `Cluster.add_node`
+fail to reach the GCS in this container), so the cluster runs locally but on that address; the dashboard,
+which the state API needs, listens on 127.0.0.1 on a free port.
 
 Node 0 is the head (1 CPU). Nodes 1 and 2 each pose as a v4-8 TPU slice: 1 CPU and the resources Ray puts
 on a TPU host (`TPU: 4`, `TPU-v4-8-head: 1`, and the slice's name). Faults are real: worker processes are
@@ -33,33 +37,60 @@ def _free_port() -> int:
 
 
 def _slice_node_args(name: str) -> dict:
-    return dict(num_cpus=1, node_ip_address="127.0.0.1", resources={"TPU": 4, "TPU-v4-8-head": 1, name: 1})
+    return dict(num_cpus=1, resources={"TPU": 4, "TPU-v4-8-head": 1, name: 1})
+
+
+def _retry_startup(make, tries: int = 3):
+    "Ray gives a node 30 s to register; on a loaded machine that can fail: try again (bounded)."
+    for i in range(tries):
+        try:
+            return make()
+        except Exception as e:  # only Ray's start-up timeout is retried; anything else is raised at once
+            if "timed out during startup" not in str(e) or i == tries - 1:
+                raise
 
 
 class _Cluster:
     def __init__(self):
         from ray.cluster_utils import Cluster
 
-        self.dashboard = f"http://127.0.0.1:{_free_port()}"
-        self.cluster = Cluster(initialize_head=True, head_node_args=dict(
-            num_cpus=1, node_ip_address="127.0.0.1", include_dashboard=True,
-            dashboard_port=int(self.dashboard.rsplit(":", 1)[1])))
-        self.slices = {name: self.cluster.add_node(**_slice_node_args(name)) for name in SLICES}
-        ray.init(address=self.cluster.address, log_to_driver=False)
-        self.cluster.wait_for_nodes(timeout=120)
+        self.cluster = Cluster()
+        self.slices = {}
+
+        def head():
+            port = _free_port()  # a fresh port per try: a timed-out try may still hold its port
+            self.dashboard = f"http://127.0.0.1:{port}"
+            return self.cluster.add_node(num_cpus=1, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port)
+
+        try:
+            _retry_startup(head)
+            for name in SLICES:
+                self.slices[name] = _retry_startup(lambda: self.cluster.add_node(**_slice_node_args(name)))
+            ray.init(address=self.cluster.address, log_to_driver=False)
+            self.cluster.wait_for_nodes(timeout=120)
+        except BaseException:
+            self.shutdown()
+            raise
 
     def replace_slice(self, name: str) -> None:
-        "Remove the node of slice `name` (if still there) and add a fresh node for it."
-        self.slices[name] = self.cluster.add_node(**_slice_node_args(name))
+        "Add a fresh node for slice `name` (after its node was removed)."
+        self.slices[name] = _retry_startup(lambda: self.cluster.add_node(**_slice_node_args(name)))
         self.cluster.wait_for_nodes(timeout=120)
 
     def shutdown(self):
-        ray.shutdown()
+        if ray.is_initialized():
+            ray.shutdown()
         self.cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
 def cluster():
+    import sys
+
+    from ray import cloudpickle
+
+    # the job functions below live in this test module, which Ray's workers cannot import: send them by value
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
     c = _Cluster()
     try:
         yield c
@@ -68,11 +99,18 @@ def cluster():
 
 
 def _leftovers(dashboard: str) -> dict:
+    """Alive actors, running tasks and created placement groups, by Ray's state API.
+
+    A task that was running on a node that was removed stays `RUNNING` in the task store (no event ever
+    ends it); it counts only while its worker process still exists."""
+    import psutil
     from ray.util.state import list_actors, list_placement_groups, list_tasks
 
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    tasks = list_tasks(address=dashboard, filters=[("state", "=", "RUNNING")], timeout=30, detail=True)
     return {
         "actors": [a.class_name for a in list_actors(address=dashboard, filters=[("state", "=", "ALIVE")], timeout=30)],
-        "tasks": [t.name for t in list_tasks(address=dashboard, filters=[("state", "=", "RUNNING")], timeout=30)],
+        "tasks": [t.name for t in tasks if t.node_id in alive or (t.worker_pid and psutil.pid_exists(t.worker_pid))],
         "placement_groups": [p.placement_group_id for p in
                              list_placement_groups(address=dashboard, filters=[("state", "=", "CREATED")], timeout=30)],
     }
@@ -88,10 +126,10 @@ def clean(cluster):
         time.sleep(0.5)
 
 
-def _wait_for_file(path: str, timeout: float = 120) -> str:
+def _wait_for_file(path: str, timeout: float = 120, nonempty: bool = True) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if os.path.exists(path) and (text := open(path).read()):
+        if os.path.exists(path) and ((text := open(path).read()) or not nonempty):
             return text
         time.sleep(0.05)
     raise TimeoutError(f"{path} did not appear within {timeout}s")
@@ -180,11 +218,12 @@ def test_exhausted_budgets_end_with_the_last_error(clean):
 
 
 def _multislice_fn(state_dir: str) -> dict:
-    "Slice 1 fails on the first attempt; every run is recorded."
+    "Slice 1 fails on the first attempt, once slice 0 has started; every run is recorded."
     slice_id = os.environ["MEGASCALE_SLICE_ID"]
     runs = len([f for f in os.listdir(state_dir) if f.startswith(f"s{slice_id}-")])
     open(os.path.join(state_dir, f"s{slice_id}-{runs}"), "w").close()
     if slice_id == "1" and runs == 0:
+        _wait_for_file(os.path.join(state_dir, "s0-0"), timeout=60, nonempty=False)  # slice 0 is running too
         raise RuntimeError("slice 1 fails once")
     return {k: v for k, v in os.environ.items() if k.startswith("MEGASCALE_")} | {"slice": os.environ["EFORMER_SLICE_NAME"]}
 
