@@ -18,7 +18,7 @@ help:
 	@echo "make docs     - build the docs site (Quarto when installed, otherwise an offline HTML preview in _docs/)"
 	@echo "make readme   - regenerate README.md from nbs/index.ipynb"
 	@echo "make bench    - run the benchmark notebooks in nbs/benchmarks/ and save their outputs"
-	@echo "make demo     - run the showcase of what exists"
+	@echo "make demo     - QLoRA fine-tuning through a local Ray cluster: checkpoint, SIGKILL, bit-identical resume, sample"
 
 install: $(STAMP)
 
