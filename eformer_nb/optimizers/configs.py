@@ -91,9 +91,9 @@ class ConfigMixin:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_json(cls: type[_T], text: str) -> _T:
+    def from_json(cls: type[_T], json_str: str) -> _T:
         "Build a config from a JSON string written by `to_json` (or by hand)."
-        return cls.from_dict(json.loads(text))
+        return cls.from_dict(json.loads(json_str))
 
     def replace(self: _T, **changes) -> _T:
         "A copy with some fields changed (validated like a new config)."
@@ -175,6 +175,7 @@ class AdafactorConfig(ConfigMixin):
     clipping_threshold: float | None = 1.0
     momentum: float | None = None
     dtype_momentum: str = "float32"
+    weight_decay_rate: float | None = None  # Adafactor's own decoupled weight decay (optax's `weight_decay_rate`)
     eps: float = 1e-30
     factored: bool = True
 
@@ -186,6 +187,7 @@ class AdafactorConfig(ConfigMixin):
         check_range(o, "clipping_threshold", self.clipping_threshold, 0, lo_inclusive=False, allow_none=True)
         check_range(o, "momentum", self.momentum, 0, 1, hi_inclusive=False, allow_none=True)
         check_dtype(o, "dtype_momentum", self.dtype_momentum)
+        check_range(o, "weight_decay_rate", self.weight_decay_rate, 0, allow_none=True)
         check_range(o, "eps", self.eps, 0)
 
 
@@ -207,11 +209,11 @@ class LionConfig(ConfigMixin):
 class RMSPropConfig(ConfigMixin):
     "RMSProp (`optax.rmsprop`)."
     decay: float = 0.9
-    eps: float = 1e-8
     initial_scale: float = 0.0
-    centered: bool = False
     momentum: float | None = None
     nesterov: bool = False
+    eps: float = 1e-8
+    centered: bool = False
 
     def __post_init__(self):
         o = type(self).__name__
@@ -228,12 +230,15 @@ class MuonConfig(ConfigMixin):
     ns_steps: int = 5
     beta: float = 0.95
     eps: float = 1e-8
+    weight_decay: float = 0.0  # decoupled weight decay of the Muon (matrix) parameters
+    weight_decay_mask: tp.Any | None = None  # which parameters decay (a tree of bools or a callable); None: all
     mu_dtype: str | None = None
     nesterov: bool = True
     adaptive: bool = False
     adam_b1: float = 0.9
     adam_b2: float = 0.999
     adam_eps_root: float = 0.0
+    adam_weight_decay: float = 0.0  # weight decay of the parameters Adam updates
 
     def __post_init__(self):
         o = type(self).__name__
@@ -248,11 +253,14 @@ class MuonConfig(ConfigMixin):
         check_range(o, "adam_b1", self.adam_b1, 0, 1, hi_inclusive=False)
         check_range(o, "adam_b2", self.adam_b2, 0, 1, hi_inclusive=False)
         check_range(o, "adam_eps_root", self.adam_eps_root, 0)
+        check_range(o, "weight_decay", self.weight_decay, 0)
+        check_range(o, "adam_weight_decay", self.adam_weight_decay, 0)
 
 # %% ../../nbs/08a_optimizers.configs.ipynb #afb6f0f1
 @dataclasses.dataclass
 class MarsConfig(ConfigMixin):
     "MARS-AdamW (Yuan et al. 2024): Adam on a variance-reduced gradient; `gamma=0` and no clipping is Adam."
+    weight_decay: float = 0.1  # decoupled weight decay (used when `OptimizerFactory.create` gets no weight_decay)
     beta1: float = 0.95
     beta2: float = 0.99
     gamma: float = 0.025  # weight of the gradient-correction term
@@ -262,6 +270,7 @@ class MarsConfig(ConfigMixin):
 
     def __post_init__(self):
         o = type(self).__name__
+        check_range(o, "weight_decay", self.weight_decay, 0)
         check_range(o, "beta1", self.beta1, 0, 1, hi_inclusive=False)
         check_range(o, "beta2", self.beta2, 0, 1, hi_inclusive=False)
         check_range(o, "gamma", self.gamma, 0)

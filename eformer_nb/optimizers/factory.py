@@ -87,7 +87,8 @@ def _adafactor(c: AdafactorConfig, schedule):
     return optax.adafactor(schedule, min_dim_size_to_factor=c.min_dim_size_to_factor, decay_rate=c.decay_rate,
                            decay_offset=c.decay_offset, multiply_by_parameter_scale=c.multiply_by_parameter_scale,
                            clipping_threshold=c.clipping_threshold, momentum=c.momentum,
-                           dtype_momentum=jnp.dtype(c.dtype_momentum), eps=c.eps, factored=c.factored)
+                           dtype_momentum=jnp.dtype(c.dtype_momentum), weight_decay_rate=c.weight_decay_rate,
+                           eps=c.eps, factored=c.factored)
 
 
 @register_optimizer("lion", LionConfig)
@@ -105,14 +106,16 @@ def _rmsprop(c: RMSPropConfig, schedule):
 @register_optimizer("muon", MuonConfig)
 def _muon(c: MuonConfig, schedule):
     return optax.contrib.muon(schedule, ns_coeffs=c.ns_coeffs, ns_steps=c.ns_steps, beta=c.beta, eps=c.eps,
+                              weight_decay=c.weight_decay, weight_decay_mask=c.weight_decay_mask,
                               mu_dtype=_dt(c.mu_dtype), nesterov=c.nesterov, adaptive=c.adaptive,
-                              adam_b1=c.adam_b1, adam_b2=c.adam_b2, adam_eps_root=c.adam_eps_root)
+                              adam_b1=c.adam_b1, adam_b2=c.adam_b2, adam_eps_root=c.adam_eps_root,
+                              adam_weight_decay=c.adam_weight_decay)
 
 
 @register_optimizer("mars", MarsConfig)
 def _mars(c: MarsConfig, schedule, weight_decay=0.0, weight_decay_mask=None):
-    d = scale_by_mars(c.beta1, c.beta2, c.gamma, c.epsilon, c.max_grad_norm, _dt(c.mu_dtype))
-    return _with_decay(d, schedule, weight_decay, weight_decay_mask)
+    d = scale_by_mars(c.beta1, c.beta2, c.gamma, c.epsilon, 0.0, c.max_grad_norm, _dt(c.mu_dtype))
+    return _with_decay(d, schedule, weight_decay or c.weight_decay, weight_decay_mask)
 
 
 @register_optimizer("soap", SoapConfig)
