@@ -15,7 +15,8 @@ import numpy as np
 # %% auto #0
 __all__ = ['BUILTIN_SCHEDULERS', 'KRON_MEMORY_SAVE_MODES', 'WHITE_KRON_STYLES', 'OPTIMIZER_CONFIGS', 'check_range', 'check_int',
            'check_choice', 'check_dtype', 'ConfigMixin', 'SchedulerConfig', 'AdamWConfig', 'AdafactorConfig',
-           'LionConfig', 'RMSPropConfig', 'MuonConfig', 'MarsConfig', 'SoapConfig', 'KronConfig', 'WhiteKronConfig']
+           'LionConfig', 'RMSPropConfig', 'MuonConfig', 'MarsConfig', 'SoapConfig', 'KronConfig', 'WhiteKronConfig',
+           'ScionConfig']
 
 # %% ../../nbs/08a_optimizers.configs.ipynb #1046b739
 def _fail(owner: str, name: str, value, expected: str) -> tp.NoReturn:
@@ -378,3 +379,27 @@ OPTIMIZER_CONFIGS: dict[str, type] = {
     "adamw": AdamWConfig, "adafactor": AdafactorConfig, "lion": LionConfig, "rmsprop": RMSPropConfig,
     "muon": MuonConfig, "mars": MarsConfig, "soap": SoapConfig, "kron": KronConfig, "whitekron": WhiteKronConfig,
 }  # the built-in optimizer names and their config classes
+
+# %% ../../nbs/08a_optimizers.configs.ipynb #719eabac
+@dataclasses.dataclass
+class ScionConfig(ConfigMixin):
+    "Scion / uScion: momentum, then the norm-ball LMO step (spectral for matrices, sign for the rest)."
+    momentum: float = 0.95  # EMA rate of the gradient for matrices: d = momentum * d + (1 - momentum) * g
+    backend_steps: int = 10  # Newton-Schulz iterations of the spectral LMO
+    beta1: float = 0.9  # EMA rate of the gradient for non-matrix parameters (sign LMO)
+    epsilon: float = 1e-8  # added to the Frobenius norm before Newton-Schulz
+    unconstrained: bool = False  # True: uScion (x += lr * lmo); False: Scion (x = (1 - lr) x + lr * lmo)
+    spectral_radius: float = 50  # radius of the spectral-norm ball (matrices)
+    sign_radius: float = 3000  # radius of the max-norm ball (vectors and scalars)
+
+    def __post_init__(self):
+        o = type(self).__name__
+        check_range(o, "momentum", self.momentum, 0, 1, hi_inclusive=False)
+        check_range(o, "beta1", self.beta1, 0, 1, hi_inclusive=False)
+        check_int(o, "backend_steps", self.backend_steps, 1)
+        check_range(o, "epsilon", self.epsilon, 0)
+        check_range(o, "spectral_radius", self.spectral_radius, 0, lo_inclusive=False)
+        check_range(o, "sign_radius", self.sign_radius, 0, lo_inclusive=False)
+
+
+OPTIMIZER_CONFIGS["scion"] = ScionConfig

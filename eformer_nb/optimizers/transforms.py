@@ -14,8 +14,9 @@ import optax
 from optax import tree_utils as otu
 
 # %% auto #0
-__all__ = ['ScheduledWeightDecayState', 'optax_add_scheduled_weight_decay', 'ScaleByMarsState', 'scale_by_mars', 'mars',
-           'ScaleBySoapState', 'scale_by_soap', 'soap']
+__all__ = ['OptaxScheduledWeightDecayState', 'ScheduledWeightDecayState', 'optax_add_scheduled_weight_decay', 'ScaleByMarsState',
+           'scale_by_mars', 'mars', 'ScaleBySoapState', 'scale_by_soap', 'soap', 'ScaleByScionState', 'scale_by_scion',
+           'scion']
 
 # %% ../../nbs/08c_optimizers.transforms.ipynb #f8a614bf
 class ScheduledWeightDecayState(tp.NamedTuple):
@@ -241,3 +242,58 @@ def soap(learning_rate: optax.ScalarOrSchedule, beta1: float = 0.95, beta2: floa
     "SOAP: `scale_by_soap` followed by the (scheduled) learning rate."
     return optax.chain(scale_by_soap(beta1, beta2, shampoo_beta, epsilon, precondition_frequency, max_precond_dim,
                                      precond_dtype), optax.scale_by_learning_rate(learning_rate))
+
+# %% ../../nbs/08c_optimizers.transforms.ipynb #a18a65e6
+OptaxScheduledWeightDecayState = ScheduledWeightDecayState  # eformer's name
+
+
+class ScaleByScionState(tp.NamedTuple):
+    momentum: optax.Updates  # the EMA of the gradients
+
+
+def _newton_schulz(d: jax.Array, steps: int, eps: float, coeffs: tuple[float, float, float]) -> jax.Array:
+    "U V^T of each matrix in the last two axes of `d` (approximately, after `steps` iterations)."
+    a, b, c = coeffs
+    tall = d.shape[-2] > d.shape[-1]
+    x = jnp.swapaxes(d, -1, -2) if tall else d  # iterate on the wide orientation: X X^T is the small Gram
+    x = x.astype(jnp.float32)
+    x = x / (jnp.linalg.norm(x, axis=(-2, -1), keepdims=True) + eps)
+    def body(_, x):
+        gram = x @ jnp.swapaxes(x, -1, -2)
+        return a * x + (b * gram + c * gram @ gram) @ x
+    x = jax.lax.fori_loop(0, steps, body, x)
+    return (jnp.swapaxes(x, -1, -2) if tall else x).astype(d.dtype)
+
+
+def scale_by_scion(momentum: float = 0.95, backend_steps: int = 10, beta1: float = 0.9, epsilon: float = 1e-8,
+                   unconstrained: bool = False, spectral_radius: float = 50, sign_radius: float = 3000,
+                   ns_coeffs: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)) -> optax.GradientTransformation:
+    "Scion's direction (negated LMO, plus the parameters when constrained); chain it with the learning rate."
+    _check_unit("momentum", momentum, "scale_by_scion"); _check_unit("beta1", beta1, "scale_by_scion")
+    if isinstance(backend_steps, bool) or not isinstance(backend_steps, int) or backend_steps < 1:
+        raise ValueError(f"scale_by_scion: backend_steps={backend_steps!r} is invalid: expected an integer >= 1.")
+
+    def init_fn(params):
+        return ScaleByScionState(momentum=otu.tree_zeros_like(params))
+
+    def direction(d, p):
+        if d.ndim >= 2:
+            lmo = spectral_radius * (d.shape[-1] / d.shape[-2]) ** 0.5 * _newton_schulz(d, backend_steps, epsilon, ns_coeffs)
+        else:
+            lmo = sign_radius * jnp.sign(d)
+        return lmo if unconstrained else lmo + p
+
+    def update_fn(updates, state, params=None):
+        if not unconstrained and params is None:
+            raise ValueError("scale_by_scion(unconstrained=False) needs params in update(); pass them, or use unconstrained=True")
+        mom = jax.tree.map(lambda g, d: (momentum if g.ndim >= 2 else beta1) * d + (1 - (momentum if g.ndim >= 2 else beta1)) * g,
+                           updates, state.momentum)
+        out = jax.tree.map(direction, mom, params if params is not None else mom)
+        return out, ScaleByScionState(momentum=mom)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def scion(learning_rate: optax.ScalarOrSchedule, **kwargs) -> optax.GradientTransformation:
+    "Scion: `scale_by_scion(**kwargs)` followed by the (scheduled) learning rate."
+    return optax.chain(scale_by_scion(**kwargs), optax.scale_by_learning_rate(learning_rate))
