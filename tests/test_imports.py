@@ -118,17 +118,25 @@ def test_closure_sees_imports():
     assert "jax" not in CLOSURES["eformer_nb.loggings"]
 
 
+_PAIRED = ("import sys, time; t0 = time.perf_counter(); import jax, optax; t1 = time.perf_counter(); "
+           "__import__(sys.argv[1]); t2 = time.perf_counter(); print(t1 - t0, t2 - t1)")
+
+
+def _paired_ratio(module: str) -> float:
+    "In one fresh interpreter: (time of `import jax, optax` + what importing `module` adds) / time of `import jax, optax`."
+    out = subprocess.run([sys.executable, "-c", _PAIRED, module], capture_output=True, text=True, check=True).stdout
+    base, extra = map(float, out.split())
+    return (base + extra) / base
+
+
 def test_import_cost_per_submodule():
-    """`import eformer_nb.<m>` costs at most 1.3x `import jax; import optax` for every public module (the ones
-    no other closure contains are timed: fresh interpreters, alternating with the baseline, median of 3)."""
-    _import_time(BASELINE + "; " + "; ".join(f"import {m}" for m in MAXIMAL))  # warm the OS file cache, in one run
-    base, times = [], {m: [] for m in MAXIMAL}
-    for _ in range(3):
-        base.append(_import_time(BASELINE))
-        for m in MAXIMAL:
-            times[m].append(_import_time(f"import {m}"))
-    b = statistics.median(base)
-    ratios = {m: statistics.median(t) / b for m, t in times.items()}
-    print(f"baseline {b:.3f}s; " + ", ".join(f"{m}: {r:.2f}x" for m, r in sorted(ratios.items(), key=lambda kv: -kv[1])))
+    """`import eformer_nb.<m>` costs at most 1.3x `import jax; import optax` for every public module. The modules no
+    other closure contains are timed, each in 3 fresh interpreters (median). Each interpreter times the baseline and
+    then what the module adds, so the two are measured side by side under the same load (on these shared machines,
+    separate runs drift by more than the budget). A module that does not import JAX is charged the baseline anyway,
+    an upper bound."""
+    subprocess.run([sys.executable, "-c", "; ".join(f"import {m}" for m in MAXIMAL)], check=True)  # warm the file cache
+    ratios = {m: statistics.median(_paired_ratio(m) for _ in range(3)) for m in MAXIMAL}
+    print(", ".join(f"{m}: {r:.2f}x" for m, r in sorted(ratios.items(), key=lambda kv: -kv[1])))
     over = {m: round(r, 2) for m, r in ratios.items() if r > IMPORT_COST_BUDGET}
     assert not over, f"modules over {IMPORT_COST_BUDGET}x `{BASELINE}`: {over}"
