@@ -140,3 +140,14 @@ def test_import_cost_per_submodule():
     print(", ".join(f"{m}: {r:.2f}x" for m, r in sorted(ratios.items(), key=lambda kv: -kv[1])))
     over = {m: round(r, 2) for m, r in ratios.items() if r > IMPORT_COST_BUDGET}
     assert not over, f"modules over {IMPORT_COST_BUDGET}x `{BASELINE}`: {over}"
+
+
+def test_subpackages_as_attributes():
+    "As in eformer, `import eformer_nb` then `eformer_nb.pytree...` works, each package imported on first use."
+    code = ("import sys, eformer_nb; assert 'eformer_nb.pytree' not in sys.modules; "
+            "assert eformer_nb.pytree.tree_add is sys.modules['eformer_nb.pytree'].tree_add; "
+            "assert eformer_nb.escale.create_mesh and eformer_nb.mpric.Policy; "
+            "import pytest\ntry:\n    eformer_nb.nonexistent\nexcept AttributeError as e:\n    assert 'nonexistent' in str(e)\n"
+            "else:\n    raise AssertionError('no error')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
