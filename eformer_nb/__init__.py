@@ -1,5 +1,10 @@
 """A batteries-included JAX toolkit for building, quantizing, scaling, checkpointing and running transformer workloads, written notebook-first."""
 
+# eformer's top-level packages, importable as attributes (`import eformer_nb; eformer_nb.pytree.tree_add`) as in
+# eformer; each is imported on first access, so `import eformer_nb` itself stays cheap.
+_SUBPACKAGES = ("aparser", "common_types", "escale", "executor", "infra", "jaximus", "loggings", "modules", "mpric",
+                "ops", "optimizers", "paths", "pytree", "serialization")
+
 
 def __getattr__(name: str):
     # The version lives once, in settings.ini; read it from the installed metadata on demand
@@ -7,4 +12,11 @@ def __getattr__(name: str):
     if name == "__version__":
         from importlib.metadata import version
         return version("eformer-nb")
+    if name in _SUBPACKAGES:
+        import importlib
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
     raise AttributeError(f"module 'eformer_nb' has no attribute {name!r}")

@@ -23,8 +23,9 @@ from .loggings import get_logger
 logger = get_logger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'MAX_CONFIG_DEPTH', 'MAX_CONFIG_NODES', 'Argu', 'ArgumentTypeError', 'check_config_value', 'convert_value',
-           'DataClassArgumentParser', 'load_config_file']
+__all__ = ['logger', 'MAX_CONFIG_DEPTH', 'MAX_CONFIG_NODES', 'ArgumentDefaultsHelpFormatter', 'DataClass', 'DataClassType',
+           'Argu', 'ArgumentTypeError', 'check_config_value', 'convert_value', 'DataClassArgumentParser',
+           'load_config_file']
 
 # %% ../nbs/02_aparser.ipynb #0323810f
 _MISSING = dataclasses.MISSING
@@ -320,9 +321,37 @@ def _build_dataclass(cls, data: Mapping, where: str, *, allow_extra_keys: bool, 
         raise KeyError(f"{where}: missing required field(s) {missing}")
     return cls(**kwargs)
 
+# %% ../nbs/02_aparser.ipynb #09795e18
+def _read_args_file(path: Path) -> list[str]:
+    if not path.is_file():
+        raise FileNotFoundError(f"arguments file {str(path)!r} does not exist")
+    return path.read_text(encoding="utf-8").split()
+
+
+def _with_args_files(args, look_for_args_file: bool, args_filename, args_file_flag) -> list[str]:
+    "`args` with the arguments of the args files in front (the command line comes last, so it wins)."
+    explicit = args is not None
+    cmdline = list(sys.argv[1:] if args is None else args)
+    files: list[Path] = []
+    if args_filename is not None:
+        files.append(Path(args_filename))
+    elif look_for_args_file and not explicit and sys.argv and sys.argv[0]:
+        own = Path(sys.argv[0]).with_suffix(".args")
+        if own.is_file():
+            files.append(own)
+    if args_file_flag:
+        if not args_file_flag.startswith("-"):
+            raise ValueError(f"args_file_flag must be an option such as '--args_file', got {args_file_flag!r}")
+        flag_parser = argparse.ArgumentParser(add_help=False)
+        flag_parser.add_argument(args_file_flag, action="append", default=[], dest="files")
+        ns, cmdline = flag_parser.parse_known_args(cmdline)
+        files += [Path(f) for f in ns.files]
+    return [a for f in files for a in _read_args_file(f)] + cmdline
+
 # %% ../nbs/02_aparser.ipynb #059e1cf6
 class DataClassArgumentParser(argparse.ArgumentParser):
     "An `ArgumentParser` made from dataclass types, with strict dict/JSON/YAML loading into the same dataclasses."
+    dataclass_types: list[type]  # the dataclass types, in the order they are parsed
 
     def __init__(self, dataclass_types, **kwargs):
         kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
@@ -410,8 +439,15 @@ class DataClassArgumentParser(argparse.ArgumentParser):
             kwargs[field.name] = value
         return dtype(**kwargs)
 
-    def parse_args_into_dataclasses(self, args: Sequence[str] | None = None, return_remaining_strings: bool = False):
-        "Parse `args` (default `sys.argv[1:]`) into one instance per dataclass type, in order."
+    def parse_args_into_dataclasses(self, args: Sequence[str] | None = None, return_remaining_strings: bool = False,
+                                    look_for_args_file: bool = True, args_filename: str | os.PathLike | None = None,
+                                    args_file_flag: str | None = None):
+        """Parse `args` (default `sys.argv[1:]`) into one instance per dataclass type, in order.
+
+        Arguments can also come from files of whitespace-separated arguments, read before the command line
+        (which wins): `args_filename`; else, with `look_for_args_file` and `args=None`, the script's own
+        `<script>.args` when it exists; plus every file given with `args_file_flag` (e.g. `--args_file`)."""
+        args = _with_args_files(args, look_for_args_file, args_filename, args_file_flag)
         ns, remaining = self.parse_known_args(args=args)
         if remaining and not return_remaining_strings:
             self.error(f"unrecognized arguments: {' '.join(remaining)}; run with --help for the valid options")
@@ -535,3 +571,8 @@ def load_config_file(path: str | os.PathLike, format: str) -> Mapping:
         raise ValueError(f"{name}: not valid {format.upper()}: {_short(str(e), 500)}") from None
     check_config_value(data, name)
     return _top_mapping(data, name)
+
+# %% ../nbs/02_aparser.ipynb #cd3b26f9
+ArgumentDefaultsHelpFormatter = argparse.ArgumentDefaultsHelpFormatter
+DataClass = tp.Any  # an instance of a dataclass (eformer's alias)
+DataClassType = tp.Any  # a dataclass type (eformer's alias)

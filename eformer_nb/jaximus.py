@@ -22,13 +22,13 @@ from .loggings import get_logger
 logger = get_logger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'HIGHER_ORDER_PRIMITIVES', 'aux_field', 'ImplicitArray', 'is_implicit', 'materialize', 'register',
-           'handlers_for', 'eval_jaxpr', 'implicit', 'Transposed', 'ste']
+__all__ = ['logger', 'HIGHER_ORDER_PRIMITIVES', 'OriginArray', 'use_implicit', 'aux_field', 'ImplicitArray', 'is_implicit',
+           'materialize', 'register', 'handlers_for', 'eval_jaxpr', 'implicit', 'Transposed', 'ste', 'OrginArray']
 
 # %% ../nbs/05_jaximus.ipynb #e7c093ab
-def aux_field(**kwargs) -> tp.Any:
-    "A dataclass field holding static metadata of an `ImplicitArray` (not a pytree leaf)."
-    return dataclasses.field(metadata={"static": True}, **kwargs)
+def aux_field(metadata: tp.Mapping | None = None, **kwargs) -> tp.Any:
+    "A dataclass field holding static metadata of an `ImplicitArray` (not a pytree leaf); `metadata` is kept alongside."
+    return dataclasses.field(metadata={**dict(metadata or {}), "static": True}, **kwargs)
 
 
 class ImplicitArray:
@@ -149,13 +149,23 @@ def _matches(value: tp.Any, ann: tp.Any) -> bool:
     return not isinstance(value, ImplicitArray)
 
 
-def register(primitive: str | jex_core.Primitive) -> tp.Callable:
-    "Decorator: register the decorated function as a handler of `primitive` on implicit arrays."
+_PRECEDENCE: dict[str, list[int]] = {}  # per primitive, the precedence of each handler in `_HANDLERS` order
+
+
+def register(primitive: str | jex_core.Primitive, *, precedence: int = 0) -> tp.Callable:
+    """Decorator: register the decorated function as a handler of `primitive` on implicit arrays.
+
+    Handlers are tried by decreasing `precedence`; among equals, the latest registered first."""
     name = _primitive_name(primitive)
+    if isinstance(precedence, bool) or not isinstance(precedence, int):
+        raise TypeError(f"register(): precedence must be an int, got {precedence!r}")
 
     def decorator(fn: tp.Callable) -> tp.Callable:
         fixed, varargs = _annotation_types(fn)
-        _HANDLERS.setdefault(name, []).insert(0, (fn, fixed, varargs))
+        precs = _PRECEDENCE.setdefault(name, [0] * len(_HANDLERS.get(name, [])))
+        at = next((i for i, p in enumerate(precs) if p <= precedence), len(precs))
+        _HANDLERS.setdefault(name, []).insert(at, (fn, fixed, varargs))
+        precs.insert(at, precedence)
         return fn
 
     return decorator
@@ -435,8 +445,9 @@ def _dot_transposed_lhs(lhs: Transposed, rhs: tp.Any, *, dimension_numbers, **pa
     return jnp.transpose(out, tuple(range(nb)) + tuple(nb + i for i in order) + tuple(range(tail, out.ndim)))
 
 # %% ../nbs/05_jaximus.ipynb #7a5b349d
-def ste(fn: tp.Callable) -> tp.Callable:
-    "`fn` in the forward pass, the identity in the backward pass (straight-through estimator)."
+def ste(func: tp.Callable) -> tp.Callable:
+    "`func` in the forward pass, the identity in the backward pass (straight-through estimator)."
+    fn = func
     if not callable(fn):
         raise TypeError(f"ste() expects a callable, got {fn!r} of type {type(fn).__name__}")
 
@@ -453,3 +464,62 @@ def ste(fn: tp.Callable) -> tp.Callable:
         return f(x)
 
     return wrapper
+
+# %% ../nbs/05_jaximus.ipynb #db0db6e4
+import abc
+
+
+class OrginArray(abc.ABC):
+    "A dense array (a `jax.Array` or NumPy array, never an implicit one), for handler annotations."
+
+    @classmethod
+    def __subclasshook__(cls, other):
+        return True if issubclass(other, (jax.Array, np.ndarray)) and not issubclass(other, ImplicitArray) else NotImplemented
+
+
+OriginArray = OrginArray  # the name spelled right; eformer's misspelling stays for compatibility
+use_implicit = implicit  # eformer's name
+
+
+def _compute_shape(self) -> tuple[int, ...]:
+    "The logical shape (eformer's method form of `.shape`)."
+    return tuple(self.shape)
+
+
+def _compute_dtype(self):
+    "The logical dtype (eformer's method form of `.dtype`)."
+    return self.dtype
+
+
+def _default_handler(cls, primitive, *args, params=None):
+    "Apply `primitive` to the materialised arguments: what happens when no handler takes them."
+    prim = primitive if isinstance(primitive, jex_core.Primitive) else None
+    if prim is None:
+        raise TypeError(f"default_handler needs a jax Primitive, got {primitive!r}")
+    return prim.bind(*[materialize(a) for a in args], **(params or {}))
+
+
+def _astype(self, new_dtype):
+    "This array with logical dtype `new_dtype`: the stored data stays, `materialize()` gives the new dtype."
+    if "dtype" in {f.name for f in dataclasses.fields(self)}:
+        return dataclasses.replace(self, dtype=jnp.dtype(new_dtype))
+    return materialize(self).astype(new_dtype)
+
+
+def _tree_flatten_with_keys(self):
+    "`([(key, child)], aux)`: the children of this pytree node with their keys, and what `tree_unflatten` needs."
+    kids, treedef = jax.tree_util.tree_flatten_with_path(self, is_leaf=lambda x: x is not self)
+    return [(path[0], child) for path, child in kids], treedef
+
+
+def _tree_unflatten(cls, aux_data, children):
+    "Rebuild an instance from `tree_flatten_with_keys` output."
+    return jax.tree_util.tree_unflatten(aux_data, list(children))
+
+
+ImplicitArray.compute_shape = _compute_shape
+ImplicitArray.compute_dtype = _compute_dtype
+ImplicitArray.default_handler = classmethod(_default_handler)
+ImplicitArray.astype = _astype
+ImplicitArray.tree_flatten_with_keys = _tree_flatten_with_keys
+ImplicitArray.tree_unflatten = classmethod(_tree_unflatten)

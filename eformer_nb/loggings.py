@@ -14,7 +14,8 @@ import time
 import typing as tp
 
 # %% auto #0
-__all__ = ['LOG_LEVEL_ENV', 'process_index', 'ColorFormatter', 'LazyLogger', 'get_logger', 'ProgressLogger', 'progress']
+__all__ = ['LOG_LEVEL_ENV', 'process_index', 'ColorFormatter', 'LazyLogger', 'get_logger', 'ProgressLogger', 'progress',
+           'ignite_profiler', 'extinguish_profiler', 'create_step_profiler']
 
 # %% ../nbs/01_loggings.ipynb #48948b48
 _PROCESS_ENV_VARS = ("JAX_PROCESS_ID", "SLURM_PROCID", "RANK", "TPU_WORKER_ID", "CLOUD_TPU_TASK_ID", "MEGASCALE_SLICE_ID")
@@ -98,7 +99,7 @@ class LazyLogger:
     "A logger configured on first use: INFO on process 0, WARNING elsewhere; `*_once` variants log a message once."
 
     def __init__(self, name: str, level: int | str | None = None, stream: tp.TextIO | None = None):
-        self.name = name
+        self._name = name
         self._level = None if level is None else _parse_level(level)
         self._stream = stream
         self._logger: logging.Logger | None = None
@@ -162,10 +163,21 @@ class LazyLogger:
         self.logger.log(level, text, stacklevel=3, **kw)
         return True
 
-    def debug_once(self, msg, *args, **kw): return self.log_once(logging.DEBUG, msg, *args, **kw)
-    def info_once(self, msg, *args, **kw): return self.log_once(logging.INFO, msg, *args, **kw)
-    def warning_once(self, msg, *args, **kw): return self.log_once(logging.WARNING, msg, *args, **kw)
-    def error_once(self, msg, *args, **kw): return self.log_once(logging.ERROR, msg, *args, **kw)
+    def debug_once(self, message, *args, **kw): return self.log_once(logging.DEBUG, message, *args, **kw)
+    def info_once(self, message, *args, **kw): return self.log_once(logging.INFO, message, *args, **kw)
+    def warning_once(self, message, *args, **kw): return self.log_once(logging.WARNING, message, *args, **kw)
+    warn_once = warning_once  # eformer's spelling
+    def error_once(self, message, *args, **kw): return self.log_once(logging.ERROR, message, *args, **kw)
+
+    @property
+    def name(self) -> str:
+        "The logger's name."
+        return self._name
+
+    @property
+    def level(self) -> int:
+        "The effective level (builds the logger on first use)."
+        return self.logger.getEffectiveLevel()
 
     def __repr__(self) -> str:
         state = logging.getLevelName(self._logger.level) if self._logger else "unconfigured"
@@ -202,8 +214,15 @@ def _is_interactive(stream) -> bool:
 class ProgressLogger:
     "A `tqdm.auto` bar on process 0 in a terminal/notebook; quiet elsewhere, with one summary line in non-TTY logs."
 
-    def __init__(self, total: int | None = None, desc: str = "", *, unit: str = "it",
+    def __init__(self, name: str | int | None = "Progress", logger_instance: LazyLogger | None = None, *,
+                 total: int | None = None, desc: str = "", unit: str = "it",
                  logger: LazyLogger | None = None, stream: tp.TextIO | None = None, enabled: bool | None = None):
+        if isinstance(name, int) and not isinstance(name, bool) and total is None:  # the older (total, desc) order
+            total, name = name, None
+            if isinstance(logger_instance, str):
+                desc, logger_instance = logger_instance, None
+        desc = desc or (name if isinstance(name, str) and name != "Progress" else "")
+        logger = logger or logger_instance
         if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 0):
             raise ValueError(f"total={total!r} must be a non-negative int or None")
         self.total, self.desc, self.unit = total, desc, unit
@@ -220,10 +239,28 @@ class ProgressLogger:
             from tqdm.auto import tqdm
             self._bar = tqdm(total=total, desc=desc, unit=unit, file=self._stream, dynamic_ncols=True)
 
-    def update(self, n: int = 1, **postfix) -> None:
-        "Advance by `n`; keyword arguments are shown beside the bar (e.g. `loss=0.3`)."
+    def update(self, current: int = 1, total: int | None = None, message: str = "", bar_width: int = 20,
+               show_eta: bool = True, extra_info: str = "", **postfix) -> None:
+        """Advance by `current`; keyword arguments are shown beside the bar (e.g. `loss=0.3`).
+
+        eformer's form, with `total`: `current` is the absolute position out of `total`; `message` becomes
+        the description, `extra_info` is shown beside the bar, `bar_width`/`show_eta` shape the bar."""
         if self._closed:
             raise RuntimeError(f"ProgressLogger({self.desc!r}) is closed; create a new one")
+        n = current
+        if total is not None:
+            n = current - self.n
+            self.total = total
+            if self._bar is not None:
+                self._bar.total = total
+                self._bar.bar_format = ("{l_bar}{bar:%d}{r_bar}" % bar_width if show_eta
+                                        else "{l_bar}{bar:%d}| {n_fmt}/{total_fmt} [{elapsed}]" % bar_width)
+                if message:
+                    self._bar.set_description(message, refresh=False)
+                if extra_info:
+                    self._bar.set_postfix_str(extra_info, refresh=False)
+            if message:
+                self.desc = message
         self.n += n
         if self._bar is not None:
             self._bar.update(n)
@@ -258,3 +295,57 @@ def progress(iterable: tp.Iterable, desc: str = "", total: int | None = None, **
         for item in iterable:
             yield item
             bar.update()
+
+# %% ../nbs/01_loggings.ipynb #b0f12fcb
+def _clear_once_cache(self) -> None:
+    "Forget the `*_once` messages already logged, so each logs once more."
+    with self._lock:
+        self._seen.clear()
+
+
+def _update_simple(self, message: str) -> None:
+    "Show `message` as the bar's description (or log it when there is no bar)."
+    self.desc = message
+    if self._bar is not None:
+        self._bar.set_description(message)
+    elif process_index() == 0:
+        self.logger.info("%s", message)
+
+
+def _complete(self, message: str | None = None, show_time: bool = True) -> None:
+    "Close the bar and log `message` (with the elapsed time when `show_time`)."
+    self.close()
+    if message is not None and process_index() == 0:
+        self.logger.info("%s (%.2fs)" % (message, self.elapsed) if show_time else "%s" % message)
+
+
+LazyLogger.clear_once_cache = _clear_once_cache
+ProgressLogger.update_simple = _update_simple
+ProgressLogger.complete = _complete
+
+# %% ../nbs/01_loggings.ipynb #94da25de
+def ignite_profiler(profile_path: str, enable_perfetto: bool = False) -> None:
+    "Start a JAX profiler trace into `profile_path` (a Perfetto trace file too with `enable_perfetto`)."
+    import jax  # here, not at module import: importing `loggings` stays free of JAX
+    jax.profiler.start_trace(str(profile_path), create_perfetto_trace=bool(enable_perfetto))
+
+
+def extinguish_profiler(enable_perfetto: bool) -> None:
+    "Stop the trace `ignite_profiler` started (`enable_perfetto` as given to it; the trace files are written now)."
+    import jax
+    jax.profiler.stop_trace()
+
+
+def create_step_profiler(profile_path: str, start_step: int, duration_steps: int, enable_perfetto: bool
+                         ) -> tp.Callable[[int], None]:
+    "A function `on_step(step)` for a training loop: tracing starts at `start_step` and stops after `duration_steps` steps."
+    for name, v, lo in (("start_step", start_step, 0), ("duration_steps", duration_steps, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    state = {"on": False}
+    def on_step(step: int) -> None:
+        if step == start_step and not state["on"]:
+            ignite_profiler(profile_path, enable_perfetto); state["on"] = True
+        elif state["on"] and step >= start_step + duration_steps:
+            extinguish_profiler(enable_perfetto); state["on"] = False
+    return on_step

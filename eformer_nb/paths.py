@@ -21,9 +21,10 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 
 # %% auto #0
-__all__ = ['LOCAL_PROTOCOLS', 'GCS_PROTOCOLS', 'path_protocol', 'is_remote_path', 'make_gcs_filesystem', 'set_gcs_filesystem',
-           'get_gcs_filesystem', 'PathStat', 'ePath', 'LocalPath', 'FsspecPath', 'GCSPath', 'atomic_write_local',
-           'save_jax_array', 'load_jax_array', 'save_dict', 'load_dict']
+__all__ = ['LOCAL_PROTOCOLS', 'GCS_PROTOCOLS', 'UniversalPath', 'path_protocol', 'is_remote_path', 'make_gcs_filesystem',
+           'set_gcs_filesystem', 'get_gcs_filesystem', 'PathStat', 'ePath', 'LocalPath', 'FsspecPath', 'GCSPath',
+           'atomic_write_local', 'save_jax_array', 'load_jax_array', 'save_dict', 'load_dict', 'is_local_path',
+           'PathManager', 'MLUtilPath']
 
 # %% ../nbs/04_paths.ipynb #25e8727c
 _PROTOCOL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
@@ -332,8 +333,10 @@ class ePath:
         entries = self._walk()
         return sorted(k for k, d in entries.items() if d), sorted(k for k, d in entries.items() if not d)
 
-    def glob(self, pattern: str) -> tp.Iterator[ePath]:
-        "Paths below this one matching the relative `pattern` (`*`, `?`, `[...]` within a component, `**` for any depth), in sorted order."
+    def glob(self, pattern: str, recursive: bool = False) -> tp.Iterator[ePath]:
+        "Paths below this one matching the relative `pattern` (`*`, `?`, `[...]` within a component, `**` for any depth), in sorted order; `recursive=True` matches at any depth (`rglob`)."
+        if recursive:
+            pattern = "**/" + pattern
         segs = _check_pattern(pattern)
         if not self.is_dir():
             return
@@ -1060,3 +1063,116 @@ def load_dict(path: str | os.PathLike | ePath, format: str | None = None) -> dic
     if not isinstance(out, dict):
         raise TypeError(f"load_dict: {str(p)!r} holds a {type(out).__name__}, not a dict")
     return out
+
+# %% ../nbs/04_paths.ipynb #60f6f611
+UniversalPath = ePath  # eformer's name for the path base class
+
+
+def is_local_path(path: str | os.PathLike | ePath) -> bool:
+    "True for a path on the local filesystem (no protocol, or `file://`)."
+    return not is_remote_path(path)
+
+
+class _CallableStr(str):
+    "A `str` that also returns itself when called (pathlib's property and eformer's method at once)."
+    def __call__(self) -> str: return str(self)
+
+
+class _CallableList(list):
+    def __call__(self) -> list: return list(self)
+
+
+class _CallableTuple(tuple):
+    def __call__(self) -> tuple: return tuple(self)
+
+
+_stem_of, _suffixes_of = ePath.stem.fget, ePath.suffixes.fget
+ePath.stem = property(lambda self: _CallableStr(_stem_of(self)), doc="The final component without its suffix (also callable).")
+ePath.suffixes = property(lambda self: _CallableList(_suffixes_of(self)), doc="All suffixes of the final component (also callable).")
+
+
+def _parts(self) -> tuple[str, ...]:
+    "The components: `('/', 'tmp', 'x.npy')` locally, `('gs://', 'bucket', 'x.npy')` remotely (also callable)."
+    if isinstance(self, LocalPath):
+        return _CallableTuple(self.path.parts)
+    m = _PROTOCOL_RE.match(str(self))
+    return _CallableTuple((m.group(0), *[p for p in str(self)[m.end():].split("/") if p]))
+
+
+def _rename(self, target: str | os.PathLike | ePath) -> ePath:
+    "Move this file or directory to `target` (same or another filesystem); returns the new path."
+    target = target if isinstance(target, ePath) else ePath(target)
+    if isinstance(self, LocalPath) and isinstance(target, LocalPath):
+        os.replace(self.path, target.path)
+    elif self.is_dir():
+        self.copytree(target)
+        self.rmtree()
+    else:
+        self.copy(target)
+        self.unlink()
+    return target
+
+
+ePath.parts = property(_parts)
+ePath.as_posix = lambda self: str(self)
+ePath.as_posix.__doc__ = "The path as a string with `/` separators (the URL for remote paths)."
+ePath.with_stem = lambda self, stem: self.with_name(stem + self.suffix)
+ePath.with_stem.__doc__ = "This path with the stem of its final component replaced."
+ePath.is_absolute = lambda self: self.path.is_absolute() if isinstance(self, LocalPath) else True
+ePath.is_absolute.__doc__ = "Local: as pathlib; a remote URL is always absolute."
+ePath.rename = _rename
+GCSPath.resolve = lambda self: self  # a gs:// URL is already absolute and has no links
+GCSPath.blob = property(lambda self: self.key, doc="The object name inside the bucket (eformer's `blob`; same as `key`).")
+
+# %% ../nbs/04_paths.ipynb #77d78179
+class PathManager:
+    "Turns strings into paths, with one GCS configuration for every `gs://` path it makes."
+    def __init__(self, gcs_client: tp.Any = None, gcs_credentials_path: str | os.PathLike | None = None):
+        if gcs_client is not None and gcs_credentials_path is not None:
+            raise ValueError("PathManager: pass gcs_client (a gcsfs filesystem) or gcs_credentials_path, not both")
+        self._client, self._credentials = gcs_client, gcs_credentials_path
+
+    @property
+    def gcs_client(self) -> tp.Any:
+        "The gcsfs filesystem for `gs://` paths: the one given, one made from the credentials file, or the shared default."
+        if self._client is None and self._credentials is not None:
+            self._client = make_gcs_filesystem(token=os.fspath(self._credentials))
+        return self._client if self._client is not None else get_gcs_filesystem()
+
+    def __call__(self, path: str | os.PathLike | ePath) -> ePath:
+        "`path` as an `ePath`; `gs://` paths use this manager's filesystem."
+        if isinstance(path, ePath):
+            return path
+        if path_protocol(path) in GCS_PROTOCOLS and (self._client is not None or self._credentials is not None):
+            return ePath(path, fs=self.gcs_client)
+        return ePath(path)
+
+
+class MLUtilPath(PathManager):
+    "`PathManager` with eformer's array and dict helpers (arrays as `.npy`, dicts as JSON or msgpack)."
+    def save_jax_array(self, array: tp.Any, path: str | os.PathLike | ePath, format: str = "npy") -> ePath:
+        "Save `array` at `path` (only `format='npy'`)."
+        _check_choice("format", format, ("npy",))
+        return save_jax_array(self(path), array)
+
+    def load_jax_array(self, path: str | os.PathLike | ePath, format: str = "npy") -> tp.Any:
+        "Load the array saved at `path`."
+        _check_choice("format", format, ("npy",))
+        return load_jax_array(self(path))
+
+    def save_dict(self, data: Mapping, path: str | os.PathLike | ePath, format: str = "json") -> ePath:
+        "Save `data` at `path` as JSON or msgpack."
+        return save_dict(self(path), data, format=format)
+
+    def load_dict(self, path: str | os.PathLike | ePath, format: str = "json") -> dict:
+        "Load the dict saved at `path`."
+        return load_dict(self(path), format=format)
+
+    def copy_tree(self, src: str | os.PathLike | ePath, dst: str | os.PathLike | ePath) -> ePath:
+        "Copy the directory `src` to `dst` (merging into an existing `dst`)."
+        return self(src).copytree(self(dst), dirs_exist_ok=True)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not supported; expected one of {list(choices)}")

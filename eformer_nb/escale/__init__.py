@@ -30,4 +30,41 @@ __all__ = ['MeshPartitionHelper', 'DEFAULT_AXIS_DIMS', 'DEFAULT_AXIS_NAMES', 'cr
            'PartitionManager', 'apply_logical_sharding', 'auto_namedsharding', 'auto_partition_spec', 'check_mode',
            'correct_partition_spec', 'get_corrected_named_sharding', 'get_current_partition_manager',
            'get_partition_manager', 'get_safe_hash_int', 'make_shard_and_gather_fns', 'map_leaves_with_path',
-           'match_partition_rules', 'tree_path_to_string', 'with_sharding_constraint']
+           'match_partition_rules', 'tree_path_to_string', 'with_sharding_constraint', 'NamedSharding', 'PartitionSpec',
+           'AutoShardingRule', 'CompositeShardingRule', 'MemoryConstrainedShardingRule', 'ShapeBasedShardingRule',
+           'ShardingAnalyzer', 'ShardingRule', 'barrier_sync', 'cpu_context', 'create_cpu_mesh', 'force_cpu',
+           'auto_shard_array', 'convert_sharding_strategy', 'optimize_sharding_for_memory', 'sharding_problems',
+           'validate_sharding_config', 'vrn_auto_partition_spec', 'analyze_sharding_strategy',
+           'create_pattern_based_partition_spec', 'extract_sharding_structure', 'extract_shardings',
+           'get_axes_size_in_mesh', 'get_incontext_mesh', 'get_mesh_axis_names', 'get_mesh_axis_size',
+           'get_names_from_partition_spec', 'get_partition_spec', 'get_shardings_with_structure',
+           'get_submesh_device_index', 'lax_reshard', 'names_in_current_mesh', 'shard_nbytes']
+
+# %% ../../nbs/09g_escale.__init__.ipynb #96b024c3
+from jax.sharding import NamedSharding, PartitionSpec
+
+from eformer_nb.escale.helpers import (
+    AutoShardingRule, CompositeShardingRule, MemoryConstrainedShardingRule, ShapeBasedShardingRule,
+    ShardingAnalyzer, ShardingRule, barrier_sync,
+)
+from .mesh import cpu_context, create_cpu_mesh, force_cpu
+from eformer_nb.escale.partition import (
+    auto_shard_array, convert_sharding_strategy, optimize_sharding_for_memory, sharding_problems,
+    validate_sharding_config, vrn_auto_partition_spec, analyze_sharding_strategy,
+    create_pattern_based_partition_spec, extract_sharding_structure, extract_shardings, get_axes_size_in_mesh,
+    get_incontext_mesh, get_mesh_axis_names, get_mesh_axis_size, get_names_from_partition_spec,
+    get_partition_spec, get_shardings_with_structure, get_submesh_device_index, lax_reshard,
+    names_in_current_mesh, shard_nbytes,
+)
+
+_all_ = [  # eformer's names (see the compatibility page)
+    "NamedSharding", "PartitionSpec", "AutoShardingRule", "CompositeShardingRule",
+    "MemoryConstrainedShardingRule", "ShapeBasedShardingRule", "ShardingAnalyzer", "ShardingRule",
+    "barrier_sync", "cpu_context", "create_cpu_mesh", "force_cpu", "auto_shard_array",
+    "convert_sharding_strategy", "optimize_sharding_for_memory", "sharding_problems",
+    "validate_sharding_config", "vrn_auto_partition_spec", "analyze_sharding_strategy",
+    "create_pattern_based_partition_spec", "extract_sharding_structure", "extract_shardings",
+    "get_axes_size_in_mesh", "get_incontext_mesh", "get_mesh_axis_names", "get_mesh_axis_size",
+    "get_names_from_partition_spec", "get_partition_spec", "get_shardings_with_structure",
+    "get_submesh_device_index", "lax_reshard", "names_in_current_mesh", "shard_nbytes",
+]

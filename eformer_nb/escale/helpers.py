@@ -18,7 +18,8 @@ from .partition.auto_spec import auto_partition_spec
 from .partition.constraints import correct_partition_spec, map_leaves_with_path
 
 # %% auto #0
-__all__ = ['DEFAULT_AXIS_PRIORITY', 'MeshPartitionHelper']
+__all__ = ['DEFAULT_AXIS_PRIORITY', 'MeshPartitionHelper', 'ShardingRule', 'AutoShardingRule', 'ShapeBasedShardingRule',
+           'MemoryConstrainedShardingRule', 'CompositeShardingRule', 'ShardingAnalyzer', 'barrier_sync']
 
 # %% ../../nbs/09e_escale.helpers.ipynb #1c0a232c
 DEFAULT_AXIS_PRIORITY: tuple[str, ...] = ("fsdp", "tp", "sp", "ep", "dp")
@@ -54,7 +55,7 @@ class MeshPartitionHelper:
         "A tree like `tree` with a proposed spec per leaf (`PartitionSpec()` for leaves that are not arrays)."
         return map_leaves_with_path(lambda path, x: self.propose_spec(x) if hasattr(x, "shape") else PartitionSpec(), tree)
 
-    def analyze_pytree(self, tree) -> dict[str, dict[str, tp.Any]]:
+    def analyze_pytree(self, pytree) -> dict[str, dict[str, tp.Any]]:
         "`{path: {shape, dtype, spec, shard_shape}}` for every array leaf: the plan, before anything moves."
         plan: dict[str, dict[str, tp.Any]] = {}
 
@@ -66,7 +67,7 @@ class MeshPartitionHelper:
                     for name in ((entry,) if isinstance(entry, str) else (entry or ())):
                         shard[d] //= self.axis_sizes[name]
                 plan[path] = {"shape": tuple(x.shape), "dtype": str(x.dtype), "spec": spec, "shard_shape": tuple(shard)}
-        map_leaves_with_path(visit, tree)
+        map_leaves_with_path(visit, pytree)
         return plan
 
     def shard_pytree(self, tree, specs, *, auto_correct: bool = True):
@@ -78,6 +79,148 @@ class MeshPartitionHelper:
             return jax.device_put(x, NamedSharding(self.mesh, spec))
         return jax.tree_util.tree_map(place, tree, specs)
 
-    def auto_shard_pytree(self, tree):
-        "Place every array leaf of `tree` on the mesh with its proposed spec."
-        return self.shard_pytree(tree, self.propose_specs(tree))
+    def auto_shard_pytree(self, pytree, min_shard_size: int | None = None):
+        "Place every array leaf of `pytree` on the mesh with its proposed spec (arrays under `min_shard_size` elements, default: the helper's setting, stay replicated)."
+        if min_shard_size is not None and min_shard_size != self.min_sharding_size:
+            helper = MeshPartitionHelper(self.mesh, axis_priority=self.axis_order, min_sharding_size=min_shard_size)
+            return helper.auto_shard_pytree(pytree)
+        return self.shard_pytree(pytree, self.propose_specs(pytree))
+
+# %% ../../nbs/09e_escale.helpers.ipynb #7321dcd9
+def _create_partition_spec(self, array_shape: Sequence[int], methods: Sequence[str] | str,
+                           min_shard_size: int = 1024) -> PartitionSpec:
+    "A spec for `array_shape` that uses the mesh axes in `methods` (in that priority); arrays under `min_shard_size` elements are replicated."
+    methods = (methods,) if isinstance(methods, str) else tuple(methods)
+    unknown = [m for m in methods if m not in self.axis_sizes]
+    if unknown:
+        raise ValueError(f"methods {unknown} are not axes of the mesh; its axes are {list(self.axis_sizes)}")
+    return auto_partition_spec(tuple(array_shape), self.mesh, methods, min_shard_size)
+
+
+def _shard_array(self, array, partition_spec: PartitionSpec):
+    "`array` placed on the mesh with `partition_spec` (fitted to its shape)."
+    spec = correct_partition_spec(np.shape(array), partition_spec, self.mesh)
+    return jax.device_put(array, NamedSharding(self.mesh, spec))
+
+
+MeshPartitionHelper.create_partition_spec = _create_partition_spec
+MeshPartitionHelper.shard_array = _shard_array
+
+# %% ../../nbs/09e_escale.helpers.ipynb #cccebd64
+import abc
+import time
+
+from .partition.auto_spec import optimize_sharding_for_memory, sharding_problems
+from .partition.constraints import shard_nbytes
+
+
+class ShardingRule(abc.ABC):
+    "A rule that proposes a `PartitionSpec` for every array leaf of a pytree."
+
+    @abc.abstractmethod
+    def apply(self, pytree) -> tp.Any:
+        "A tree like `pytree` of `PartitionSpec`s (`PartitionSpec()` for leaves that are not arrays)."
+
+
+def _specs(pytree, fn) -> tp.Any:
+    return jax.tree_util.tree_map(lambda x: fn(x) if hasattr(x, "shape") else PartitionSpec(), pytree)
+
+
+class AutoShardingRule(ShardingRule):
+    "`auto_partition_spec` for every array."
+    def __init__(self, mesh: Mesh | None = None, axis_names: Sequence[str] | None = None,
+                 min_shard_size: int | None = None, reverse: bool = False):
+        self.mesh, self.axis_names, self.min_shard_size, self.reverse = mesh, axis_names, min_shard_size, reverse
+
+    def apply(self, pytree):
+        return _specs(pytree, lambda x: auto_partition_spec(x, self.mesh, self.axis_names, self.min_shard_size, self.reverse))
+
+
+class ShapeBasedShardingRule(ShardingRule):
+    "Specs by shape: `shape_patterns` maps a shape (None matches any size in that dimension) or a predicate on the shape to a spec; the first match wins."
+    def __init__(self, shape_patterns: tp.Mapping[tp.Any, PartitionSpec]):
+        self.shape_patterns = dict(shape_patterns)
+
+    @staticmethod
+    def _matches(pattern, shape) -> bool:
+        if callable(pattern):
+            return bool(pattern(shape))
+        return len(pattern) == len(shape) and all(p is None or p == s for p, s in zip(pattern, shape))
+
+    def apply(self, pytree):
+        return _specs(pytree, lambda x: next((s for p, s in self.shape_patterns.items()
+                                              if self._matches(p, tuple(x.shape))), PartitionSpec()))
+
+
+class MemoryConstrainedShardingRule(ShardingRule):
+    "`optimize_sharding_for_memory` with a per-device byte budget."
+    def __init__(self, max_memory_per_device: int, mesh: Mesh | None = None, axis_names: Sequence[str] | None = None):
+        if not isinstance(max_memory_per_device, (int, np.integer)) or max_memory_per_device <= 0:
+            raise ValueError(f"max_memory_per_device must be a positive number of bytes, got {max_memory_per_device!r}")
+        self.max_memory_per_device, self.mesh, self.axis_names = int(max_memory_per_device), mesh, axis_names
+
+    def apply(self, pytree):
+        return optimize_sharding_for_memory(pytree, self.mesh, self.max_memory_per_device, self.axis_names)
+
+
+class CompositeShardingRule(ShardingRule):
+    "Several rules in order: each leaf takes the first spec that shards it (replicated if none does)."
+    def __init__(self, *rules: ShardingRule):
+        bad = [r for r in rules if not isinstance(r, ShardingRule)]
+        if not rules or bad:
+            raise TypeError(f"CompositeShardingRule takes one or more ShardingRule objects, got {bad or 'none'}")
+        self.rules = rules
+
+    def apply(self, pytree):
+        is_spec = lambda s: isinstance(s, PartitionSpec)
+        proposals = [r.apply(pytree) for r in self.rules]
+        pick = lambda *specs: next((s for s in specs if any(e is not None for e in s)), PartitionSpec())
+        return jax.tree_util.tree_map(pick, *proposals, is_leaf=is_spec)
+
+# %% ../../nbs/09e_escale.helpers.ipynb #ce258b81
+class ShardingAnalyzer:
+    "Check partition specs against a pytree and a mesh (default: the mesh in context), and estimate per-device memory."
+    def __init__(self, mesh: Mesh | None = None):
+        self.mesh = mesh
+
+    def _mesh(self):
+        mesh = get_current_mesh() if self.mesh is None else self.mesh
+        if mesh is None:
+            raise ValueError("ShardingAnalyzer needs a mesh: pass one, or use it inside `with jax.set_mesh(mesh):`")
+        return mesh
+
+    def _pairs(self, pytree, partition_specs):
+        is_spec = lambda s: isinstance(s, PartitionSpec)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(pytree)
+        specs, spec_def = jax.tree_util.tree_flatten(partition_specs, is_leaf=is_spec)
+        if len(specs) != len(flat):
+            raise ValueError(f"pytree has {len(flat)} leaves but partition_specs has {len(specs)} specs; give one spec per leaf")
+        return [(jax.tree_util.keystr(p), x, s) for (p, x), s in zip(flat, specs)]
+
+    def validate_partition_specs(self, pytree, partition_specs) -> list[str]:
+        "Every problem (`'<path>: <why>'`) with placing `pytree` by `partition_specs` as written; `[]` when they all fit."
+        mesh = self._mesh()
+        return [f"{path}: {msg}" for path, x, s in self._pairs(pytree, partition_specs) if hasattr(x, "shape")
+                for msg in sharding_problems(np.shape(x), s, mesh)]
+
+    def estimate_memory_usage(self, pytree, partition_specs) -> dict[str, int]:
+        "Bytes of the arrays in total and on each device once placed (specs fitted to the shapes, as placement does)."
+        mesh = self._mesh()
+        pairs = [(x, s) for _, x, s in self._pairs(pytree, partition_specs) if hasattr(x, "shape")]
+        total = sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x, _ in pairs)
+        per_device = sum(shard_nbytes(np.shape(x), x.dtype, s, mesh) for x, s in pairs)
+        return {"total_bytes": total, "per_device_bytes": per_device, "num_devices": int(mesh.devices.size)}
+
+
+_BARRIERS = [0]
+
+
+def barrier_sync(timeout: float = 200) -> None:
+    "Wait until every process reaches this point (at most `timeout` seconds); returns at once with one process."
+    if not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed  # the coordination client has the only barrier with a timeout
+    _BARRIERS[0] += 1
+    distributed.global_state.client.wait_at_barrier(f"eformer_nb_barrier_{_BARRIERS[0]}", int(timeout * 1000))

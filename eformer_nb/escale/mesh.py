@@ -17,7 +17,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 # %% auto #0
 __all__ = ['DEFAULT_AXIS_DIMS', 'DEFAULT_AXIS_NAMES', 'resolve_axis_dims', 'count_granules', 'split_dcn_dims',
            'create_device_array', 'create_mesh', 'parse_mesh_spec', 'parse_mesh_from_string', 'get_current_mesh',
-           'mesh_axis_sizes']
+           'mesh_axis_sizes', 'create_cpu_mesh', 'force_cpu', 'cpu_context']
 
 # %% ../../nbs/09a_escale.mesh.ipynb #14417c63
 DEFAULT_AXIS_DIMS: tuple[int, ...] = (1, -1, 1, 1, 1)  # everything on fsdp
@@ -121,21 +121,49 @@ def create_device_array(axis_dims: Sequence[int], axis_names: Sequence[str] = DE
                                                 allow_split_physical_axes=allow_split_physical_axes)
 
 # %% ../../nbs/09a_escale.mesh.ipynb #59111f22
+def _axis_types(axis_types, n: int) -> tuple[AxisType, ...]:
+    "`axis_types` as one `AxisType` per axis: None (all Auto), one type or name for all, or a sequence of them."
+    valid = {t.name.lower(): t for t in AxisType}
+    def one(t):
+        if isinstance(t, AxisType):
+            return t
+        if isinstance(t, str) and t.lower() in valid:
+            return valid[t.lower()]
+        raise ValueError(f"unknown axis type {t!r}; expected an AxisType or one of {sorted(valid)}")
+    if axis_types is None:
+        return (AxisType.Auto,) * n
+    if isinstance(axis_types, (AxisType, str)):
+        return (one(axis_types),) * n
+    return tuple(one(t) for t in axis_types)
+
+
 def create_mesh(axis_dims: Sequence[int] = DEFAULT_AXIS_DIMS, axis_names: Sequence[str] = DEFAULT_AXIS_NAMES,
-                dcn_mesh_dims: Sequence[int] | None = None, *, devices: Sequence | None = None,
-                process_is_granule: bool = False, should_sort_granules_by_key: bool = True,
-                allow_split_physical_axes: bool = True, axis_types: Sequence[AxisType] | None = None) -> Mesh:
+                dcn_mesh_dims: Sequence[int] | None = None, should_sort_granules_by_key: bool = True,
+                allow_split_physical_axes: bool = True, backend: str | None = None, use_jax: bool = False,
+                axis_types: Sequence[AxisType | str] | AxisType | str | None = None, *, devices: Sequence | None = None,
+                process_is_granule: bool = False) -> Mesh:
     """A `Mesh` with axes `axis_names` of sizes `axis_dims` (one `-1` is filled from the device count).
 
     `dcn_mesh_dims` gives how many slices each axis spans on a multi-slice system (inferred when the
-    devices span several slices); `axis_types` defaults to `AxisType.Auto` for every axis."""
+    devices span several slices); `backend` picks the devices (`"cpu"`, `"gpu"`, `"tpu"`) unless `devices`
+    is given; `use_jax=True` lays the devices out with `jax.make_mesh` (single slice only);
+    `axis_types` (`AxisType`s or their names, one for all or one per axis) defaults to `Auto`."""
     names = _check_names(axis_names)
+    types = _axis_types(axis_types, len(names))
+    if len(types) != len(names):
+        raise ValueError(f"axis_types {types!r} has {len(types)} entries but axis_names {names!r} has {len(names)}")
+    if devices is None and backend is not None:
+        devices = jax.devices(backend)
+    if use_jax:
+        if dcn_mesh_dims is not None:
+            raise ValueError(f"use_jax=True builds a single-slice mesh with jax.make_mesh; dcn_mesh_dims={dcn_mesh_dims!r} "
+                             "needs use_jax=False")
+        devs = list(jax.devices() if devices is None else devices)
+        dims = resolve_axis_dims(axis_dims, names, len(devs))
+        return jax.make_mesh(dims, names, axis_types=types, devices=devs)
     array = create_device_array(axis_dims, names, dcn_mesh_dims, devices, process_is_granule=process_is_granule,
                                 should_sort_granules_by_key=should_sort_granules_by_key,
                                 allow_split_physical_axes=allow_split_physical_axes)
-    types = (AxisType.Auto,) * len(names) if axis_types is None else tuple(axis_types)
-    if len(types) != len(names):
-        raise ValueError(f"axis_types {types!r} has {len(types)} entries but axis_names {names!r} has {len(names)}")
     return Mesh(array, names, axis_types=types)
 
 # %% ../../nbs/09a_escale.mesh.ipynb #52343ba3
@@ -197,3 +225,34 @@ def get_current_mesh() -> Mesh | AbstractMesh | None:
 def mesh_axis_sizes(mesh: Mesh | AbstractMesh) -> dict[str, int]:
     "`{axis name: size}` in the mesh's axis order."
     return {name: int(size) for name, size in zip(mesh.axis_names, mesh.axis_sizes)}
+
+# %% ../../nbs/09a_escale.mesh.ipynb #2be38215
+import contextlib
+
+
+def create_cpu_mesh(axis_dims: Sequence[int] = DEFAULT_AXIS_DIMS, axis_names: Sequence[str] = DEFAULT_AXIS_NAMES) -> Mesh:
+    "`create_mesh` over the host's CPU devices."
+    return create_mesh(axis_dims, axis_names, devices=jax.devices("cpu"))
+
+
+@contextlib.contextmanager
+def force_cpu():
+    "Within the block, new arrays and computations go to the first CPU device (yielded)."
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        yield cpu
+
+
+@contextlib.contextmanager
+def cpu_context(axis_dims: Sequence[int] = DEFAULT_AXIS_DIMS, axis_names: Sequence[str] = DEFAULT_AXIS_NAMES):
+    "`force_cpu` plus a CPU mesh in context (yielded), so sharding code runs on the host."
+    mesh = create_cpu_mesh(axis_dims, axis_names)
+    with force_cpu(), jax.set_mesh(mesh):
+        yield mesh
+
+
+def __getattr__(name: str):
+    if name == "MeshPartitionHelper":  # eformer's escale.mesh exports it; it lives in escale.helpers
+        from eformer_nb.escale.helpers import MeshPartitionHelper
+        return MeshPartitionHelper
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,4 +25,11 @@ _all_ = [  # nbdev turns this into the module's __all__ (imported names are not 
 __all__ = ['CANONICAL_NAMES', 'DTYPE_ALIASES', 'DTYPE_NAMES', 'FP8_DTYPES', 'HALF', 'DTypeSpec', 'canonical_name',
            'cast_floating', 'dtype_name', 'half_dtype', 'is_floating', 'resolve_dtype', 'PrecisionHandler',
            'scaled_value_and_grad', 'DynamicLossScale', 'LossScale', 'LossScaleConfig', 'NoOpLossScale',
-           'StaticLossScale', 'all_finite', 'select_tree', 'Policy', 'get_policy']
+           'StaticLossScale', 'all_finite', 'select_tree', 'Policy', 'get_policy', 'DTYPE_MAPPING',
+           'DTYPE_TO_STRING_MAP', 'STRING_TO_DTYPE_MAP', 'put_dtype', 'LossScaler']
+
+# %% ../../nbs/07e_mpric.__init__.ipynb #d1cfe083
+from .dtypes import DTYPE_MAPPING, DTYPE_TO_STRING_MAP, STRING_TO_DTYPE_MAP, put_dtype
+from .loss_scaling import LossScaler
+
+_all_ = ["DTYPE_MAPPING", "DTYPE_TO_STRING_MAP", "STRING_TO_DTYPE_MAP", "put_dtype", "LossScaler"]

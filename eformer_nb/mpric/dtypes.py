@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 
 # %% auto #0
-__all__ = ['HALF', 'DTYPE_ALIASES', 'CANONICAL_NAMES', 'DTYPE_NAMES', 'FP8_DTYPES', 'DTypeSpec', 'half_dtype', 'short_repr',
-           'canonical_name', 'resolve_dtype', 'dtype_name', 'is_floating', 'cast_floating']
+__all__ = ['HALF', 'DTYPE_ALIASES', 'CANONICAL_NAMES', 'DTYPE_NAMES', 'FP8_DTYPES', 'DTypeSpec', 'STRING_TO_DTYPE_MAP',
+           'DTYPE_MAPPING', 'DTYPE_TO_STRING_MAP', 'half_dtype', 'short_repr', 'canonical_name', 'resolve_dtype',
+           'dtype_name', 'is_floating', 'cast_floating', 'put_dtype']
 
 # %% ../../nbs/07a_mpric.dtypes.ipynb #a8450045
 HALF = "half"  # bfloat16 on TPU, float16 elsewhere; resolved lazily (see `half_dtype`)
@@ -100,3 +101,15 @@ def cast_floating(tree: tp.Any, dtype: DTypeSpec) -> tp.Any:
             return x.astype(target)
         return x
     return jax.tree_util.tree_map(cast, tree)
+
+# %% ../../nbs/07a_mpric.dtypes.ipynb #dd64964c
+STRING_TO_DTYPE_MAP: dict[str, np.dtype] = dict(DTYPE_ALIASES)
+DTYPE_MAPPING = STRING_TO_DTYPE_MAP  # eformer's older name
+DTYPE_TO_STRING_MAP: dict[np.dtype, str] = dict(CANONICAL_NAMES)
+
+
+def put_dtype(array: tp.Any, dtype: DTypeSpec | None) -> tp.Any:
+    "`array` cast to `dtype` when it is floating (integers and bools keep theirs); `dtype=None` leaves it as is."
+    if dtype is None:
+        return array
+    return cast_floating(array, dtype)

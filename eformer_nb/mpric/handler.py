@@ -108,8 +108,9 @@ class PrecisionHandler:
         "The pure step `(loss_scale, params, *args) -> (loss, grads, grads_finite, new_loss_scale)` for this policy."
         return scaled_value_and_grad(fn, self.policy, has_aux=has_aux)
 
-    def training_step_wrapper(self, fn: tp.Callable, *, has_aux: bool = False) -> tp.Callable:
+    def training_step_wrapper(self, training_step_fn: tp.Callable, *, has_aux: bool = False) -> tp.Callable:
         "Jit-compiled `(params, *args) -> (loss, grads, grads_finite)`; keeps and updates `self.loss_scale`."
+        fn = training_step_fn
         if self.policy.uses_float16 and isinstance(self.loss_scale, NoOpLossScale):
             logger.warning_once(f"mpric: policy '{self.policy}' computes in float16 without loss scaling; small "
                                 "gradients will underflow to zero. Use PrecisionHandler(..., use_dynamic_scale=True).")
@@ -128,10 +129,19 @@ class PrecisionHandler:
 
         return wrapped
 
-    def inference_wrapper(self, fn: tp.Callable) -> tp.Callable:
+    def inference_wrapper(self, inference_fn: tp.Callable) -> tp.Callable:
         "`(params, *args) -> output`: params and float inputs cast to compute, the output cast to the output dtype. Pure; jit it yourself."
+        fn = inference_fn
         @functools.wraps(fn)
         def wrapped(params, *args, **kwargs):
             args_c, kwargs_c = self.policy.cast_to_compute((args, kwargs))
             return self.policy.cast_to_output(fn(self.policy.cast_to_compute(params), *args_c, **kwargs_c))
         return wrapped
+
+# %% ../../nbs/07d_mpric.handler.ipynb #b1de6129
+PrecisionHandler.cast_params = lambda self, params: self.policy.cast_to_param(params)
+PrecisionHandler.cast_for_compute = lambda self, x: self.policy.cast_to_compute(x)
+PrecisionHandler.cast_for_output = lambda self, x: self.policy.cast_to_output(x)
+PrecisionHandler.cast_params.__doc__ = "`params` (float leaves) in the parameter dtype."
+PrecisionHandler.cast_for_compute.__doc__ = "`x` (float leaves) in the compute dtype."
+PrecisionHandler.cast_for_output.__doc__ = "`x` (float leaves) in the output dtype."

@@ -16,7 +16,8 @@ import numpy as np
 from .dtypes import is_floating
 
 # %% auto #0
-__all__ = ['LossScale', 'NoOpLossScale', 'StaticLossScale', 'DynamicLossScale', 'all_finite', 'select_tree', 'LossScaleConfig']
+__all__ = ['LossScale', 'NoOpLossScale', 'StaticLossScale', 'DynamicLossScale', 'all_finite', 'select_tree', 'LossScaleConfig',
+           'LossScaler']
 
 # %% ../../nbs/07c_mpric.loss_scaling.ipynb #5eb5c126
 def _as_float(x):
@@ -104,9 +105,9 @@ class DynamicLossScale:
     "A loss scale that shrinks by `factor` on a non-finite step and grows by `factor` after `period` finite steps."
     loss_scale: tp.Any = 2.0**15
     counter: tp.Any = 0
-    min_loss_scale: tp.Any = 1.0
     period: int = 2000
     factor: float = 2.0
+    min_loss_scale: tp.Any = 1.0
 
     def __post_init__(self):
         period = _check_number("DynamicLossScale.period (finite steps before the scale grows)", self.period,
@@ -197,3 +198,26 @@ class LossScaleConfig:
             return DynamicLossScale(loss_scale=float(self.initial_scale), min_loss_scale=float(self.min_scale),
                                     period=self.growth_interval, factor=float(self.scale_factor))
         return StaticLossScale(float(self.initial_scale))
+
+# %% ../../nbs/07c_mpric.loss_scaling.ipynb #44ce0542
+class LossScaler:
+    "A mutable holder of a loss scale: `scale` the loss, `unscale` the grads, then `adjust` with the finiteness of the grads."
+    def __init__(self, config: LossScaleConfig | None = None, dynamic: bool = True):
+        self.config = LossScaleConfig() if config is None else config
+        if not isinstance(self.config, LossScaleConfig):
+            raise TypeError(f"config must be a LossScaleConfig, got {config!r}")
+        self.loss_scale = self.config.create(dynamic=dynamic)
+
+    @property
+    def value(self) -> float:
+        "The current scale."
+        return float(self.loss_scale.loss_scale)
+
+    def scale(self, tree): return self.loss_scale.scale(tree)
+    def unscale(self, tree): return self.loss_scale.unscale(tree)
+
+    def adjust(self, grads) -> bool:
+        "Update the scale from this step's (unscaled) `grads`; True when they were all finite (apply the step), False to skip it."
+        finite = all_finite(grads)
+        self.loss_scale = self.loss_scale.adjust(finite)
+        return bool(finite)

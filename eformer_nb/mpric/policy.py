@@ -127,4 +127,9 @@ def get_policy(policy: str | Policy) -> Policy:
     p, c, o = names
     return Policy("f32" if p is None else p, c, o)  # params default to f32; the constructor cascades the rest
 
-Policy.from_string = staticmethod(get_policy)
+def _from_string(cls, policy_str: str) -> Policy:
+    "The `Policy` a string such as `'p=f32,c=bf16,o=f32'` names (see `get_policy`)."
+    return get_policy(policy_str)
+
+
+Policy.from_string = classmethod(_from_string)

@@ -29,4 +29,34 @@ __all__ = ['SerializationMixin', 'AdafactorConfig', 'AdamWConfig', 'ConfigMixin'
            'MuonConfig', 'OPTIMIZER_CONFIGS', 'OptimizerFactory', 'RMSPropConfig', 'SchedulerConfig',
            'SchedulerFactory', 'SoapConfig', 'WhiteKronConfig', 'available_optimizers', 'available_schedulers', 'kron',
            'mars', 'optax_add_scheduled_weight_decay', 'register_optimizer', 'register_scheduler', 'scale_by_kron',
-           'scale_by_mars', 'scale_by_soap', 'scale_by_white_kron', 'soap', 'white_kron']
+           'scale_by_mars', 'scale_by_soap', 'scale_by_white_kron', 'soap', 'white_kron', 'ScionConfig',
+           'AdafactorOptimizer', 'AdamWOptimizer', 'LionOptimizer', 'MarsOptimizer', 'MuonOptimizer',
+           'OptimizerBuilder', 'QuadOptimizer', 'RMSPropOptimizer', 'SkewOptimizer', 'StageLocalGradientTransformation',
+           'StageLocalOptimizerMetadata', 'get_base_optimizer', 'make_stage_local_gradient_transformation', 'quad',
+           'scale_by_quad', 'scale_by_skew', 'skew', 'ConstantSchedulerBuilder', 'CosineSchedulerBuilder',
+           'LinearSchedulerBuilder', 'SchedulerBuilder', 'create_cosine_scheduler', 'create_linear_scheduler',
+           'OptaxScheduledWeightDecayState', 'scale_by_scion', 'scion']
+
+# %% ../../nbs/08f_optimizers.__init__.ipynb #54dcbcc5
+from .configs import ScionConfig
+from eformer_nb.optimizers.factory import (
+    AdafactorOptimizer, AdamWOptimizer, LionOptimizer, MarsOptimizer, MuonOptimizer, OptimizerBuilder,
+    QuadOptimizer, RMSPropOptimizer, SkewOptimizer, StageLocalGradientTransformation,
+    StageLocalOptimizerMetadata, get_base_optimizer, make_stage_local_gradient_transformation,
+)
+from .kron import quad, scale_by_quad, scale_by_skew, skew
+from eformer_nb.optimizers.schedulers import (
+    ConstantSchedulerBuilder, CosineSchedulerBuilder, LinearSchedulerBuilder, SchedulerBuilder,
+    create_cosine_scheduler, create_linear_scheduler,
+)
+from .transforms import OptaxScheduledWeightDecayState, scale_by_scion, scion
+
+_all_ = [  # eformer's names (see the compatibility page)
+    "ScionConfig", "AdafactorOptimizer", "AdamWOptimizer", "LionOptimizer", "MarsOptimizer", "MuonOptimizer",
+    "OptimizerBuilder", "QuadOptimizer", "RMSPropOptimizer", "SkewOptimizer",
+    "StageLocalGradientTransformation", "StageLocalOptimizerMetadata", "get_base_optimizer",
+    "make_stage_local_gradient_transformation", "quad", "scale_by_quad", "scale_by_skew", "skew",
+    "ConstantSchedulerBuilder", "CosineSchedulerBuilder", "LinearSchedulerBuilder", "SchedulerBuilder",
+    "create_cosine_scheduler", "create_linear_scheduler", "OptaxScheduledWeightDecayState", "scale_by_scion",
+    "scion",
+]

@@ -15,7 +15,8 @@ import numpy as np
 # %% auto #0
 __all__ = ['BUILTIN_SCHEDULERS', 'KRON_MEMORY_SAVE_MODES', 'WHITE_KRON_STYLES', 'OPTIMIZER_CONFIGS', 'check_range', 'check_int',
            'check_choice', 'check_dtype', 'ConfigMixin', 'SchedulerConfig', 'AdamWConfig', 'AdafactorConfig',
-           'LionConfig', 'RMSPropConfig', 'MuonConfig', 'MarsConfig', 'SoapConfig', 'KronConfig', 'WhiteKronConfig']
+           'LionConfig', 'RMSPropConfig', 'MuonConfig', 'MarsConfig', 'SoapConfig', 'KronConfig', 'WhiteKronConfig',
+           'ScionConfig']
 
 # %% ../../nbs/08a_optimizers.configs.ipynb #1046b739
 def _fail(owner: str, name: str, value, expected: str) -> tp.NoReturn:
@@ -91,9 +92,9 @@ class ConfigMixin:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_json(cls: type[_T], text: str) -> _T:
+    def from_json(cls: type[_T], json_str: str) -> _T:
         "Build a config from a JSON string written by `to_json` (or by hand)."
-        return cls.from_dict(json.loads(text))
+        return cls.from_dict(json.loads(json_str))
 
     def replace(self: _T, **changes) -> _T:
         "A copy with some fields changed (validated like a new config)."
@@ -189,6 +190,7 @@ class AdafactorConfig(ConfigMixin):
     clipping_threshold: float | None = 1.0
     momentum: float | None = None
     dtype_momentum: str = "float32"
+    weight_decay_rate: float | None = None  # Adafactor's own decoupled weight decay (optax's `weight_decay_rate`)
     eps: float = 1e-30
     factored: bool = True
 
@@ -200,6 +202,7 @@ class AdafactorConfig(ConfigMixin):
         check_range(o, "clipping_threshold", self.clipping_threshold, 0, lo_inclusive=False, allow_none=True)
         check_range(o, "momentum", self.momentum, 0, 1, hi_inclusive=False, allow_none=True)
         check_dtype(o, "dtype_momentum", self.dtype_momentum)
+        check_range(o, "weight_decay_rate", self.weight_decay_rate, 0, allow_none=True)
         check_range(o, "eps", self.eps, 0)
 
 
@@ -221,11 +224,11 @@ class LionConfig(ConfigMixin):
 class RMSPropConfig(ConfigMixin):
     "RMSProp (`optax.rmsprop`)."
     decay: float = 0.9
-    eps: float = 1e-8
     initial_scale: float = 0.0
-    centered: bool = False
     momentum: float | None = None
     nesterov: bool = False
+    eps: float = 1e-8
+    centered: bool = False
 
     def __post_init__(self):
         o = type(self).__name__
@@ -242,12 +245,15 @@ class MuonConfig(ConfigMixin):
     ns_steps: int = 5
     beta: float = 0.95
     eps: float = 1e-8
+    weight_decay: float = 0.0  # decoupled weight decay of the Muon (matrix) parameters
+    weight_decay_mask: tp.Any | None = None  # which parameters decay (a tree of bools or a callable); None: all
     mu_dtype: str | None = None
     nesterov: bool = True
     adaptive: bool = False
     adam_b1: float = 0.9
     adam_b2: float = 0.999
     adam_eps_root: float = 0.0
+    adam_weight_decay: float = 0.0  # weight decay of the parameters Adam updates
 
     def __post_init__(self):
         o = type(self).__name__
@@ -262,11 +268,14 @@ class MuonConfig(ConfigMixin):
         check_range(o, "adam_b1", self.adam_b1, 0, 1, hi_inclusive=False)
         check_range(o, "adam_b2", self.adam_b2, 0, 1, hi_inclusive=False)
         check_range(o, "adam_eps_root", self.adam_eps_root, 0)
+        check_range(o, "weight_decay", self.weight_decay, 0)
+        check_range(o, "adam_weight_decay", self.adam_weight_decay, 0)
 
 # %% ../../nbs/08a_optimizers.configs.ipynb #afb6f0f1
 @dataclasses.dataclass
 class MarsConfig(ConfigMixin):
     "MARS-AdamW (Yuan et al. 2024): Adam on a variance-reduced gradient; `gamma=0` and no clipping is Adam."
+    weight_decay: float = 0.1  # decoupled weight decay (used when `OptimizerFactory.create` gets no weight_decay)
     beta1: float = 0.95
     beta2: float = 0.99
     gamma: float = 0.025  # weight of the gradient-correction term
@@ -276,6 +285,7 @@ class MarsConfig(ConfigMixin):
 
     def __post_init__(self):
         o = type(self).__name__
+        check_range(o, "weight_decay", self.weight_decay, 0)
         check_range(o, "beta1", self.beta1, 0, 1, hi_inclusive=False)
         check_range(o, "beta2", self.beta2, 0, 1, hi_inclusive=False)
         check_range(o, "gamma", self.gamma, 0)
@@ -383,3 +393,27 @@ OPTIMIZER_CONFIGS: dict[str, type] = {
     "adamw": AdamWConfig, "adafactor": AdafactorConfig, "lion": LionConfig, "rmsprop": RMSPropConfig,
     "muon": MuonConfig, "mars": MarsConfig, "soap": SoapConfig, "kron": KronConfig, "whitekron": WhiteKronConfig,
 }  # the built-in optimizer names and their config classes
+
+# %% ../../nbs/08a_optimizers.configs.ipynb #719eabac
+@dataclasses.dataclass
+class ScionConfig(ConfigMixin):
+    "Scion / uScion: momentum, then the norm-ball LMO step (spectral for matrices, sign for the rest)."
+    momentum: float = 0.95  # EMA rate of the gradient for matrices: d = momentum * d + (1 - momentum) * g
+    backend_steps: int = 10  # Newton-Schulz iterations of the spectral LMO
+    beta1: float = 0.9  # EMA rate of the gradient for non-matrix parameters (sign LMO)
+    epsilon: float = 1e-8  # added to the Frobenius norm before Newton-Schulz
+    unconstrained: bool = False  # True: uScion (x += lr * lmo); False: Scion (x = (1 - lr) x + lr * lmo)
+    spectral_radius: float = 50  # radius of the spectral-norm ball (matrices)
+    sign_radius: float = 3000  # radius of the max-norm ball (vectors and scalars)
+
+    def __post_init__(self):
+        o = type(self).__name__
+        check_range(o, "momentum", self.momentum, 0, 1, hi_inclusive=False)
+        check_range(o, "beta1", self.beta1, 0, 1, hi_inclusive=False)
+        check_int(o, "backend_steps", self.backend_steps, 1)
+        check_range(o, "epsilon", self.epsilon, 0)
+        check_range(o, "spectral_radius", self.spectral_radius, 0, lo_inclusive=False)
+        check_range(o, "sign_radius", self.sign_radius, 0, lo_inclusive=False)
+
+
+OPTIMIZER_CONFIGS["scion"] = ScionConfig

@@ -24,8 +24,11 @@ from .schedulers import SchedulerFactory
 from .transforms import optax_add_scheduled_weight_decay, scale_by_mars, scale_by_soap
 
 # %% auto #0
-__all__ = ['MAX_CONSECUTIVE_NONFINITE', 'register_optimizer', 'available_optimizers', 'kron_update_probability',
-           'OptimizerFactory']
+__all__ = ['MAX_CONSECUTIVE_NONFINITE', 'AdamWOptimizer', 'AdafactorOptimizer', 'LionOptimizer', 'RMSPropOptimizer',
+           'MuonOptimizer', 'MarsOptimizer', 'QuadOptimizer', 'SkewOptimizer', 'register_optimizer',
+           'available_optimizers', 'kron_update_probability', 'OptimizerFactory', 'OptimizerBuilder',
+           'get_base_optimizer', 'StageLocalOptimizerMetadata', 'StageLocalGradientTransformation',
+           'make_stage_local_gradient_transformation']
 
 # %% ../../nbs/08e_optimizers.factory.ipynb #459748b7
 class _Entry(tp.NamedTuple):
@@ -38,10 +41,21 @@ class _Entry(tp.NamedTuple):
 _OPTIMIZERS: dict[str, _Entry] = {}
 
 
-def register_optimizer(name: str, config_cls: type, *, overwrite: bool = False, fixed: dict | None = None):
-    "Decorator: register `builder(config, schedule[, weight_decay=, weight_decay_mask=])` under `name`."
+def register_optimizer(name: str, config_cls: type | None = None, *, overwrite: bool = False, fixed: dict | None = None):
+    """Decorator: register `builder(config, schedule[, weight_decay=, weight_decay_mask=])` under `name`,
+    or (eformer's form, `config_cls` omitted) an `OptimizerBuilder` subclass with a `config_class`."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_optimizer: name={name!r} is invalid: expected a non-empty string.")
+    if config_cls is None:
+        def deco_class(builder_cls):
+            if not (isinstance(builder_cls, type) and hasattr(builder_cls, "build") and hasattr(builder_cls, "config_class")):
+                raise TypeError(f"register_optimizer({name!r}) without config_cls decorates an OptimizerBuilder subclass "
+                                f"with a config_class; got {builder_cls!r}")
+            builder_cls.optimizer_type = name.lower()
+            register_optimizer(name, builder_cls.config_class, overwrite=overwrite, fixed=fixed)(
+                lambda c, schedule: builder_cls(c).build(schedule))
+            return builder_cls
+        return deco_class
     if not (isinstance(config_cls, type) and dataclasses.is_dataclass(config_cls)):
         raise TypeError(f"register_optimizer({name!r}): config_cls={config_cls!r} is invalid: expected a dataclass type "
                         "(ideally subclassing ConfigMixin)")
@@ -89,7 +103,8 @@ def _adafactor(c: AdafactorConfig, schedule):
     return optax.adafactor(schedule, min_dim_size_to_factor=c.min_dim_size_to_factor, decay_rate=c.decay_rate,
                            decay_offset=c.decay_offset, multiply_by_parameter_scale=c.multiply_by_parameter_scale,
                            clipping_threshold=c.clipping_threshold, momentum=c.momentum,
-                           dtype_momentum=jnp.dtype(c.dtype_momentum), eps=c.eps, factored=c.factored)
+                           dtype_momentum=jnp.dtype(c.dtype_momentum), weight_decay_rate=c.weight_decay_rate,
+                           eps=c.eps, factored=c.factored)
 
 
 @register_optimizer("lion", LionConfig)
@@ -107,14 +122,16 @@ def _rmsprop(c: RMSPropConfig, schedule):
 @register_optimizer("muon", MuonConfig)
 def _muon(c: MuonConfig, schedule):
     return optax.contrib.muon(schedule, ns_coeffs=c.ns_coeffs, ns_steps=c.ns_steps, beta=c.beta, eps=c.eps,
+                              weight_decay=c.weight_decay, weight_decay_mask=c.weight_decay_mask,
                               mu_dtype=_dt(c.mu_dtype), nesterov=c.nesterov, adaptive=c.adaptive,
-                              adam_b1=c.adam_b1, adam_b2=c.adam_b2, adam_eps_root=c.adam_eps_root)
+                              adam_b1=c.adam_b1, adam_b2=c.adam_b2, adam_eps_root=c.adam_eps_root,
+                              adam_weight_decay=c.adam_weight_decay)
 
 
 @register_optimizer("mars", MarsConfig)
 def _mars(c: MarsConfig, schedule, weight_decay=0.0, weight_decay_mask=None):
-    d = scale_by_mars(c.beta1, c.beta2, c.gamma, c.epsilon, c.max_grad_norm, _dt(c.mu_dtype))
-    return _with_decay(d, schedule, weight_decay, weight_decay_mask)
+    d = scale_by_mars(c.beta1, c.beta2, c.gamma, c.epsilon, 0.0, c.max_grad_norm, _dt(c.mu_dtype))
+    return _with_decay(d, schedule, weight_decay or c.weight_decay, weight_decay_mask)
 
 
 @register_optimizer("soap", SoapConfig)
@@ -287,3 +304,165 @@ class OptimizerFactory:
     def generate_template(cls, optimizer_type: str) -> dict[str, tp.Any]:
         "The default config of `optimizer_type` as a plain dict: a starting point for a YAML/JSON file."
         return cls.make_config(optimizer_type).to_dict()
+
+# %% ../../nbs/08e_optimizers.factory.ipynb #d1398199
+import abc
+import json
+
+import jax
+
+from .configs import ScionConfig
+from .transforms import scale_by_scion
+
+
+@register_optimizer("scion", ScionConfig)
+def _scion(c: ScionConfig, schedule, weight_decay=0.0, weight_decay_mask=None):
+    d = scale_by_scion(c.momentum, c.backend_steps, c.beta1, c.epsilon, c.unconstrained, c.spectral_radius, c.sign_radius)
+    return _with_decay(d, schedule, weight_decay, weight_decay_mask)
+
+
+@dataclasses.dataclass
+class OptimizerBuilder(abc.ABC):
+    "Builds one optimizer from its config; subclasses name the optimizer (`optimizer_type`) and its `config_class`."
+    config: tp.Any = None  # the optimizer's config (None: its defaults)
+    optimizer_type: tp.ClassVar[str]
+    config_class: tp.ClassVar[type]
+
+    def __post_init__(self):
+        if self.config is None:  # the defaults, with the fields this type fixes (skew: update_style="skew")
+            self.config = OptimizerFactory.make_config(self.optimizer_type)
+        self.validate()
+
+    def validate(self) -> None:
+        "Raise unless `config` is this optimizer's config class."
+        if not isinstance(self.config, self.config_class):
+            raise TypeError(f"{type(self).__name__}.config must be a {self.config_class.__name__}, got {self.config!r}")
+
+    def build(self, scheduler: optax.ScalarOrSchedule) -> optax.GradientTransformation:
+        "The optimizer with learning rate `scheduler` (a number or a schedule), as the factory builds it."
+        config = OptimizerFactory.make_config(self.optimizer_type, self.config)
+        return _OPTIMIZERS[self.optimizer_type].builder(config, scheduler)
+
+    def build_mpmd(self, scheduler: optax.Schedule, *, optimizer: str, **tx_kwargs) -> "StageLocalGradientTransformation":
+        "A stage-local optimizer for one pipeline stage: `optimizer` names this builder's type, `tx_kwargs` are the factory's options (weight_decay, clip_grad, ...)."
+        if not isinstance(optimizer, str) or optimizer.lower() != self.optimizer_type:
+            raise ValueError(f"{type(self).__name__}.build_mpmd: optimizer={optimizer!r} does not match this builder's "
+                             f"type {self.optimizer_type!r}")
+        tx = get_base_optimizer(self.optimizer_type, scheduler, self.config, **tx_kwargs)
+        meta = StageLocalOptimizerMetadata(scheduler=scheduler, optimizer_config=self.config,
+                                           **{k: v for k, v in tx_kwargs.items() if k in _META_FIELDS})
+        return make_stage_local_gradient_transformation(tx, meta)
+
+
+def _builder(name: str, config_cls: type, doc: str) -> type:
+    cls = type(f"{config_cls.__name__.removesuffix('Config').replace('WhiteKron', name.title())}Optimizer",
+               (OptimizerBuilder,), {"__doc__": doc, "__annotations__": {"config": config_cls},
+                                     "optimizer_type": name, "config_class": config_cls})
+    cls.__module__ = __name__
+    return dataclasses.dataclass(cls)
+
+
+AdamWOptimizer = _builder("adamw", AdamWConfig, "AdamW (`optax.adamw`).")
+AdafactorOptimizer = _builder("adafactor", AdafactorConfig, "Adafactor (`optax.adafactor`).")
+LionOptimizer = _builder("lion", LionConfig, "Lion (`optax.lion`).")
+RMSPropOptimizer = _builder("rmsprop", RMSPropConfig, "RMSProp (`optax.rmsprop`).")
+MuonOptimizer = _builder("muon", MuonConfig, "Muon (`optax.contrib.muon`).")
+MarsOptimizer = _builder("mars", MarsConfig, "MARS-AdamW (`optimizers.transforms.scale_by_mars`).")
+QuadOptimizer = _builder("quad", WhiteKronConfig, "WhiteKron in the `quad` style.")
+SkewOptimizer = _builder("skew", WhiteKronConfig, "WhiteKron in the `skew` style.")
+
+# %% ../../nbs/08e_optimizers.factory.ipynb #19baa5d2
+def _serialize_config(cls, config, format: str = "dict"):
+    "`config` as a dict, or JSON / YAML text (`format` in 'dict', 'json', 'yaml')."
+    if format not in ("dict", "json", "yaml"):
+        raise ValueError(f"format={format!r} is invalid: expected one of ['dict', 'json', 'yaml']")
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        raise TypeError(f"expected an optimizer config instance, got {config!r}")
+    data = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    if format == "dict":
+        return data
+    if format == "json":
+        return json.dumps(data)
+    import yaml
+    return yaml.safe_dump({k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}, sort_keys=False)
+
+
+def _deserialize_config(cls, optimizer_type: str, data, format: str = "dict"):
+    "The validated config of `optimizer_type` from a dict, or JSON / YAML text."
+    if format not in ("dict", "json", "yaml"):
+        raise ValueError(f"format={format!r} is invalid: expected one of ['dict', 'json', 'yaml']")
+    if format != "dict":
+        if not isinstance(data, str):
+            raise TypeError(f"format={format!r} expects text, got {type(data).__name__}")
+        import yaml
+        data = json.loads(data) if format == "json" else yaml.safe_load(data)
+    return cls.make_config(optimizer_type, data)
+
+
+OptimizerFactory.serialize_config = classmethod(_serialize_config)
+OptimizerFactory.deserialize_config = classmethod(_deserialize_config)
+
+
+def get_base_optimizer(optimizer_type: str, scheduler: optax.Schedule, optimizer_kwargs: tp.Any = None,
+                       weight_decay: float = 0.0, weight_decay_mask: tp.Any = None, gradient_accumulation_steps: int = 1,
+                       clip_grad: float | None = None, **kwargs) -> optax.GradientTransformation:
+    "`OptimizerFactory.create` with the schedule already made: the same chain (clipping, decay, accumulation), `tx` only."
+    if not callable(scheduler):
+        raise TypeError(f"scheduler must be an optax schedule (a callable step -> learning rate), got {scheduler!r}")
+    tx, _ = OptimizerFactory.create(optimizer_type, SchedulerConfig(steps=1), optimizer_kwargs, weight_decay=weight_decay,
+                                    weight_decay_mask=weight_decay_mask,
+                                    gradient_accumulation_steps=gradient_accumulation_steps, clip_grad=clip_grad,
+                                    custom_scheduler=lambda _: scheduler, **kwargs)
+    return tx
+
+# %% ../../nbs/08e_optimizers.factory.ipynb #0a157e7e
+@dataclasses.dataclass(frozen=True)
+class StageLocalOptimizerMetadata:
+    "What a pipeline stage needs to rebuild its optimizer: the schedule and the factory's options."
+    scheduler: optax.Schedule
+    weight_decay: float = 0.0
+    weight_decay_mask: tp.Any | None = None
+    gradient_accumulation_steps: int = 1
+    clip_grad: float | None = None
+    adamw_b1: float | None = None
+    adamw_b2: float | None = None
+    adamw_eps: float | None = None
+    adamw_eps_root: float | None = None
+    adamw_mu_dtype: tp.Any | None = None
+    optimizer_config: tp.Any | None = None
+    extra_kwargs: tp.Mapping[str, tp.Any] = dataclasses.field(default_factory=dict)
+
+
+_META_FIELDS = {f.name for f in dataclasses.fields(StageLocalOptimizerMetadata)} - {"scheduler", "optimizer_config"}
+
+
+class StageLocalGradientTransformation(optax.GradientTransformation):
+    "An optax transformation for one pipeline stage: `init`/`update` as usual, plus `apply_gradients_stage_local`."
+
+    def __new__(cls, init, update, metadata: StageLocalOptimizerMetadata | None = None, apply_fn=None):
+        self = super().__new__(cls, init, update)
+        self.metadata, self.apply_fn = metadata, apply_fn
+        return self
+
+    def apply_gradients_stage_local(self, *, params, grads, opt_state, learning_rate_fn=None, delete_grads: bool = False):
+        """`(new_params, new_opt_state)` for this stage (plus the learning rate at this step when `learning_rate_fn`
+        is given); `delete_grads=True` frees the gradient buffers once used (not inside `jit`)."""
+        updates, new_state = self.update(grads, opt_state, params)
+        new_params = (self.apply_fn or optax.apply_updates)(params, updates)
+        if delete_grads:
+            for g in jax.tree.leaves(grads):
+                if isinstance(g, jax.Array) and not isinstance(g, jax.core.Tracer):
+                    g.delete()
+        if learning_rate_fn is None:
+            return new_params, new_state
+        counts = [c for _, c in optax.tree_utils.tree_get_all_with_path(opt_state, "count")]
+        return new_params, new_state, learning_rate_fn(counts[0] if counts else 0)
+
+
+def make_stage_local_gradient_transformation(tx: optax.GradientTransformation,
+                                             metadata: StageLocalOptimizerMetadata | None = None,
+                                             apply_fn=None) -> StageLocalGradientTransformation:
+    "Wrap `tx` for one pipeline stage (`apply_fn(params, updates)` defaults to `optax.apply_updates`)."
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(f"expected an optax.GradientTransformation, got {tx!r}")
+    return StageLocalGradientTransformation(tx.init, tx.update, metadata, apply_fn)

@@ -17,7 +17,8 @@ from optax import tree_utils as otu
 # %% auto #0
 __all__ = ['kron_dense_axes', 'kron_exprs', 'norm_lower_bound', 'balance_factors', 'solve_triangular_right',
            'precond_update_prob_schedule', 'ScaleByKronState', 'scale_by_kron', 'kron', 'fit_white_kron_factors',
-           'ScaleByWhiteKronState', 'scale_by_white_kron', 'white_kron']
+           'ScaleByWhiteKronState', 'scale_by_white_kron', 'white_kron', 'scale_by_quad', 'scale_by_skew', 'quad',
+           'skew']
 
 # %% ../../nbs/08d_optimizers.kron.ipynb #ca70fd40
 _LETTERS = string.ascii_lowercase + string.ascii_uppercase
@@ -396,3 +397,73 @@ def scale_by_white_kron(update_style: str = "quad", b1: float = 0.95, preconditi
 def white_kron(learning_rate: optax.ScalarOrSchedule, **kwargs) -> optax.GradientTransformation:
     "WhiteKron: `scale_by_white_kron(**kwargs)` followed by the (scheduled) learning rate."
     return optax.chain(scale_by_white_kron(**kwargs), optax.scale_by_learning_rate(learning_rate))
+
+# %% ../../nbs/08d_optimizers.kron.ipynb #30fbda70
+def _white_kron_compat(style: str, lr_style, b1, normalize_grads, max_size_dense, preconditioner_lr,
+                       preconditioner_init_scale, dtype, scanned_layers, block_size, pipeline_axis_name,
+                       pipeline_axis_size, params_partition_specs, noise_scale) -> optax.GradientTransformation:
+    unsupported = {k: v for k, v, ok in (("scanned_layers", scanned_layers, scanned_layers is None),
+                                          ("pipeline_axis_name", pipeline_axis_name, pipeline_axis_name is None),
+                                          ("pipeline_axis_size", pipeline_axis_size, pipeline_axis_size == 1),
+                                          ("params_partition_specs", params_partition_specs, params_partition_specs is None))
+                   if not ok}
+    if unsupported:
+        raise NotImplementedError(f"scale_by_{style}: {sorted(unsupported)} are not implemented (eformer's distributed "
+                                  f"options); leave them at their defaults")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"scale_by_{style}: block_size={block_size!r} is invalid: expected an integer >= 1.")
+    return scale_by_white_kron(update_style=style, b1=b1, preconditioner_lr=preconditioner_lr,
+                               preconditioner_init_scale=preconditioner_init_scale, damping=noise_scale,
+                               max_size_dense=max_size_dense, lr_style=lr_style, normalize_grads=normalize_grads,
+                               precond_dtype=dtype)
+
+
+def scale_by_quad(lr_style: str | None = "adam", b1: float = 0.95, normalize_grads: bool = False,
+                  max_size_dense: int = 16384, preconditioner_lr: float = 0.7, preconditioner_init_scale: float = 1.0,
+                  dtype: tp.Any = jnp.bfloat16, scanned_layers: tp.Any = None, block_size: int = 256,
+                  pipeline_axis_name: str | None = None, pipeline_axis_size: int = 1, params_partition_specs: tp.Any = None,
+                  noise_scale: float = 1e-9) -> optax.GradientTransformation:
+    "`scale_by_white_kron(update_style='quad')` with eformer's names."
+    return _white_kron_compat("quad", lr_style, b1, normalize_grads, max_size_dense, preconditioner_lr,
+                              preconditioner_init_scale, dtype, scanned_layers, block_size, pipeline_axis_name,
+                              pipeline_axis_size, params_partition_specs, noise_scale)
+
+
+def scale_by_skew(lr_style: str | None = "adam", b1: float = 0.95, normalize_grads: bool = False,
+                  max_size_dense: int = 16384, preconditioner_lr: float = 0.7, preconditioner_init_scale: float = 1.0,
+                  dtype: tp.Any = jnp.bfloat16, scanned_layers: tp.Any = None, block_size: int = 256,
+                  pipeline_axis_name: str | None = None, pipeline_axis_size: int = 1, params_partition_specs: tp.Any = None,
+                  noise_scale: float = 1e-9) -> optax.GradientTransformation:
+    "`scale_by_white_kron(update_style='skew')` with eformer's names."
+    return _white_kron_compat("skew", lr_style, b1, normalize_grads, max_size_dense, preconditioner_lr,
+                              preconditioner_init_scale, dtype, scanned_layers, block_size, pipeline_axis_name,
+                              pipeline_axis_size, params_partition_specs, noise_scale)
+
+
+def _with_lr(direction, learning_rate, weight_decay, weight_decay_mask):
+    parts = [direction] + ([optax.add_decayed_weights(weight_decay, weight_decay_mask)] if weight_decay else [])
+    return optax.chain(*parts, optax.scale_by_learning_rate(learning_rate))
+
+
+def quad(learning_rate: optax.ScalarOrSchedule = 0.001, lr_style: str | None = "adam", b1: float = 0.95,
+         weight_decay: float = 0.1, weight_decay_mask: tp.Any = None, normalize_grads: bool = False,
+         max_size_dense: int = 16384, preconditioner_lr: float = 0.7, preconditioner_init_scale: float = 1.0,
+         dtype: tp.Any = jnp.bfloat16, scanned_layers: tp.Any = None, block_size: int = 256,
+         pipeline_axis_name: str | None = None, pipeline_axis_size: int = 1, params_partition_specs: tp.Any = None,
+         noise_scale: float = 1e-9) -> optax.GradientTransformation:
+    "`scale_by_quad`, decoupled weight decay, then the learning rate."
+    return _with_lr(scale_by_quad(lr_style, b1, normalize_grads, max_size_dense, preconditioner_lr, preconditioner_init_scale,
+                                  dtype, scanned_layers, block_size, pipeline_axis_name, pipeline_axis_size,
+                                  params_partition_specs, noise_scale), learning_rate, weight_decay, weight_decay_mask)
+
+
+def skew(learning_rate: optax.ScalarOrSchedule = 0.001, lr_style: str | None = "adam", b1: float = 0.95,
+         weight_decay: float = 0.1, weight_decay_mask: tp.Any = None, normalize_grads: bool = False,
+         max_size_dense: int = 16384, preconditioner_lr: float = 0.7, preconditioner_init_scale: float = 1.0,
+         dtype: tp.Any = jnp.bfloat16, scanned_layers: tp.Any = None, block_size: int = 256,
+         pipeline_axis_name: str | None = None, pipeline_axis_size: int = 1, params_partition_specs: tp.Any = None,
+         noise_scale: float = 1e-9) -> optax.GradientTransformation:
+    "`scale_by_skew`, decoupled weight decay, then the learning rate."
+    return _with_lr(scale_by_skew(lr_style, b1, normalize_grads, max_size_dense, preconditioner_lr, preconditioner_init_scale,
+                                  dtype, scanned_layers, block_size, pipeline_axis_name, pipeline_axis_size,
+                                  params_partition_specs, noise_scale), learning_rate, weight_decay, weight_decay_mask)

@@ -14,7 +14,9 @@ from .configs import SchedulerConfig
 
 # %% auto #0
 __all__ = ['SchedulerBuilder', 'register_scheduler', 'available_schedulers', 'constant_scheduler', 'linear_scheduler',
-           'cosine_scheduler', 'warmup_cosine_scheduler', 'warmup_stable_decay_scheduler', 'SchedulerFactory']
+           'cosine_scheduler', 'warmup_cosine_scheduler', 'warmup_stable_decay_scheduler', 'SchedulerFactory',
+           'ConstantSchedulerBuilder', 'LinearSchedulerBuilder', 'CosineSchedulerBuilder', 'create_linear_scheduler',
+           'create_cosine_scheduler']
 
 # %% ../../nbs/08b_optimizers.schedulers.ipynb #56a1c885
 SchedulerBuilder = tp.Callable[[SchedulerConfig], optax.Schedule]
@@ -119,3 +121,54 @@ class SchedulerFactory:
         return _SCHEDULERS[name](config)
 
     create = create_scheduler  # shorter alias
+
+# %% ../../nbs/08b_optimizers.schedulers.ipynb #17cbdb1f
+import abc
+import dataclasses
+
+
+@dataclasses.dataclass
+class SchedulerBuilder(abc.ABC):
+    "A schedule from a `SchedulerConfig`; subclasses fix the schedule's type."
+    config: SchedulerConfig
+    scheduler_type: tp.ClassVar[str]
+
+    def __post_init__(self):
+        if not isinstance(self.config, SchedulerConfig):
+            raise TypeError(f"{type(self).__name__}.config must be a SchedulerConfig, got {type(self.config).__name__}")
+
+    def build(self) -> optax.Schedule:
+        "The schedule: the config with `scheduler_type` set to this builder's type."
+        return SchedulerFactory.create_scheduler(self.config.replace(scheduler_type=self.scheduler_type))
+
+
+@dataclasses.dataclass
+class ConstantSchedulerBuilder(SchedulerBuilder):
+    "`learning_rate` at every step."
+    scheduler_type: tp.ClassVar[str] = "constant"
+
+
+@dataclasses.dataclass
+class LinearSchedulerBuilder(SchedulerBuilder):
+    "Optional linear warmup, then linear from `learning_rate` to `learning_rate_end` over `steps`."
+    scheduler_type: tp.ClassVar[str] = "linear"
+
+
+@dataclasses.dataclass
+class CosineSchedulerBuilder(SchedulerBuilder):
+    "Optional linear warmup, then cosine decay (with `exponent`) to `learning_rate_end` (default 0)."
+    scheduler_type: tp.ClassVar[str] = "cosine"
+
+
+def create_linear_scheduler(steps: int, learning_rate_start: float, learning_rate_end: float,
+                            warmup_steps: int | None = None) -> optax.Schedule:
+    "Linear decay from `learning_rate_start` to `learning_rate_end` over `steps` (after an optional warmup)."
+    return SchedulerFactory.create_scheduler(SchedulerConfig("linear", learning_rate_start, learning_rate_end,
+                                                             warmup_steps, steps))
+
+
+def create_cosine_scheduler(steps: int, learning_rate: float, learning_rate_end: float | None = None,
+                            warmup_steps: int | None = None, exponent: float = 1.0) -> optax.Schedule:
+    "Cosine decay from `learning_rate` to `learning_rate_end` (default 0) over `steps` (after an optional warmup)."
+    return SchedulerFactory.create_scheduler(SchedulerConfig("cosine", learning_rate, learning_rate_end, warmup_steps,
+                                                             steps, exponent))

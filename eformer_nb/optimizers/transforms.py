@@ -5,6 +5,7 @@
 # %% ../../nbs/08c_optimizers.transforms.ipynb #fd07c325
 from __future__ import annotations
 
+import inspect
 import typing as tp
 
 import jax
@@ -13,8 +14,9 @@ import optax
 from optax import tree_utils as otu
 
 # %% auto #0
-__all__ = ['ScheduledWeightDecayState', 'optax_add_scheduled_weight_decay', 'ScaleByMarsState', 'scale_by_mars', 'mars',
-           'ScaleBySoapState', 'scale_by_soap', 'soap']
+__all__ = ['OptaxScheduledWeightDecayState', 'ScheduledWeightDecayState', 'optax_add_scheduled_weight_decay', 'ScaleByMarsState',
+           'scale_by_mars', 'mars', 'ScaleBySoapState', 'scale_by_soap', 'soap', 'ScaleByScionState', 'scale_by_scion',
+           'scion']
 
 # %% ../../nbs/08c_optimizers.transforms.ipynb #f8a614bf
 class ScheduledWeightDecayState(tp.NamedTuple):
@@ -60,14 +62,27 @@ def _check_unit(name, value, owner):
         raise ValueError(f"{owner}: {name}={value!r} is invalid: expected a number in [0, 1).")
 
 
-def scale_by_mars(beta1: float = 0.95, beta2: float = 0.99, gamma: float = 0.025, epsilon: float = 1e-8,
-                  max_grad_norm: float | None = 1.0, mu_dtype: tp.Any | None = None) -> optax.GradientTransformation:
-    "MARS-AdamW direction (without the learning rate): Adam on the variance-reduced gradient `c_t`."
-    _check_unit("beta1", beta1, "scale_by_mars"); _check_unit("beta2", beta2, "scale_by_mars")
+def scale_by_mars(b1: float = 0.9, b2: float = 0.999, gamma: float = 0.05, eps: float = 1e-8, eps_root: float = 0.0,
+                  max_grad_norm: float | None = 0.0, mu_dtype: tp.Any | None = None, *, beta1: float | None = None,
+                  beta2: float | None = None, epsilon: float | None = None) -> optax.GradientTransformation:
+    """MARS-AdamW direction (without the learning rate): Adam on the variance-reduced gradient `c_t`.
+
+    eformer's names and defaults; `max_grad_norm` of 0 or None means no clipping. `beta1`/`beta2`/`epsilon`
+    are the older spellings of `b1`/`b2`/`eps` (give one or the other)."""
+    for old, new, val, default in (("beta1", "b1", beta1, 0.9), ("beta2", "b2", beta2, 0.999), ("epsilon", "eps", epsilon, 1e-8)):
+        if val is not None and {"b1": b1, "b2": b2, "eps": eps}[new] != default:
+            raise TypeError(f"scale_by_mars: got both {new} and its older name {old}; give one")
+    beta1 = b1 if beta1 is None else beta1
+    beta2 = b2 if beta2 is None else beta2
+    epsilon = eps if epsilon is None else epsilon
+    _check_unit("b1", beta1, "scale_by_mars"); _check_unit("b2", beta2, "scale_by_mars")
     if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or gamma < 0:
         raise ValueError(f"scale_by_mars: gamma={gamma!r} is invalid: expected a number >= 0.")
-    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
-        raise ValueError(f"scale_by_mars: max_grad_norm={max_grad_norm!r} is invalid: expected None or a number > 0.")
+    if isinstance(eps_root, bool) or not isinstance(eps_root, (int, float)) or eps_root < 0:
+        raise ValueError(f"scale_by_mars: eps_root={eps_root!r} is invalid: expected a number >= 0.")
+    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm >= 0):
+        raise ValueError(f"scale_by_mars: max_grad_norm={max_grad_norm!r} is invalid: expected None or a number >= 0 (0: no clip).")
+    max_grad_norm = max_grad_norm or None
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
     scale = gamma * beta1 / (1.0 - beta1)
 
@@ -92,19 +107,28 @@ def scale_by_mars(beta1: float = 0.95, beta2: float = 0.99, gamma: float = 0.025
         count = optax.safe_increment(state.count)
         mu_hat = otu.tree_bias_correction(mu, beta1, count)
         nu_hat = otu.tree_bias_correction(nu, beta2, count)
-        out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + epsilon), mu_hat, nu_hat)
+        out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v + eps_root) + epsilon), mu_hat, nu_hat)
         return out, ScaleByMarsState(count=count, mu=otu.tree_cast(mu, mu_dtype), nu=nu,
                                      last_grad=updates if gamma else None)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def mars(learning_rate: optax.ScalarOrSchedule, beta1: float = 0.95, beta2: float = 0.99, gamma: float = 0.025,
-         epsilon: float = 1e-8, max_grad_norm: float | None = 1.0, mu_dtype: tp.Any | None = None
-         ) -> optax.GradientTransformation:
-    "MARS-AdamW: `scale_by_mars` followed by the (scheduled) learning rate."
-    return optax.chain(scale_by_mars(beta1, beta2, gamma, epsilon, max_grad_norm, mu_dtype),
-                       optax.scale_by_learning_rate(learning_rate))
+def mars(learning_rate: optax.ScalarOrSchedule, weight_decay: float = 0.0, weight_decay_mask: tp.Any = None,
+         **kwargs) -> optax.GradientTransformation:
+    "MARS-AdamW: `scale_by_mars(**kwargs)` (MarsConfig's defaults where not given), decoupled weight decay, then the (scheduled) learning rate."
+    allowed = set(inspect.signature(scale_by_mars).parameters)
+    unknown = sorted(set(kwargs) - allowed)
+    if unknown:
+        raise TypeError(f"mars: unknown option(s) {unknown}; expected any of {sorted(allowed)}")
+    named = {"beta1": "b1", "beta2": "b2", "epsilon": "eps"}
+    given = {named.get(k, k) for k in kwargs}
+    defaults = {"b1": 0.95, "b2": 0.99, "gamma": 0.025, "eps": 1e-8, "max_grad_norm": 1.0}  # MarsConfig's
+    kwargs = {**{k: v for k, v in defaults.items() if k not in given}, **kwargs}
+    parts = [scale_by_mars(**kwargs)]
+    if weight_decay:
+        parts.append(optax.add_decayed_weights(weight_decay, weight_decay_mask))
+    return optax.chain(*parts, optax.scale_by_learning_rate(learning_rate))
 
 # %% ../../nbs/08c_optimizers.transforms.ipynb #e07c9407
 class ScaleBySoapState(tp.NamedTuple):
@@ -218,3 +242,58 @@ def soap(learning_rate: optax.ScalarOrSchedule, beta1: float = 0.95, beta2: floa
     "SOAP: `scale_by_soap` followed by the (scheduled) learning rate."
     return optax.chain(scale_by_soap(beta1, beta2, shampoo_beta, epsilon, precondition_frequency, max_precond_dim,
                                      precond_dtype), optax.scale_by_learning_rate(learning_rate))
+
+# %% ../../nbs/08c_optimizers.transforms.ipynb #a18a65e6
+OptaxScheduledWeightDecayState = ScheduledWeightDecayState  # eformer's name
+
+
+class ScaleByScionState(tp.NamedTuple):
+    momentum: optax.Updates  # the EMA of the gradients
+
+
+def _newton_schulz(d: jax.Array, steps: int, eps: float, coeffs: tuple[float, float, float]) -> jax.Array:
+    "U V^T of each matrix in the last two axes of `d` (approximately, after `steps` iterations)."
+    a, b, c = coeffs
+    tall = d.shape[-2] > d.shape[-1]
+    x = jnp.swapaxes(d, -1, -2) if tall else d  # iterate on the wide orientation: X X^T is the small Gram
+    x = x.astype(jnp.float32)
+    x = x / (jnp.linalg.norm(x, axis=(-2, -1), keepdims=True) + eps)
+    def body(_, x):
+        gram = x @ jnp.swapaxes(x, -1, -2)
+        return a * x + (b * gram + c * gram @ gram) @ x
+    x = jax.lax.fori_loop(0, steps, body, x)
+    return (jnp.swapaxes(x, -1, -2) if tall else x).astype(d.dtype)
+
+
+def scale_by_scion(momentum: float = 0.95, backend_steps: int = 10, beta1: float = 0.9, epsilon: float = 1e-8,
+                   unconstrained: bool = False, spectral_radius: float = 50, sign_radius: float = 3000,
+                   ns_coeffs: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)) -> optax.GradientTransformation:
+    "Scion's direction (negated LMO, plus the parameters when constrained); chain it with the learning rate."
+    _check_unit("momentum", momentum, "scale_by_scion"); _check_unit("beta1", beta1, "scale_by_scion")
+    if isinstance(backend_steps, bool) or not isinstance(backend_steps, int) or backend_steps < 1:
+        raise ValueError(f"scale_by_scion: backend_steps={backend_steps!r} is invalid: expected an integer >= 1.")
+
+    def init_fn(params):
+        return ScaleByScionState(momentum=otu.tree_zeros_like(params))
+
+    def direction(d, p):
+        if d.ndim >= 2:
+            lmo = spectral_radius * (d.shape[-1] / d.shape[-2]) ** 0.5 * _newton_schulz(d, backend_steps, epsilon, ns_coeffs)
+        else:
+            lmo = sign_radius * jnp.sign(d)
+        return lmo if unconstrained else lmo + p
+
+    def update_fn(updates, state, params=None):
+        if not unconstrained and params is None:
+            raise ValueError("scale_by_scion(unconstrained=False) needs params in update(); pass them, or use unconstrained=True")
+        mom = jax.tree.map(lambda g, d: (momentum if g.ndim >= 2 else beta1) * d + (1 - (momentum if g.ndim >= 2 else beta1)) * g,
+                           updates, state.momentum)
+        out = jax.tree.map(direction, mom, params if params is not None else mom)
+        return out, ScaleByScionState(momentum=mom)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def scion(learning_rate: optax.ScalarOrSchedule, **kwargs) -> optax.GradientTransformation:
+    "Scion: `scale_by_scion(**kwargs)` followed by the (scheduled) learning rate."
+    return optax.chain(scale_by_scion(**kwargs), optax.scale_by_learning_rate(learning_rate))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import enum
+import functools
 import json
 import sys
 import types
@@ -20,7 +21,8 @@ import numpy as np
 from .serialization import dtype_from_tag, dtype_to_tag
 
 # %% auto #0
-__all__ = ['field', 'PyTreeFields', 'is_pytree_dataclass', 'pytree_fields', 'auto_pytree', 'PyTree', 'FrozenPyTree', 'xTree']
+__all__ = ['field', 'PyTreeFields', 'is_pytree_dataclass', 'pytree_fields', 'auto_pytree', 'PyTree', 'FrozenPyTree', 'xTree',
+           'dataclass']
 
 # %% ../../nbs/03c_pytree.dataclasses.ipynb #1224cb75
 _T = tp.TypeVar("_T")
@@ -174,6 +176,15 @@ def _json_object_hook(d: dict) -> tp.Any:
     return d
 
 
+def _short_repr(rep: Callable[[tp.Any], str], limit: int) -> Callable[[tp.Any], str]:
+    "A `__repr__` that cuts `rep`'s text to `limit` characters."
+    @functools.wraps(rep)
+    def short(self) -> str:
+        text = rep(self)
+        return text if len(text) <= limit else text[:max(limit - 4, 0)] + "...)"
+    return short
+
+
 class _PyTreeMethods:
     "The methods every dataclass pytree has."
 
@@ -218,16 +229,22 @@ class _PyTreeMethods:
 # %% ../../nbs/03c_pytree.dataclasses.ipynb #23371255
 @tp.dataclass_transform(field_specifiers=(field, dataclasses.field))
 def auto_pytree(
-    cls: type[_T] | None = None,
-    *,
-    meta_fields: tp.Iterable[str] = (),
-    frozen: bool = False,
+    meta_fields: tp.Iterable[str] | None = None,  # fields kept static (also: the class, when used as a bare `@auto_pytree`)
     json_serializable: bool = True,
+    frozen: bool = False,
+    max_print_length: int | None = 500,  # the repr is cut to this many characters (None: never)
+    *,
+    cls: type[_T] | None = None,
 ) -> tp.Any:
     "Make `cls` a dataclass and register it as a JAX pytree (data fields = children, meta fields = static)."
+    if isinstance(meta_fields, type):  # `@auto_pytree` without parentheses, or `auto_pytree(SomeClass)`
+        cls, meta_fields = meta_fields, None
+    meta_fields = () if meta_fields is None else meta_fields
     def wrap(klass: type[_T]) -> type[_T]:
         if "__dataclass_fields__" not in klass.__dict__:
             klass = dataclasses.dataclass(klass, frozen=frozen)
+        if max_print_length is not None and "__repr__" in klass.__dict__:
+            klass.__repr__ = _short_repr(klass.__dict__["__repr__"], max_print_length)
         split, dropped = _split_fields(klass, tuple(meta_fields))
         methods = ["replace"] + (["to_dict", "from_dict", "to_json", "from_json"] if json_serializable else [])
         for name in methods:
@@ -248,7 +265,7 @@ class PyTree(_PyTreeMethods):
     def __init_subclass__(cls, *, frozen: bool = False, meta_fields: tp.Iterable[str] = (),
                           json_serializable: bool = True, **kwargs: tp.Any):
         super().__init_subclass__(**kwargs)
-        auto_pytree(cls, frozen=frozen, meta_fields=meta_fields, json_serializable=json_serializable)
+        auto_pytree(meta_fields, json_serializable, frozen, cls=cls)
 
 
 @tp.dataclass_transform(field_specifiers=(field, dataclasses.field), frozen_default=True)
@@ -258,7 +275,7 @@ class FrozenPyTree(_PyTreeMethods):
     def __init_subclass__(cls, *, meta_fields: tp.Iterable[str] = (), json_serializable: bool = True,
                           **kwargs: tp.Any):
         super().__init_subclass__(**kwargs)
-        auto_pytree(cls, frozen=True, meta_fields=meta_fields, json_serializable=json_serializable)
+        auto_pytree(meta_fields, json_serializable, True, cls=cls)
 
 
 @tp.dataclass_transform(field_specifiers=(field, dataclasses.field))
@@ -267,3 +284,32 @@ class xTree(PyTree):
 
     def __init_subclass__(cls, **kwargs: tp.Any):
         super().__init_subclass__(**kwargs)
+
+# %% ../../nbs/03c_pytree.dataclasses.ipynb #1150e55e
+def dataclass(clz: type[_T], **kwargs: tp.Any) -> type[_T]:
+    "A frozen dataclass pytree, as `flax.struct.dataclass`; `kwargs` go to `dataclasses.dataclass` (`frozen=False` for a mutable one)."
+    kwargs.setdefault("frozen", True)
+    if "__dataclass_fields__" not in clz.__dict__:
+        clz = dataclasses.dataclass(clz, **kwargs)
+    return auto_pytree(frozen=kwargs["frozen"], cls=clz)
+
+
+def _xtree_to_state_dict(self) -> dict[str, tp.Any]:
+    "This tree's state dict (see `pytree.serialization.to_state_dict`)."
+    from eformer_nb.pytree.serialization import to_state_dict
+    return to_state_dict(self)
+
+
+def _xtree_from_state_dict(cls, state: tp.Mapping[str, tp.Any]):
+    "An instance from `to_state_dict()` output; static (meta) fields are not in a state dict, so they take their defaults."
+    return cls.from_dict(state)
+
+
+def _xtree_init(self, *args: tp.Any, **kwargs: tp.Any):
+    "`xTree` itself is a base class: subclasses get their dataclass `__init__`."
+    raise TypeError(f"{type(self).__name__} is a base class: subclass it with fields and construct the subclass")
+
+
+xTree.to_state_dict = _xtree_to_state_dict
+xTree.from_state_dict = classmethod(_xtree_from_state_dict)
+xTree.__init__ = _xtree_init

@@ -5,6 +5,7 @@
 # %% ../../nbs/03b_pytree.serialization.ipynb #c7de80d7
 from __future__ import annotations
 
+import contextvars
 import math
 import os
 import struct
@@ -23,7 +24,9 @@ from .tree_util import key_entry_name
 # %% auto #0
 __all__ = ['DTYPES', 'MAGIC', 'FORMAT_VERSION', 'ALIGN', 'PREFIX_SIZE', 'dtype_to_tag', 'dtype_from_tag',
            'register_serialization_state', 'to_state_dict', 'from_state_dict', 'msgpack_serialize', 'to_bytes',
-           'msgpack_restore', 'from_bytes', 'save_to_file', 'load_from_file']
+           'msgpack_restore', 'from_bytes', 'save_to_file', 'load_from_file', 'compress_bytes', 'decompress_bytes',
+           'to_compressed_bytes', 'from_compressed_bytes', 'current_path', 'validate_serializable', 'is_serializable',
+           'get_serialization_info']
 
 # %% ../../nbs/03b_pytree.serialization.ipynb #319f799b
 _NUMPY_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -53,14 +56,24 @@ def dtype_from_tag(tag: tp.Any) -> np.dtype:
 # %% ../../nbs/03b_pytree.serialization.ipynb #e490f34a
 _StateFns = tuple[Callable[[tp.Any], tp.Any], Callable[[tp.Any, tp.Any], tp.Any]]
 _STATE_REGISTRY: dict[type, _StateFns] = {}
+_CURRENT_PATH: contextvars.ContextVar[str] = contextvars.ContextVar("eformer_nb_state_path", default="")
 
 
-def register_serialization_state(ty: type, to_state: Callable[[tp.Any], tp.Any],
-                                 from_state: Callable[[tp.Any, tp.Any], tp.Any], override: bool = False) -> None:
-    "Use `to_state(x)` / `from_state(target, state)` for values of exactly type `ty`."
+def register_serialization_state(ty: type, ty_to_state_dict: Callable[[tp.Any], tp.Any],
+                                 ty_from_state_dict: Callable[[tp.Any, tp.Any], tp.Any], override: bool = False) -> None:
+    "Use `ty_to_state_dict(x)` / `ty_from_state_dict(target, state)` for values of exactly type `ty`."
     if ty in _STATE_REGISTRY and not override:
         raise ValueError(f"a state-dict serialization for {ty.__qualname__} is already registered; pass override=True")
-    _STATE_REGISTRY[ty] = (to_state, from_state)
+    _STATE_REGISTRY[ty] = (ty_to_state_dict, ty_from_state_dict)
+
+
+def _registered(i: int, x: tp.Any, path: str, *args: tp.Any) -> tp.Any:
+    "Call a registered state function with `current_path()` set to `path`."
+    token = _CURRENT_PATH.set(path)
+    try:
+        return _STATE_REGISTRY[type(x)][i](x, *args)
+    finally:
+        _CURRENT_PATH.reset(token)
 
 
 def _children(x: tp.Any):
@@ -91,10 +104,11 @@ def _enter(active: set[int], node: tp.Any, path: str, fn: str) -> None:
     active.add(id(node))
 
 
-def to_state_dict(tree: tp.Any, *, _path: str = "", _active: set[int] | None = None) -> tp.Any:
-    "Nested dicts with string keys for every pytree node of `tree`; leaves are returned unchanged."
+def to_state_dict(target: tp.Any, *, _path: str = "", _active: set[int] | None = None) -> tp.Any:
+    "Nested dicts with string keys for every pytree node of `target`; leaves are returned unchanged."
+    tree = target
     if type(tree) in _STATE_REGISTRY:
-        return _STATE_REGISTRY[type(tree)][0](tree)
+        return _registered(0, tree, _path)
     if tree is None:
         return None
     active = set() if _active is None else _active
@@ -136,10 +150,12 @@ def _restore_leaf(target: tp.Any, value: tp.Any, path: str) -> tp.Any:
     return value
 
 
-def from_state_dict(target: tp.Any, state: tp.Any, *, _path: str = "") -> tp.Any:
-    "Rebuild `state` (from `to_state_dict`) in the structure of `target`; a `ValueError` names any mismatch."
+def from_state_dict(target: tp.Any, state: tp.Any, name: str = ".", *, _path: str = "") -> tp.Any:
+    "Rebuild `state` (from `to_state_dict`) in the structure of `target`; a `ValueError` names any mismatch. `name` labels the root in errors."
+    if not _path and name not in (".", ""):
+        _path = name
     if type(target) in _STATE_REGISTRY:
-        return _STATE_REGISTRY[type(target)][1](target, state)
+        return _registered(1, target, _path, state)
     where = _path or "<root>"
     if target is None:
         if state is not None:
@@ -272,14 +288,16 @@ def _serialize_parts(tree: tp.Any, checksum: bool = True) -> list[tp.Any]:
     return [prefix, hcrc, header, b"\0" * _pad(PREFIX_SIZE + len(header))] + data_parts
 
 
-def msgpack_serialize(tree: tp.Any, checksum: bool = True) -> bytes:
-    "Bytes for a tree of plain containers (dict/list/tuple) and leaves; see `to_bytes` for any pytree."
-    return b"".join(_serialize_parts(tree, checksum=checksum))
+def msgpack_serialize(pytree: tp.Any, in_place: bool = False, *, checksum: bool = True) -> bytes:
+    "Bytes for a tree of plain containers (dict/list/tuple) and leaves; see `to_bytes` for any pytree. The input is never modified, so `in_place` changes nothing."
+    if not isinstance(in_place, bool):
+        raise TypeError(f"in_place must be a bool, got {in_place!r}; pass checksum= by keyword")
+    return b"".join(_serialize_parts(pytree, checksum=checksum))
 
 
-def to_bytes(tree: tp.Any, checksum: bool = True) -> bytes:
+def to_bytes(target: tp.Any, checksum: bool = True) -> bytes:
     "Serialize any pytree (via `to_state_dict`) to bytes; `checksum=False` skips the data CRC."
-    return msgpack_serialize(to_state_dict(tree), checksum=checksum)
+    return msgpack_serialize(to_state_dict(target), checksum=checksum)
 
 # %% ../../nbs/03b_pytree.serialization.ipynb #4b47f3a6
 class _Ref(tp.NamedTuple):
@@ -347,8 +365,9 @@ def _check_entry(i: int, entry: tp.Any, data_len: int) -> tuple[np.dtype, tuple[
     return dtype, tuple(shape), offset, nbytes
 
 
-def msgpack_restore(data: bytes | bytearray | memoryview, verify: bool = True, copy: bool = False) -> tp.Any:
+def msgpack_restore(encoded_pytree: bytes | bytearray | memoryview, verify: bool = True, copy: bool = False) -> tp.Any:
     "Decode `to_bytes`/`msgpack_serialize` output to plain containers and NumPy arrays (no target needed)."
+    data = encoded_pytree
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"expected bytes, bytearray or memoryview, got {type(data).__name__}")
     buf = memoryview(data).cast("B") if isinstance(data, memoryview) else memoryview(data)
@@ -420,9 +439,9 @@ def msgpack_restore(data: bytes | bytearray | memoryview, verify: bool = True, c
         raise ValueError("corrupted input: the header nests containers too deeply to rebuild") from e
 
 
-def from_bytes(target: tp.Any, data: bytes | bytearray | memoryview, verify: bool = True, copy: bool = False) -> tp.Any:
+def from_bytes(target: tp.Any, encoded_bytes: bytes | bytearray | memoryview, verify: bool = True, copy: bool = False) -> tp.Any:
     "Restore `to_bytes` output into the structure of `target`; with `target=None`, return the state dict."
-    state = msgpack_restore(data, verify=verify, copy=copy)
+    state = msgpack_restore(encoded_bytes, verify=verify, copy=copy)
     return state if target is None else from_state_dict(target, state)
 
 # %% ../../nbs/03b_pytree.serialization.ipynb #ee8e92e6
@@ -430,10 +449,10 @@ def _is_url(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
 
 
-def save_to_file(tree: tp.Any, path: str | os.PathLike, checksum: bool = True, fsync: bool = True) -> int:
-    "Serialize `tree` (as `to_bytes`) to `path`, atomically for local paths; returns the bytes written."
-    parts = _serialize_parts(to_state_dict(tree), checksum=checksum)
-    path = os.fspath(path)
+def save_to_file(target: tp.Any, filepath: str | os.PathLike, checksum: bool = True, fsync: bool = True) -> int:
+    "Serialize `target` (as `to_bytes`) to `filepath`, atomically for local paths; returns the bytes written."
+    parts = _serialize_parts(to_state_dict(target), checksum=checksum)
+    path = os.fspath(filepath)
     if _is_url(path):
         import fsspec
         with fsspec.open(path, "wb") as f:
@@ -445,9 +464,13 @@ def save_to_file(tree: tp.Any, path: str | os.PathLike, checksum: bool = True, f
     return atomic_write_local(path.removeprefix("file://"), parts, fsync=fsync)
 
 
-def load_from_file(path: str | os.PathLike, target: tp.Any = None, verify: bool = True) -> tp.Any:
-    "Read a `save_to_file` file and restore it into `target` (or return the state dict if `target` is None)."
-    path = os.fspath(path)
+def load_from_file(target: tp.Any, filepath: str | os.PathLike | None = None, verify: bool = True) -> tp.Any:
+    "Read a `save_to_file` file and restore it into `target` (or return the state dict if `target` is None). eformer's order is `(target, filepath)`; the older `(filepath)` and `(filepath, target)` still work, since a path is never a target."
+    if isinstance(target, (str, os.PathLike)) and not isinstance(filepath, (str, os.PathLike)):
+        target, filepath = filepath, target
+    if filepath is None:
+        raise TypeError(f"load_from_file needs a file path; got target={type(target).__name__} and filepath=None")
+    path = os.fspath(filepath)
     if _is_url(path):
         import fsspec
         with fsspec.open(path, "rb") as f:
@@ -461,3 +484,71 @@ def load_from_file(path: str | os.PathLike, target: tp.Any = None, verify: bool 
         if got != size:
             raise ValueError(f"{path}: read {got} of {size} bytes (was the file changed while reading?)")
     return from_bytes(target, buf, verify=verify)
+
+# %% ../../nbs/03b_pytree.serialization.ipynb #73af3218
+def compress_bytes(data: bytes | bytearray | memoryview, level: int = 6) -> bytes:
+    "zlib-compress `data` (level 0-9)."
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"compress_bytes expects bytes, got {type(data).__name__}")
+    return zlib.compress(data, level)
+
+
+def decompress_bytes(data: bytes | bytearray | memoryview) -> bytes:
+    "Undo `compress_bytes`; a `ValueError` for anything that is not zlib data."
+    try:
+        return zlib.decompress(data)
+    except zlib.error as e:
+        raise ValueError(f"not zlib-compressed data ({len(data)} bytes, starting {bytes(data[:8])!r}): {e}") from e
+
+
+def to_compressed_bytes(target: tp.Any) -> bytes:
+    "`to_bytes(target)`, compressed."
+    return compress_bytes(to_bytes(target))
+
+
+def from_compressed_bytes(target: tp.Any, compressed_data: bytes | bytearray | memoryview) -> tp.Any:
+    "Restore `to_compressed_bytes` output into the structure of `target` (the state dict if `target` is None)."
+    return from_bytes(target, decompress_bytes(compressed_data))
+
+
+def current_path() -> str:
+    "Inside a registered state function: the `/`-joined path of the value being (de)serialized (`''` at the root)."
+    return _CURRENT_PATH.get()
+
+# %% ../../nbs/03b_pytree.serialization.ipynb #f49286ff
+def _type_counts(state: tp.Any, counts: dict[str, int]) -> None:
+    if isinstance(state, dict):
+        for v in state.values():
+            _type_counts(v, counts)
+    elif isinstance(state, (list, tuple)):
+        for v in state:
+            _type_counts(v, counts)
+    else:
+        name = type(state).__name__
+        counts[name] = counts.get(name, 0) + 1
+
+
+def validate_serializable(pytree: tp.Any) -> None:
+    "Raise (naming the path and the leaf type) when `pytree` cannot be written by `to_bytes`; return None when it can."
+    _serialize_parts(to_state_dict(pytree), checksum=False)
+
+
+def is_serializable(target: tp.Any) -> bool:
+    "True when `to_bytes(target)` would succeed."
+    try:
+        validate_serializable(target)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def get_serialization_info(pytree: tp.Any) -> dict[str, tp.Any]:
+    "What `to_bytes` would write: leaf count, leaf types, array bytes, and the serialized size."
+    state = to_state_dict(pytree)
+    counts: dict[str, int] = {}
+    _type_counts(state, counts)
+    leaves = jax.tree.leaves(state)
+    array_bytes = sum(int(np.asarray(x).nbytes) for x in leaves if hasattr(x, "dtype") and hasattr(x, "shape"))
+    size = sum(memoryview(p).nbytes for p in _serialize_parts(state, checksum=False))
+    return {"num_leaves": len(leaves), "leaf_types": counts, "array_bytes": array_bytes, "serialized_bytes": size,
+            "format_version": FORMAT_VERSION}

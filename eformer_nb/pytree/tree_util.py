@@ -16,12 +16,20 @@ import optax
 from jax import tree_util as jtu
 
 # %% auto #0
-__all__ = ['PyTree', 'KeyPath', 'empty_node', 'Where', 'Rules', 'key_entry_name', 'tree_path_to_string', 'named_tree_map',
-           'flatten_tree', 'flatten_dict', 'unflatten_dict', 'tree_add', 'tree_subtract', 'tree_multiply',
-           'tree_divide', 'tree_scale', 'tree_dot', 'tree_norm', 'tree_zeros_like', 'tree_ones_like', 'tree_cast',
-           'is_array', 'is_array_like', 'tree_sum', 'tree_mean', 'tree_min', 'tree_max', 'tree_clip', 'tree_where',
-           'tree_mask', 'tree_filter', 'tree_partition', 'tree_combine', 'tree_apply', 'tree_stack', 'tree_unstack',
-           'tree_concatenate', 'TreeDifference', 'tree_diff', 'tree_equal', 'tree_size', 'tree_bytes']
+__all__ = ['PyTree', 'KeyPath', 'empty_node', 'Where', 'Rules', 'tree_abs', 'tree_exp', 'tree_log', 'tree_sqrt', 'tree_sign',
+           'tree_reciprocal', 'tree_isfinite', 'tree_isnan', 'tree_isinf', 'key_entry_name', 'tree_path_to_string',
+           'named_tree_map', 'flatten_tree', 'flatten_dict', 'unflatten_dict', 'tree_add', 'tree_subtract',
+           'tree_multiply', 'tree_divide', 'tree_scale', 'tree_dot', 'tree_norm', 'tree_zeros_like', 'tree_ones_like',
+           'tree_cast', 'is_array', 'is_array_like', 'tree_sum', 'tree_mean', 'tree_min', 'tree_max', 'tree_clip',
+           'tree_where', 'tree_mask', 'tree_filter', 'tree_partition', 'tree_combine', 'tree_apply', 'tree_stack',
+           'tree_unstack', 'tree_concatenate', 'TreeDifference', 'tree_diff', 'tree_equal', 'tree_size', 'tree_bytes',
+           'tree_round', 'tree_replace_nans', 'tree_replace_infs', 'tree_all', 'tree_any', 'tree_reduce',
+           'tree_expand_dims', 'tree_squeeze', 'tree_reshape', 'tree_transpose', 'tree_structure_equal',
+           'tree_random_like', 'key_path_to_str', 'tree_flatten_with_paths', 'tree_leaves_with_paths',
+           'tree_map_with_path', 'tree_flatten_one_level_with_keys', 'leaf_key_paths', 'flatten_mapping',
+           'unflatten_mapping', 'flatten_to_sequence', 'is_flatten', 'is_iterable', 'int_key_to_string',
+           'string_key_to_int', 'recursive_merge', 'split', 'merge', 'deepcopy_tree', 'pack_pytree', 'unpack_pytree',
+           'specs_to_name_sharding']
 
 # %% ../../nbs/03a_pytree.tree_util.ipynb #ae3d1c25
 PyTree = tp.Any  # any pytree (a type alias for signatures)
@@ -61,11 +69,13 @@ def named_tree_map(
 
 
 def flatten_tree(
-    tree: PyTree, sep: str | None = "/", is_leaf: Callable[[tp.Any], bool] | None = None
+    xs: PyTree, is_leaf: Callable[[tp.Any], bool] | None = None, sep: str | None = "/"
 ) -> dict[tp.Any, tp.Any]:
     "A flat `{name: leaf}` dict of any pytree; names are joined with `sep` (tuples if `sep=None`)."
+    if isinstance(is_leaf, str):  # the older (xs, sep) positional order: a string is never an is_leaf
+        is_leaf, sep = None, is_leaf
     out: dict[tp.Any, tp.Any] = {}
-    for path, leaf in jtu.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
+    for path, leaf in jtu.tree_flatten_with_path(xs, is_leaf=is_leaf)[0]:
         name = tree_path_to_string(path, sep=sep)
         if name in out:
             raise ValueError(f"two leaves share the name {name!r} with sep={sep!r}; pick a separator "
@@ -85,11 +95,17 @@ empty_node = _EmptyNode()
 
 def flatten_dict(
     xs: Mapping,
-    sep: str | None = None,
     keep_empty_nodes: bool = False,
     is_leaf: Callable[[tuple, tp.Any], bool] | None = None,
+    sep: str | None = None,
+    fumap: bool = False,  # also flatten non-mapping nodes (lists, tuples, dataclass pytrees) by their key paths
 ) -> dict[tp.Any, tp.Any]:
     "Flatten nested mappings to `{tuple_path: value}`, or `{'a<sep>b': value}` when `sep` is given."
+    if isinstance(keep_empty_nodes, str):  # the older (xs, sep) positional order
+        keep_empty_nodes, sep = False, keep_empty_nodes
+    if fumap:
+        named = flatten_tree(xs, sep=None)
+        return named if sep is None else {sep.join(k): v for k, v in named.items()}
     if not isinstance(xs, Mapping):
         raise TypeError(f"flatten_dict expects a Mapping, got {type(xs).__name__}")
     out: dict[tp.Any, tp.Any] = {}
@@ -143,24 +159,24 @@ def _is_scalar(x: tp.Any) -> bool:
         isinstance(x, (np.ndarray, jax.Array)) and x.ndim == 0)
 
 
-def tree_add(a: PyTree, b: PyTree, *more: PyTree) -> PyTree:
-    "Leafwise `a + b (+ ...)`; the trees must share a structure."
-    return optax.tree.add(a, b, *more)
+def tree_add(tree1: PyTree, tree2: PyTree, *more: PyTree) -> PyTree:
+    "Leafwise `tree1 + tree2 (+ ...)`; the trees must share a structure."
+    return optax.tree.add(tree1, tree2, *more)
 
 
-def tree_subtract(a: PyTree, b: PyTree) -> PyTree:
-    "Leafwise `a - b`."
-    return optax.tree.sub(a, b)
+def tree_subtract(tree1: PyTree, tree2: PyTree) -> PyTree:
+    "Leafwise `tree1 - tree2`."
+    return optax.tree.sub(tree1, tree2)
 
 
-def tree_multiply(a: PyTree, b: PyTree | complex) -> PyTree:
-    "Leafwise `a * b` where `b` is a tree of the same structure or a scalar."
-    return optax.tree.scale(b, a) if _is_scalar(b) else optax.tree.mul(a, b)
+def tree_multiply(tree1: PyTree, tree2: PyTree | complex) -> PyTree:
+    "Leafwise `tree1 * tree2` where `tree2` is a tree of the same structure or a scalar."
+    return optax.tree.scale(tree2, tree1) if _is_scalar(tree2) else optax.tree.mul(tree1, tree2)
 
 
-def tree_divide(a: PyTree, b: PyTree | complex) -> PyTree:
-    "Leafwise `a / b` where `b` is a tree of the same structure or a scalar."
-    return jax.tree.map(lambda x: x / b, a) if _is_scalar(b) else optax.tree.div(a, b)
+def tree_divide(tree1: PyTree, tree2: PyTree | complex) -> PyTree:
+    "Leafwise `tree1 / tree2` where `tree2` is a tree of the same structure or a scalar."
+    return jax.tree.map(lambda x: x / tree2, tree1) if _is_scalar(tree2) else optax.tree.div(tree1, tree2)
 
 
 def tree_scale(tree: PyTree, scalar: complex) -> PyTree:
@@ -168,9 +184,9 @@ def tree_scale(tree: PyTree, scalar: complex) -> PyTree:
     return optax.tree.scale(scalar, tree)
 
 
-def tree_dot(a: PyTree, b: PyTree) -> jax.Array:
-    "Inner product of two trees: the sum over leaves of `vdot(a_leaf, b_leaf)`."
-    return optax.tree.vdot(a, b)
+def tree_dot(tree1: PyTree, tree2: PyTree) -> jax.Array:
+    "Inner product of two trees: the sum over leaves of `vdot(leaf1, leaf2)`."
+    return optax.tree.vdot(tree1, tree2)
 
 
 def tree_norm(tree: PyTree, ord: int | float | str | None = 2, squared: bool = False) -> jax.Array:
@@ -195,23 +211,27 @@ def tree_cast(tree: PyTree, dtype: tp.Any, only_floating: bool = False) -> PyTre
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 # %% ../../nbs/03a_pytree.tree_util.ipynb #f6250c11
-def is_array(x: tp.Any) -> bool:
+def is_array(element: tp.Any) -> bool:
     "True for a `jax.Array`, a NumPy array or a NumPy scalar."
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+    return isinstance(element, (jax.Array, np.ndarray, np.generic))
 
 
-def is_array_like(x: tp.Any) -> bool:
+def is_array_like(element: tp.Any) -> bool:
     "True for arrays, NumPy scalars, Python numbers and objects with `__jax_array__`."
-    return is_array(x) or isinstance(x, (bool, int, float, complex)) or hasattr(x, "__jax_array__")
+    return is_array(element) or isinstance(element, (bool, int, float, complex)) or hasattr(element, "__jax_array__")
 
 
-def tree_sum(tree: PyTree) -> jax.Array:
-    "Sum of all elements of all leaves."
+def tree_sum(tree: PyTree, axis: int | tp.Sequence[int] | None = None) -> jax.Array | PyTree:
+    "Sum of all elements of all leaves; with `axis`, each leaf summed along `axis` (a tree)."
+    if axis is not None:
+        return jax.tree.map(lambda x: jnp.sum(x, axis=axis), tree)
     return optax.tree.sum(tree)
 
 
-def tree_mean(tree: PyTree) -> jax.Array:
-    "Mean over all elements of all leaves (each element weighs the same)."
+def tree_mean(tree: PyTree, axis: int | tp.Sequence[int] | None = None) -> jax.Array | PyTree:
+    "Mean over all elements of all leaves (each element weighs the same); with `axis`, each leaf's mean along `axis`."
+    if axis is not None:
+        return jax.tree.map(lambda x: jnp.mean(x, axis=axis), tree)
     n = optax.tree.size(tree)
     if n == 0:
         raise ValueError("tree_mean of a tree with no elements")
@@ -228,9 +248,9 @@ def tree_max(tree: PyTree) -> jax.Array:
     return optax.tree.max(tree)
 
 
-def tree_clip(tree: PyTree, min_value: tp.Any = None, max_value: tp.Any = None) -> PyTree:
-    "Clip every leaf to `[min_value, max_value]` (either may be `None`)."
-    return optax.tree.clip(tree, min_value, max_value)
+def tree_clip(tree: PyTree, min_val: tp.Any = None, max_val: tp.Any = None) -> PyTree:
+    "Clip every leaf to `[min_val, max_val]` (either may be `None`)."
+    return optax.tree.clip(tree, min_val, max_val)
 
 
 def tree_where(condition: PyTree, x: PyTree, y: PyTree) -> PyTree:
@@ -268,10 +288,10 @@ def tree_mask(tree: PyTree, where: Where, *, sep: str = "/",
         raise ValueError(f"the mask tree must have the structure of the tree (or a prefix of it): {e}") from e
 
 
-def tree_filter(tree: PyTree, where: Where, replace: tp.Any = None, *, sep: str = "/",
+def tree_filter(tree: PyTree, predicate: Where, replace: tp.Any = None, *, sep: str = "/",
                 is_leaf: Callable[[tp.Any], bool] | None = None) -> PyTree:
-    "Keep the leaves `where` selects; put `replace` (default `None`) in place of the others."
-    mask = tree_mask(tree, where, sep=sep, is_leaf=is_leaf)
+    "Keep the leaves `predicate` selects (see `tree_mask`); put `replace` (default `None`) in place of the others."
+    mask = tree_mask(tree, predicate, sep=sep, is_leaf=is_leaf)
     return jax.tree.map(lambda m, x: x if m else replace, mask, tree, is_leaf=is_leaf)
 
 
@@ -433,10 +453,12 @@ def tree_diff(a: PyTree, b: PyTree, *, rtol: float = 0.0, atol: float = 0.0, sep
     return out
 
 
-def tree_equal(*trees: PyTree, rtol: float = 0.0, atol: float = 0.0,
+def tree_equal(*pytrees: PyTree, typematch: bool = False, rtol: float = 0.0, atol: float = 0.0,
                is_leaf: Callable[[tp.Any], bool] | None = None) -> bool:
-    "True when all `trees` have the same structure, types, shapes, dtypes and values (see `tree_diff`)."
-    return all(not tree_diff(trees[0], t, rtol=rtol, atol=atol, is_leaf=is_leaf) for t in trees[1:])
+    "True when all `pytrees` have the same structure, shapes, dtypes and values (see `tree_diff`); `typematch=True` also requires the same leaf types (a NumPy array is not a `jax.Array`)."
+    if typematch and len({tuple(type(x) for x in jax.tree.leaves(t, is_leaf=is_leaf)) for t in pytrees}) > 1:
+        return False
+    return all(not tree_diff(pytrees[0], t, rtol=rtol, atol=atol, is_leaf=is_leaf) for t in pytrees[1:])
 
 # %% ../../nbs/03a_pytree.tree_util.ipynb #6f50a929
 def _size_and_bytes(x: tp.Any) -> tuple[int, int]:
@@ -456,3 +478,252 @@ def tree_size(tree: PyTree) -> int:
 def tree_bytes(tree: PyTree) -> int:
     "Total bytes of the array-like leaves of `tree` (`size * itemsize` each)."
     return sum(_size_and_bytes(x)[1] for x in jax.tree.leaves(tree))
+
+# %% ../../nbs/03a_pytree.tree_util.ipynb #de248dce
+import copy
+import dataclasses
+import functools
+
+# %% ../../nbs/03a_pytree.tree_util.ipynb #021fb150
+def _leafwise(fn: Callable[[jax.Array], jax.Array], doc: str) -> Callable[[PyTree], PyTree]:
+    def f(tree: PyTree) -> PyTree:
+        return jax.tree.map(fn, tree)
+    f.__doc__ = doc
+    return f
+
+
+tree_abs = _leafwise(jnp.abs, "Leafwise `abs`.")
+tree_exp = _leafwise(jnp.exp, "Leafwise `exp`.")
+tree_log = _leafwise(jnp.log, "Leafwise natural `log`.")
+tree_sqrt = _leafwise(jnp.sqrt, "Leafwise `sqrt`.")
+tree_sign = _leafwise(jnp.sign, "Leafwise `sign`.")
+tree_reciprocal = _leafwise(jnp.reciprocal, "Leafwise `1 / x`.")
+tree_isfinite = _leafwise(jnp.isfinite, "A tree of boolean arrays: which elements are finite.")
+tree_isnan = _leafwise(jnp.isnan, "A tree of boolean arrays: which elements are NaN.")
+tree_isinf = _leafwise(jnp.isinf, "A tree of boolean arrays: which elements are +-inf.")
+for _f in ("tree_abs", "tree_exp", "tree_log", "tree_sqrt", "tree_sign", "tree_reciprocal", "tree_isfinite",
+           "tree_isnan", "tree_isinf"):
+    globals()[_f].__name__ = globals()[_f].__qualname__ = _f
+
+
+def tree_round(tree: PyTree, decimals: int = 0) -> PyTree:
+    "Leafwise `round` to `decimals` places."
+    return jax.tree.map(lambda x: jnp.round(x, decimals), tree)
+
+
+def tree_replace_nans(tree: PyTree, value: float = 0.0) -> PyTree:
+    "Replace NaNs by `value` in every leaf."
+    return jax.tree.map(lambda x: jnp.where(jnp.isnan(x), jnp.asarray(value, x.dtype), x), tree)
+
+
+def tree_replace_infs(tree: PyTree, value: float = 0.0) -> PyTree:
+    "Replace +-inf by `value` in every leaf."
+    return jax.tree.map(lambda x: jnp.where(jnp.isinf(x), jnp.asarray(value, x.dtype), x), tree)
+
+
+def tree_all(tree: PyTree) -> jax.Array:
+    "True when every element of every leaf is truthy (`True` for a tree with no leaves)."
+    return jnp.all(jnp.asarray([jnp.all(x) for x in jax.tree.leaves(tree)], bool))
+
+
+def tree_any(tree: PyTree) -> jax.Array:
+    "True when some element of some leaf is truthy."
+    return jnp.any(jnp.asarray([jnp.any(x) for x in jax.tree.leaves(tree)], bool))
+
+
+def tree_reduce(reducer: Callable[[tp.Any, tp.Any], tp.Any], tree: PyTree, initializer: tp.Any = None) -> tp.Any:
+    "Fold `reducer(acc, leaf)` over the leaves (from `initializer` when given)."
+    leaves = jax.tree.leaves(tree)
+    return functools.reduce(reducer, leaves) if initializer is None else functools.reduce(reducer, leaves, initializer)
+
+# %% ../../nbs/03a_pytree.tree_util.ipynb #e754b45e
+def tree_expand_dims(tree: PyTree, axis: int | tp.Sequence[int]) -> PyTree:
+    "Leafwise `expand_dims` at `axis`."
+    return jax.tree.map(lambda x: jnp.expand_dims(x, axis), tree)
+
+
+def tree_squeeze(tree: PyTree, axis: int | tp.Sequence[int] | None = None) -> PyTree:
+    "Leafwise `squeeze` (of `axis`, or of every size-1 axis)."
+    return jax.tree.map(lambda x: jnp.squeeze(x, axis), tree)
+
+
+def tree_reshape(tree: PyTree, shape: tp.Sequence[int]) -> PyTree:
+    "Every leaf reshaped to `shape`."
+    return jax.tree.map(lambda x: jnp.reshape(x, shape), tree)
+
+
+def tree_transpose(tree: PyTree, axes: tp.Sequence[int] | None = None) -> PyTree:
+    "Leafwise `transpose` (reversed axes, or `axes`)."
+    return jax.tree.map(lambda x: jnp.transpose(x, axes), tree)
+
+
+def tree_structure_equal(tree1: PyTree, tree2: PyTree) -> bool:
+    "True when the two trees have the same structure (containers and keys), whatever their leaves."
+    return jax.tree.structure(tree1) == jax.tree.structure(tree2)
+
+
+_DISTRIBUTIONS = {"normal": jax.random.normal, "uniform": jax.random.uniform,
+                  "truncated_normal": jax.random.truncated_normal, "bernoulli": jax.random.bernoulli}
+
+
+def tree_random_like(tree: PyTree, key: jax.Array, distribution: str = "normal", **kwargs: tp.Any) -> PyTree:
+    "Random arrays with each leaf's shape and dtype, an independent key per leaf; `kwargs` go to `jax.random.<distribution>`."
+    if distribution not in _DISTRIBUTIONS:
+        raise ValueError(f"unknown distribution {distribution!r}; expected one of {sorted(_DISTRIBUTIONS)}")
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(key, max(len(leaves), 1))
+    fn = _DISTRIBUTIONS[distribution]
+    def draw(k, x):
+        shape = jnp.shape(x)
+        if distribution == "bernoulli":
+            return fn(k, shape=shape, **kwargs)
+        if distribution == "truncated_normal":
+            return fn(k, kwargs.get("lower", -2.0), kwargs.get("upper", 2.0), shape, jnp.result_type(x))
+        return fn(k, shape, jnp.result_type(x), **kwargs)
+    return jax.tree.unflatten(treedef, [draw(k, x) for k, x in zip(keys, leaves)])
+
+# %% ../../nbs/03a_pytree.tree_util.ipynb #96b6aef3
+def key_path_to_str(path: KeyPath) -> str:
+    "A key path as a dotted name: `('params', 'dense', 0)` keys give `'params.dense.0'`."
+    return tree_path_to_string(path, sep=".")
+
+
+def tree_flatten_with_paths(tree: PyTree, is_leaf: Callable[[tp.Any], bool] | None = None):
+    "`([(key_path, leaf)], treedef)`, as `jax.tree_util.tree_flatten_with_path`."
+    return jtu.tree_flatten_with_path(tree, is_leaf=is_leaf)
+
+
+def tree_leaves_with_paths(tree: PyTree, is_leaf: Callable[[tp.Any], bool] | None = None) -> list[tuple[KeyPath, tp.Any]]:
+    "`[(key_path, leaf)]`, as `jax.tree_util.tree_leaves_with_path`."
+    return jtu.tree_leaves_with_path(tree, is_leaf=is_leaf)
+
+
+def tree_map_with_path(f: Callable[[KeyPath, tp.Any], tp.Any], tree: PyTree,
+                       is_leaf: Callable[[tp.Any], bool] | None = None) -> PyTree:
+    "Map `f(key_path, leaf)` over `tree`."
+    return jtu.tree_map_with_path(f, tree, is_leaf=is_leaf)
+
+
+def tree_flatten_one_level_with_keys(pytree: PyTree) -> tuple[list[tuple[tp.Any, tp.Any]], tp.Any]:
+    "The immediate children of `pytree` with their keys, and the one-level treedef."
+    kids, treedef = jtu.tree_flatten_with_path(pytree, is_leaf=lambda x: x is not pytree)
+    if kids and kids[0][0] == ():
+        raise ValueError(f"a leaf of type {type(pytree).__name__} has no children")
+    return [(path[0], child) for path, child in kids], treedef
+
+
+def leaf_key_paths(pytree: PyTree, prefix: str = "", *, is_leaf: Callable[[tp.Any], bool] | None = None,
+                   use_state_dict_keys: bool = False) -> PyTree:
+    "A tree like `pytree` whose leaves are their dotted names (after `prefix`). Names are the keys of `to_state_dict` either way, so `use_state_dict_keys` changes nothing here."
+    def name(path, _):
+        n = key_path_to_str(path)
+        return f"{prefix}.{n}" if prefix and n else (prefix or n)
+    return jtu.tree_map_with_path(name, pytree, is_leaf=is_leaf)
+
+# %% ../../nbs/03a_pytree.tree_util.ipynb #11d571fd
+def flatten_mapping(xs: Mapping, *, keep_empty_nodes: bool = False, is_leaf=None, sep: str | None = None) -> dict:
+    "`flatten_dict` with keyword-only options (flax's `flatten_mapping`)."
+    return flatten_dict(xs, keep_empty_nodes=keep_empty_nodes, is_leaf=is_leaf, sep=sep)
+
+
+def unflatten_mapping(xs: Mapping, *, sep: str | None = None) -> dict:
+    "`unflatten_dict` with a keyword-only `sep`."
+    return unflatten_dict(xs, sep=sep)
+
+
+def flatten_to_sequence(xs: Mapping, *, is_leaf=None) -> list[tuple[tuple, tp.Any]]:
+    "Nested mappings as a list of `(key_tuple, value)` pairs, in insertion order."
+    return list(flatten_dict(xs, is_leaf=is_leaf).items())
+
+
+def is_flatten(tree: tp.Any) -> bool:
+    "True for a flat dict as `flatten_dict` returns it: a mapping with tuple keys and no mapping values."
+    return isinstance(tree, Mapping) and all(isinstance(k, tuple) and not isinstance(v, Mapping) for k, v in tree.items())
+
+
+def is_iterable(obj: tp.Any) -> bool:
+    "True when `iter(obj)` works."
+    try:
+        iter(obj)
+    except TypeError:
+        return False
+    return True
+
+
+def _map_keys(xs: tp.Any, fn: Callable[[tp.Any], tp.Any]) -> tp.Any:
+    if isinstance(xs, Mapping):
+        return {fn(k): _map_keys(v, fn) for k, v in xs.items()}
+    return xs
+
+
+def int_key_to_string(xs: tp.Any) -> tp.Any:
+    "Nested dicts with every `int` key turned into its decimal string."
+    return _map_keys(xs, lambda k: str(k) if isinstance(k, int) and not isinstance(k, bool) else k)
+
+
+def string_key_to_int(xs: tp.Any) -> tp.Any:
+    "The inverse of `int_key_to_string`: keys that are decimal integers become `int`s."
+    return _map_keys(xs, lambda k: int(k) if isinstance(k, str) and re.fullmatch(r"-?\d+", k) else k)
+
+
+def recursive_merge(full_tree: Mapping, updates: Mapping) -> dict:
+    "A new nested dict: `full_tree` with `updates` merged in (sub-dicts merge, anything else replaces)."
+    out = dict(full_tree)
+    for k, v in updates.items():
+        out[k] = recursive_merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+    return out
+
+
+def split(pytree: PyTree, filter_spec: Where, replace: tp.Any = None,
+          is_leaf: Callable[[tp.Any], bool] | None = None) -> tuple[PyTree, PyTree]:
+    "`(selected, rest)` as `tree_partition`, with `replace` in place of the leaves each side lacks."
+    mask = tree_mask(pytree, filter_spec, is_leaf=is_leaf)
+    return (jax.tree.map(lambda m, x: x if m else replace, mask, pytree, is_leaf=is_leaf),
+            jax.tree.map(lambda m, x: replace if m else x, mask, pytree, is_leaf=is_leaf))
+
+
+def merge(*pytrees: PyTree, is_leaf: Callable[[tp.Any], bool] | None = None) -> PyTree:
+    "The inverse of `split`: the first non-`None` leaf of each position (`tree_combine`)."
+    return tree_combine(*pytrees, is_leaf=is_leaf)
+
+
+def deepcopy_tree(model: tp.Any) -> tp.Any:
+    "A deep copy: containers and array leaves are new objects with the same values."
+    return copy.deepcopy(model)
+
+# %% ../../nbs/03a_pytree.tree_util.ipynb #9f11a250
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    "Where a leaf lives in a packed vector (a pytree leaf itself)."
+    start: int
+    shape: tuple[int, ...]
+    dtype: tp.Any
+
+
+def pack_pytree(tree: PyTree, dtype: tp.Any = jnp.float32) -> tuple[jax.Array, PyTree]:
+    "All leaves raveled into one `dtype` vector; returns `(packed, offset_tree)` for `unpack_pytree`."
+    leaves, treedef = jax.tree.flatten(tree)
+    slots, start = [], 0
+    for x in leaves:
+        slots.append(_Slot(start, tuple(jnp.shape(x)), jnp.result_type(x))); start += int(np.prod(jnp.shape(x)))
+    packed = jnp.concatenate([jnp.ravel(x).astype(dtype) for x in leaves]) if leaves else jnp.zeros(0, dtype)
+    return packed, jax.tree.unflatten(treedef, slots)
+
+
+def unpack_pytree(offset_tree: PyTree, packed: jax.Array) -> PyTree:
+    "The tree `pack_pytree` packed, each leaf in its own shape and dtype again."
+    def take(s: _Slot):
+        n = int(np.prod(s.shape))
+        return packed[s.start:s.start + n].reshape(s.shape).astype(s.dtype)
+    return jax.tree.map(take, offset_tree)
+
+
+def specs_to_name_sharding(tree: PyTree, mesh: jax.sharding.Mesh | None = None) -> PyTree:
+    "A tree of `PartitionSpec`s as `NamedSharding`s on `mesh` (default: the mesh in context)."
+    from jax.sharding import NamedSharding, PartitionSpec
+    if mesh is None:
+        from eformer_nb.escale.mesh import get_current_mesh
+        mesh = get_current_mesh()
+        if mesh is None:
+            raise ValueError("specs_to_name_sharding needs a mesh: pass mesh= or call it under `with mesh:`")
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), tree, is_leaf=lambda x: isinstance(x, PartitionSpec))

@@ -24,4 +24,31 @@ _all_ = ["PartitionAxis", "PartitionManager", "apply_logical_sharding", "check_m
 __all__ = ['PartitionAxis', 'PartitionManager', 'apply_logical_sharding', 'check_mode', 'get_current_partition_manager',
            'get_partition_manager', 'get_safe_hash_int', 'auto_partition_spec', 'auto_namedsharding',
            'correct_partition_spec', 'get_corrected_named_sharding', 'make_shard_and_gather_fns',
-           'map_leaves_with_path', 'match_partition_rules', 'tree_path_to_string', 'with_sharding_constraint']
+           'map_leaves_with_path', 'match_partition_rules', 'tree_path_to_string', 'with_sharding_constraint',
+           'auto_shard_array', 'convert_sharding_strategy', 'optimize_sharding_for_memory', 'sharding_problems',
+           'validate_sharding_config', 'vrn_auto_partition_spec', 'analyze_sharding_strategy',
+           'create_pattern_based_partition_spec', 'extract_sharding_structure', 'extract_shardings',
+           'get_axes_size_in_mesh', 'get_incontext_mesh', 'get_mesh_axis_names', 'get_mesh_axis_size',
+           'get_names_from_partition_spec', 'get_partition_spec', 'get_shardings_with_structure',
+           'get_submesh_device_index', 'lax_reshard', 'names_in_current_mesh', 'shard_nbytes']
+
+# %% ../../../nbs/09f_escale.partition.__init__.ipynb #644d8e00
+from eformer_nb.escale.partition.auto_spec import (
+    auto_shard_array, convert_sharding_strategy, optimize_sharding_for_memory, sharding_problems,
+    validate_sharding_config, vrn_auto_partition_spec,
+)
+from eformer_nb.escale.partition.constraints import (
+    analyze_sharding_strategy, create_pattern_based_partition_spec, extract_sharding_structure,
+    extract_shardings, get_axes_size_in_mesh, get_incontext_mesh, get_mesh_axis_names, get_mesh_axis_size,
+    get_names_from_partition_spec, get_partition_spec, get_shardings_with_structure, get_submesh_device_index,
+    lax_reshard, names_in_current_mesh, shard_nbytes,
+)
+
+_all_ = [  # eformer's names (see the compatibility page)
+    "auto_shard_array", "convert_sharding_strategy", "optimize_sharding_for_memory", "sharding_problems",
+    "validate_sharding_config", "vrn_auto_partition_spec", "analyze_sharding_strategy",
+    "create_pattern_based_partition_spec", "extract_sharding_structure", "extract_shardings",
+    "get_axes_size_in_mesh", "get_incontext_mesh", "get_mesh_axis_names", "get_mesh_axis_size",
+    "get_names_from_partition_spec", "get_partition_spec", "get_shardings_with_structure",
+    "get_submesh_device_index", "lax_reshard", "names_in_current_mesh", "shard_nbytes",
+]

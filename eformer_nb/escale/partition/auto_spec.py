@@ -15,7 +15,8 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from ..mesh import get_current_mesh, mesh_axis_sizes
 
 # %% auto #0
-__all__ = ['auto_partition_spec', 'auto_namedsharding']
+__all__ = ['auto_partition_spec', 'auto_namedsharding', 'auto_shard_array', 'vrn_auto_partition_spec',
+           'convert_sharding_strategy', 'sharding_problems', 'validate_sharding_config', 'optimize_sharding_for_memory']
 
 # %% ../../../nbs/09d_escale.partition.auto_spec.ipynb #0228fc35
 def _shape_of(x) -> tuple[int, ...]:
@@ -70,3 +71,124 @@ def auto_namedsharding(mesh: Mesh | None = None, names: Sequence[str] | None = N
             raise ValueError("auto_namedsharding needs a mesh: pass mesh=..., or call it inside `with jax.set_mesh(mesh):`")
         return NamedSharding(m, auto_partition_spec(x, m, names, min_sharding_size, reverse))
     return named_sharding
+
+# %% ../../../nbs/09d_escale.partition.auto_spec.ipynb #d49ebfd8
+import jax
+
+from .constraints import _entry_names, _require_mesh, correct_partition_spec, shard_nbytes
+
+
+def auto_shard_array(x, mesh: Mesh | None = None, names: Sequence[str] | None = None,
+                     min_sharding_size: int | None = None, reverse: bool = False) -> jax.Array:
+    "`x` placed on `mesh` (default: in context) with `auto_partition_spec`."
+    return jax.device_put(x, auto_namedsharding(mesh, names, min_sharding_size, reverse)(x))
+
+
+def vrn_auto_partition_spec(x, mesh: Mesh | AbstractMesh | None = None, names: Sequence[str] | None = None,
+                            min_sharding_size: int | None = None, reverse: bool = False) -> PartitionSpec:
+    """A variant proposal: at most one mesh axis per dimension. Dimensions are visited largest first
+    (smallest first with `reverse`); each takes the first unused axis of `names` (default: mesh axes,
+    largest first) that divides it."""
+    mesh = get_current_mesh() if mesh is None else mesh
+    if mesh is None:
+        raise ValueError("vrn_auto_partition_spec needs a mesh: pass mesh=..., or call it inside `with jax.set_mesh(mesh):`")
+    sizes = mesh_axis_sizes(mesh)
+    names = sorted(sizes, key=lambda n: -sizes[n]) if names is None else list(names)
+    missing = [n for n in names if n not in sizes]
+    if missing:
+        raise ValueError(f"names {missing} are not axes of the mesh; its axes are {list(sizes)}")
+    shape = _shape_of(x)
+    threshold = math.prod(sizes.values()) if min_sharding_size is None else int(min_sharding_size)
+    if not shape or math.prod(shape) < threshold:
+        return PartitionSpec()
+    spec: list[str | None] = [None] * len(shape)
+    free = [n for n in names if sizes[n] > 1]
+    for d in sorted(range(len(shape)), key=lambda d: shape[d] if reverse else -shape[d]):
+        pick = next((n for n in free if shape[d] % sizes[n] == 0), None)
+        if pick is not None:
+            spec[d] = pick
+            free.remove(pick)
+    return PartitionSpec(*spec)
+
+# %% ../../../nbs/09d_escale.partition.auto_spec.ipynb #6b7893b0
+def convert_sharding_strategy(array: jax.Array, old_partition_specs: PartitionSpec, old_mesh: Mesh, new_mesh: Mesh,
+                              strategy: str = "preserve_balance") -> jax.Array:
+    """`array` (placed with `old_partition_specs` on `old_mesh`) moved to `new_mesh`.
+
+    `preserve_balance` keeps the spec's axes that `new_mesh` has and that divide the shape;
+    `auto` proposes a new spec (`auto_partition_spec`); `replicate` copies it to every device."""
+    strategies = ("preserve_balance", "auto", "replicate")
+    if strategy not in strategies:
+        raise ValueError(f"unknown strategy {strategy!r}; expected one of {list(strategies)}")
+    array = jax.device_put(array, NamedSharding(old_mesh, correct_partition_spec(np.shape(array), old_partition_specs, old_mesh)))
+    if strategy == "auto":
+        spec = auto_partition_spec(array, new_mesh)
+    elif strategy == "replicate":
+        spec = PartitionSpec()
+    else:
+        sizes = mesh_axis_sizes(new_mesh)
+        kept = [tuple(n for n in _entry_names(e) if n in sizes) if e is not None else () for e in old_partition_specs]
+        spec = correct_partition_spec(np.shape(array), PartitionSpec(*[k[0] if len(k) == 1 else (k or None) for k in kept]),
+                                      new_mesh)
+    return jax.device_put(array, NamedSharding(new_mesh, spec))
+
+
+def sharding_problems(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> list[str]:
+    "Why `spec` cannot shard an array of `shape` on `mesh` as written ([] when it can)."
+    sizes = mesh_axis_sizes(mesh)
+    out, seen = [], set()
+    if len(spec) > len(shape):
+        return [f"spec {spec} has {len(spec)} entries for an array of rank {len(shape)}"]
+    for d, entry in enumerate(spec):
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            continue
+        names = _entry_names(entry)
+        unknown = [n for n in names if n not in sizes]
+        out += [f"axis {n!r} (dim {d}) is not in the mesh {sizes}" for n in unknown]
+        out += [f"axis {n!r} is used twice" for n in names if n in seen]
+        seen |= set(names)
+        k = math.prod(sizes[n] for n in names if n in sizes)
+        if not unknown and shape[d] % k:
+            out.append(f"dim {d} (size {shape[d]}) is not divisible by {k} ({'x'.join(names)})")
+    return out
+
+
+def validate_sharding_config(pytree, partition_specs, mesh: Mesh | None = None) -> bool:
+    "True when every spec fits its array on `mesh` (default: in context); otherwise a `ValueError` lists every problem by leaf."
+    mesh = _require_mesh(mesh, "validate_sharding_config")
+    is_spec = lambda s: isinstance(s, PartitionSpec)
+    leaves, treedef = jax.tree_util.tree_flatten(pytree)
+    spec_leaves, spec_def = jax.tree_util.tree_flatten(partition_specs, is_leaf=is_spec)
+    if treedef != spec_def:
+        raise ValueError(f"partition_specs has structure {spec_def}, pytree has {treedef}; give one spec per leaf")
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(pytree)[0]]
+    problems = [f"{path}: {msg}" for path, x, s in zip(paths, leaves, spec_leaves) if hasattr(x, "shape")
+                for msg in sharding_problems(np.shape(x), s, mesh)]
+    if problems:
+        raise ValueError(f"{len(problems)} sharding problem(s): " + "; ".join(problems))
+    return True
+
+# %% ../../../nbs/09d_escale.partition.auto_spec.ipynb #b8f705ff
+def optimize_sharding_for_memory(pytree, mesh: Mesh | None = None, max_memory_per_device: int | None = None,
+                                 names: Sequence[str] | None = None):
+    """Specs for `pytree`'s arrays: `auto_partition_spec`, and when the per-device bytes exceed
+    `max_memory_per_device`, every array that an axis divides is sharded (no size threshold).
+    A `ValueError` when even that does not fit."""
+    mesh = get_current_mesh() if mesh is None else mesh
+    if mesh is None:
+        raise ValueError("optimize_sharding_for_memory needs a mesh: pass mesh=..., or call it inside `with jax.set_mesh(mesh):`")
+    def plan(threshold):
+        specs = jax.tree_util.tree_map(lambda x: auto_partition_spec(x, mesh, names, threshold)
+                                       if hasattr(x, "shape") else PartitionSpec(), pytree)
+        used = sum(shard_nbytes(np.shape(x), x.dtype, s, mesh) for x, s in
+                   zip(jax.tree_util.tree_leaves(pytree), jax.tree_util.tree_leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec)))
+                   if hasattr(x, "shape"))
+        return specs, used
+    specs, used = plan(None)
+    if max_memory_per_device is None or used <= max_memory_per_device:
+        return specs
+    specs, used = plan(1)
+    if used > max_memory_per_device:
+        raise ValueError(f"the tree needs at least {used} bytes per device on mesh {mesh_axis_sizes(mesh)}, more than "
+                         f"max_memory_per_device={max_memory_per_device}; use a larger mesh or a smaller tree")
+    return specs

@@ -23,8 +23,12 @@ from ...loggings import get_logger
 logger = get_logger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'correct_partition_spec', 'get_corrected_named_sharding', 'with_sharding_constraint', 'tree_path_to_string',
-           'map_leaves_with_path', 'match_partition_rules', 'make_shard_and_gather_fns']
+__all__ = ['logger', 'lax_reshard', 'correct_partition_spec', 'get_corrected_named_sharding', 'with_sharding_constraint',
+           'tree_path_to_string', 'map_leaves_with_path', 'match_partition_rules', 'make_shard_and_gather_fns',
+           'get_incontext_mesh', 'get_mesh_axis_names', 'get_axes_size_in_mesh', 'get_mesh_axis_size',
+           'names_in_current_mesh', 'get_names_from_partition_spec', 'get_submesh_device_index', 'get_partition_spec',
+           'get_shardings_with_structure', 'extract_sharding_structure', 'extract_shardings',
+           'create_pattern_based_partition_spec', 'shard_nbytes', 'analyze_sharding_strategy']
 
 # %% ../../../nbs/09b_escale.partition.constraints.ipynb #93d7aec3
 def _entry_names(entry) -> tuple:
@@ -118,9 +122,16 @@ def _require_mesh(mesh, what: str):
     return mesh
 
 
-def get_corrected_named_sharding(shape: Sequence[int], partition_spec: PartitionSpec,
-                                 mesh: Mesh | AbstractMesh | None = None, *, auto_correct: bool = True) -> NamedSharding:
-    "A `NamedSharding` on `mesh` (default: the mesh in context) for an array of `shape`, with `partition_spec` corrected."
+def get_corrected_named_sharding(shape: Sequence[int], partition_spec: PartitionSpec, raise_mesh_error: bool = True, *,
+                                 mesh: Mesh | AbstractMesh | None = None, auto_correct: bool = True
+                                 ) -> NamedSharding | jax.sharding.SingleDeviceSharding:
+    """A `NamedSharding` on `mesh` (default: the mesh in context) for an array of `shape`, with `partition_spec` corrected.
+
+    With no mesh anywhere this raises, or with `raise_mesh_error=False` returns the default device's sharding."""
+    if isinstance(raise_mesh_error, (Mesh, AbstractMesh)):  # the older (shape, spec, mesh) order
+        mesh, raise_mesh_error = raise_mesh_error, True
+    if mesh is None and get_current_mesh() is None and not raise_mesh_error:
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
     mesh = _require_mesh(mesh, "get_corrected_named_sharding")
     return NamedSharding(mesh, correct_partition_spec(shape, partition_spec, mesh, auto_correct=auto_correct))
 
@@ -146,11 +157,12 @@ def _constrain_leaf(x, sharding, mesh, auto_correct: bool):
     return jax.lax.with_sharding_constraint(x, named)
 
 
-def with_sharding_constraint(x, sharding: PartitionSpec | NamedSharding | tp.Any, *,
+def with_sharding_constraint(arr, sharding: PartitionSpec | NamedSharding | tp.Any, *,
                              mesh: Mesh | AbstractMesh | None = None, auto_correct: bool = True):
-    """Constrain `x` (an array or a pytree of arrays) to `sharding`: one spec for every leaf, or a matching tree.
+    """Constrain `arr` (an array or a pytree of arrays) to `sharding`: one spec for every leaf, or a matching tree.
 
     Specs are corrected for each leaf's shape (`auto_correct`); the mesh is `mesh` or the one in context."""
+    x = arr
     is_spec = lambda s: isinstance(s, (PartitionSpec, NamedSharding))
     if is_spec(sharding):
         return jax.tree_util.tree_map(lambda leaf: _constrain_leaf(leaf, sharding, mesh, auto_correct), x)
@@ -209,12 +221,13 @@ def _compile_rules(rules) -> list[tuple[str, re.Pattern, PartitionSpec]]:
     return compiled
 
 
-def match_partition_rules(rules: Sequence[tuple[str, PartitionSpec]], tree, *, strict: bool = False,
-                          small_size: int = 1, sep: str = "/"):
+def match_partition_rules(rules: Sequence[tuple[str, PartitionSpec]], tree, min_size: int = 0, strict: bool = True, *,
+                          check_unused: bool = False, sep: str = "/"):
     """A tree like `tree` holding the `PartitionSpec` of the first rule whose regex searches each leaf's key path.
 
-    Scalars and leaves with at most `small_size` elements get `PartitionSpec()`. A leaf no rule
-    matches raises; with `strict`, so does a rule whose regex matches no key path."""
+    Scalars and leaves with at most `min_size` elements get `PartitionSpec()`. A leaf no rule
+    matches raises (`strict`, the default) or is replicated (`strict=False`, and logged once);
+    with `check_unused`, a rule whose regex matches no key path raises too."""
     compiled = _compile_rules(rules)
     unmatched: list[str] = []
     paths: list[str] = []
@@ -222,7 +235,7 @@ def match_partition_rules(rules: Sequence[tuple[str, PartitionSpec]], tree, *, s
     def pick(path: str, leaf):
         paths.append(path)
         shape = np.shape(leaf)
-        if len(shape) == 0 or math.prod(shape) <= small_size:
+        if len(shape) == 0 or math.prod(shape) <= min_size:
             return PartitionSpec()
         for _, regex, spec in compiled:
             if regex.search(path):
@@ -231,14 +244,16 @@ def match_partition_rules(rules: Sequence[tuple[str, PartitionSpec]], tree, *, s
         return PartitionSpec()
 
     specs = map_leaves_with_path(pick, tree, sep)
-    if unmatched:
+    if unmatched and not strict:
+        logger.warning(f"match_partition_rules: no rule matches {len(unmatched)} leaves (replicated): {unmatched[:5]}")
+    elif unmatched:
         raise ValueError(f"no partition rule matches {len(unmatched)} leaves, e.g. {unmatched[:5]}; rules tried: "
                          f"{[r[0] for r in compiled]}. Add a rule for them, or end with ('.*', PartitionSpec()) "
                          "to replicate the rest")
-    if strict:
+    if check_unused:
         unused = [pattern for pattern, regex, _ in compiled if not any(regex.search(p) for p in paths)]
         if unused:
-            raise ValueError(f"strict: partition rule(s) {unused} match no key path of the tree (paths are like "
+            raise ValueError(f"check_unused: partition rule(s) {unused} match no key path of the tree (paths are like "
                              f"{paths[:5]}); fix or remove them")
     return specs
 
@@ -251,7 +266,7 @@ def make_shard_and_gather_fns(partition_specs, mesh: Mesh | None = None, *, auto
 
     def make_shard(spec: PartitionSpec):
         def shard_fn(x):
-            return jax.device_put(x, get_corrected_named_sharding(np.shape(x), spec, mesh, auto_correct=auto_correct))
+            return jax.device_put(x, get_corrected_named_sharding(np.shape(x), spec, mesh=mesh, auto_correct=auto_correct))
         return shard_fn
 
     def gather_fn(x):
@@ -267,3 +282,146 @@ def make_shard_and_gather_fns(partition_specs, mesh: Mesh | None = None, *, auto
     shard_fns = jax.tree_util.tree_map(make_shard, partition_specs, is_leaf=is_spec)
     gather_fns = jax.tree_util.tree_map(lambda s: gather_fn, partition_specs, is_leaf=is_spec)
     return shard_fns, gather_fns
+
+# %% ../../../nbs/09b_escale.partition.constraints.ipynb #5d066cff
+lax_reshard = jax.sharding.reshard  # eformer's name for `jax.sharding.reshard`
+
+
+def get_incontext_mesh(raise_error: bool = True) -> Mesh | AbstractMesh | None:
+    "The mesh in context; with none, raise (or return None with `raise_error=False`)."
+    mesh = get_current_mesh()
+    if mesh is None and raise_error:
+        raise ValueError("no mesh in context: enter `with jax.set_mesh(mesh):` (or `with mesh:`), or pass a mesh")
+    return mesh
+
+
+def get_mesh_axis_names(mesh: Mesh | AbstractMesh | None = None) -> tuple[str, ...]:
+    "The axis names of `mesh` (default: the mesh in context)."
+    return tuple(_require_mesh(mesh, "get_mesh_axis_names").axis_names)
+
+
+def get_axes_size_in_mesh(axis_names: str | Sequence[str] | None, mesh: Mesh | AbstractMesh | None = None) -> int:
+    "How many shards the axis (or axes) `axis_names` make on `mesh` (default: in context): the product of their sizes; 1 for None."
+    if axis_names is None:
+        return 1
+    sizes = mesh_axis_sizes(_require_mesh(mesh, "get_axes_size_in_mesh"))
+    names = _entry_names(axis_names)
+    missing = [n for n in names if n not in sizes]
+    if missing:
+        raise ValueError(f"axis name(s) {missing} are not in the mesh; its axes are {sizes}")
+    return math.prod(sizes[n] for n in names)
+
+
+def get_mesh_axis_size(axis_names: str | Sequence[str] | None) -> int:
+    "`get_axes_size_in_mesh` on the mesh in context."
+    return get_axes_size_in_mesh(axis_names)
+
+
+def names_in_current_mesh(*names: str) -> bool:
+    "True when every name is an axis of the mesh in context (False with no mesh)."
+    mesh = get_current_mesh()
+    return mesh is not None and set(names) <= set(mesh.axis_names)
+
+
+def get_names_from_partition_spec(partition_specs: PartitionSpec | tp.Any) -> list[str]:
+    "The mesh axis names a spec (or a tree of specs) uses, each once, in order of appearance."
+    is_spec = lambda s: isinstance(s, PartitionSpec)
+    out: list[str] = []
+    for spec in jax.tree_util.tree_leaves(partition_specs, is_leaf=is_spec):
+        if not is_spec(spec):
+            raise TypeError(f"expected PartitionSpecs, got {spec!r} ({type(spec).__name__})")
+        for entry in spec:
+            if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+                continue
+            out += [n for n in _entry_names(entry) if n not in out]
+    return out
+
+
+def get_submesh_device_index(axis_names: str | Sequence[str]) -> int:
+    "This process's index along the axes `axis_names` of the mesh in context (row-major over those axes): which data shard its first local device holds."
+    mesh = _require_mesh(None, "get_submesh_device_index")
+    names = _entry_names(axis_names)
+    local = jax.local_devices()[0]
+    coords = np.argwhere(np.vectorize(lambda d: d == local)(mesh.devices))
+    if len(coords) == 0:
+        raise ValueError(f"this process's first device {local} is not in the mesh in context")
+    index = 0
+    for n in names:
+        i = list(mesh.axis_names).index(n)
+        index = index * mesh.devices.shape[i] + int(coords[0][i])
+    return index
+
+# %% ../../../nbs/09b_escale.partition.constraints.ipynb #eb6f17d6
+def get_partition_spec(tree) -> tp.Any:
+    "The `PartitionSpec` of each array leaf (`PartitionSpec()` for leaves that are not on a `NamedSharding`)."
+    return jax.tree_util.tree_map(
+        lambda x: x.sharding.spec if isinstance(getattr(x, "sharding", None), NamedSharding) else PartitionSpec(), tree)
+
+
+def get_shardings_with_structure(pytree) -> tp.Any:
+    "A tree like `pytree` with each `jax.Array` leaf's sharding (any kind) and None elsewhere."
+    return jax.tree_util.tree_map(lambda x: x.sharding if isinstance(x, jax.Array) else None, pytree)
+
+
+def extract_sharding_structure(pytree) -> tp.Any:
+    "A tree like `pytree` with each leaf's `NamedSharding`, and None for leaves without one."
+    return jax.tree_util.tree_map(
+        lambda x: x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding) else x
+        if isinstance(x, NamedSharding) else None, pytree, is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+def extract_shardings(tree, mesh: Mesh | None = None) -> tp.Any:
+    "Shardings from a tree of arrays, `NamedSharding`s or `PartitionSpec`s (these placed on `mesh`, default: in context)."
+    def one(x):
+        if isinstance(x, jax.sharding.Sharding):
+            return x
+        if isinstance(x, PartitionSpec):
+            return NamedSharding(_require_mesh(mesh, "extract_shardings"), x)
+        return getattr(x, "sharding", None)
+    return jax.tree_util.tree_map(one, tree, is_leaf=lambda x: isinstance(x, (PartitionSpec, jax.sharding.Sharding)))
+
+
+def create_pattern_based_partition_spec(pattern: tp.Mapping[str, PartitionSpec] | Sequence[tuple[str, PartitionSpec]],
+                                        mesh: Mesh | None = None, default_spec: PartitionSpec | None = None
+                                        ) -> Callable[[str, tp.Any], PartitionSpec]:
+    "A function `(name, array) -> PartitionSpec`: the spec of the first regex in `pattern` that searches `name`, fitted to the array on `mesh`; else `default_spec` (replicated)."
+    rules = _compile_rules(list(pattern.items()) if isinstance(pattern, tp.Mapping) else pattern)
+    default = PartitionSpec() if default_spec is None else default_spec
+    def spec_for(name: str, x) -> PartitionSpec:
+        spec = next((s for _, regex, s in rules if regex.search(name)), default)
+        m = get_current_mesh() if mesh is None else mesh
+        return spec if m is None else correct_partition_spec(np.shape(x), spec, m)
+    return spec_for
+
+# %% ../../../nbs/09b_escale.partition.constraints.ipynb #921a1177
+def shard_nbytes(shape: Sequence[int], dtype: tp.Any, spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> int:
+    "Bytes one device holds of an array of `shape` and `dtype` placed with `spec` (fitted to the shape) on `mesh` (or `{axis: size}`)."
+    spec = correct_partition_spec(shape, spec, mesh)
+    shard = list(shape)
+    sizes = dict(mesh) if isinstance(mesh, dict) else mesh_axis_sizes(mesh)
+    for d, entry in enumerate(spec):
+        if entry is not None and entry is not PartitionSpec.UNCONSTRAINED:
+            shard[d] //= math.prod(sizes[n] for n in _entry_names(entry))
+    return math.prod(shard) * np.dtype(dtype).itemsize
+
+
+def analyze_sharding_strategy(pytree, partition_specs, mesh: Mesh | None = None) -> dict[str, tp.Any]:
+    "Memory and balance of placing `pytree`'s arrays with `partition_specs` on `mesh` (default: in context)."
+    mesh = _require_mesh(mesh, "analyze_sharding_strategy")
+    is_spec = lambda s: isinstance(s, PartitionSpec)
+    leaves = jax.tree_util.tree_leaves(pytree)
+    specs = jax.tree_util.tree_leaves(partition_specs, is_leaf=is_spec)
+    if len(leaves) != len(specs):
+        raise ValueError(f"pytree has {len(leaves)} leaves but partition_specs has {len(specs)} specs; give one spec per leaf")
+    total = per_device = replicated = 0
+    for x, s in zip(leaves, specs):
+        if not hasattr(x, "shape"):
+            continue
+        nbytes = math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize
+        shard = shard_nbytes(np.shape(x), x.dtype, s, mesh)
+        total += nbytes; per_device += shard
+        replicated += nbytes if shard == nbytes else 0
+    n = mesh.devices.size
+    return {"total_bytes": total, "per_device_bytes": per_device, "replicated_bytes": replicated,
+            "num_devices": n, "axis_names": get_names_from_partition_spec(partition_specs),
+            "efficiency": total / (per_device * n) if per_device else 1.0}

@@ -10,7 +10,7 @@ import typing as tp
 
 import jax
 
-from ...jaximus import ste
+from ...jaximus import materialize, ste
 from .binary_ternary import Array1B, ArrayTernary, TERNARY_THRESHOLD
 from .config import QuantizationConfig, QuantizationType, QuantizedArray
 from .int8 import Array8B
@@ -20,8 +20,10 @@ _all_ = ["Array1B", "ArrayTernary", "TERNARY_THRESHOLD", "QuantizationConfig", "
          "Array8B", "NF4_CODEBOOK", "ArrayNF4"]
 
 # %% auto #0
-__all__ = ['resolve_config', 'quantize', 'straight_through', 'Array1B', 'ArrayTernary', 'TERNARY_THRESHOLD', 'QuantizationConfig',
-           'QuantizationType', 'QuantizedArray', 'Array8B', 'NF4_CODEBOOK', 'ArrayNF4']
+__all__ = ['resolve_config', 'quantize', 'straight_through', 'straight_through_nf4', 'straight_through_8bit',
+           'straight_through_1bit', 'is_kernel_available', 'nf4_use_kernel', 'Array1B', 'ArrayTernary',
+           'TERNARY_THRESHOLD', 'QuantizationConfig', 'QuantizationType', 'QuantizedArray', 'Array8B', 'NF4_CODEBOOK',
+           'ArrayNF4', 'RSROperatorBinary', 'RSROperatorTernary']
 
 # %% ../../../nbs/06e_ops.quantization.ipynb #2c26a5d3
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(QuantizationConfig))
@@ -42,9 +44,19 @@ def resolve_config(config: QuantizationConfig | QuantizationType | str | None = 
                     f"got {config!r} of type {type(config).__name__}")
 
 
-def quantize(x: jax.Array, config: QuantizationConfig | QuantizationType | str | None = None, **overrides) -> QuantizedArray:
-    "Quantize the float array `x` as `config` says; returns an implicit array (`ArrayNF4`, `Array8B`, `Array1B`, `ArrayTernary`)."
-    c = resolve_config(config, **overrides)
+def quantize(array: jax.Array, config: QuantizationConfig | QuantizationType | str | None = None,
+             dtype: QuantizationType | str | None = None, block_size: int | None = None, simulate: bool | None = None,
+             **overrides) -> QuantizedArray | jax.Array:
+    """Quantize the float `array` as `config` says; returns an implicit array (`ArrayNF4`, `Array8B`, `Array1B`,
+    `ArrayTernary`), or its dequantized dense form with `simulate=True`. `dtype`, `block_size`, `simulate`
+    (eformer's arguments) and `overrides` replace fields of `config`."""
+    given = {k: v for k, v in (("dtype", dtype), ("block_size", block_size), ("simulate", simulate)) if v is not None}
+    c = resolve_config(config, **given, **overrides)
+    if not c.use_kernel:
+        nf4_use_kernel(False)
+    if c.simulate:
+        return materialize(quantize(array, dataclasses.replace(c, simulate=False)))
+    x = array
     if c.dtype is QuantizationType.NF4:
         return ArrayNF4.quantize(x, c.block_size, double_quant=c.double_quant, nonfinite=c.nonfinite)
     if c.dtype is QuantizationType.INT8:
@@ -53,7 +65,52 @@ def quantize(x: jax.Array, config: QuantizationConfig | QuantizationType | str |
     return cls.quantize(x, None if c.granularity == "row" else c.block_size, nonfinite=c.nonfinite)
 
 
-def straight_through(x: jax.Array, config: QuantizationConfig | QuantizationType | str | None = None, **overrides) -> jax.Array:
-    "The dequantized quantization of `x` in the forward pass, the identity in the backward pass (STE, for QAT)."
-    c = resolve_config(config, **overrides)
-    return ste(lambda v: quantize(v, c))(x)
+def straight_through(array: jax.Array, config: QuantizationConfig | QuantizationType | str | None = None,
+                     dtype: QuantizationType | str | None = None, block_size: int | None = None, **overrides) -> jax.Array:
+    "The dequantized quantization of `array` in the forward pass, the identity in the backward pass (STE, for QAT)."
+    given = {k: v for k, v in (("dtype", dtype), ("block_size", block_size)) if v is not None}
+    c = resolve_config(config, **given, **overrides)
+    return ste(lambda v: quantize(v, c))(array)
+
+# %% ../../../nbs/06e_ops.quantization.ipynb #091c1278
+import numpy as np
+
+
+def straight_through_nf4(weights: jax.Array, block_size: int = 64) -> jax.Array:
+    "`straight_through` with NF4 blocks of `block_size`."
+    return straight_through(weights, QuantizationConfig("nf4", block_size))
+
+
+def straight_through_8bit(weights: jax.Array, axis: int | None = None) -> jax.Array:
+    "`straight_through` with INT8, one scale per channel of the last axis (`axis` None or -1 / last: the only layout here)."
+    _check_last_axis(weights, axis, "straight_through_8bit")
+    return straight_through(weights, QuantizationConfig("int8"))
+
+
+def straight_through_1bit(weights: jax.Array, axis: int | None = None) -> jax.Array:
+    "`straight_through` with 1-bit signs, one scale per row of the last axis (`axis` None or -1 / last)."
+    _check_last_axis(weights, axis, "straight_through_1bit")
+    return straight_through(weights, QuantizationConfig("binary", granularity="row"))
+
+
+def _check_last_axis(x, axis, what: str) -> None:
+    if axis is not None and axis not in (-1, np.ndim(x) - 1):
+        raise ValueError(f"{what}: axis={axis!r} is not supported; scales run along the last axis (axis=None or -1)")
+
+
+def is_kernel_available() -> bool:
+    "True when the fused Pallas kernels run natively here (a GPU or TPU backend); on CPU the XLA path is used."
+    return jax.default_backend() in ("gpu", "tpu")
+
+
+def nf4_use_kernel(value: bool) -> None:
+    "Let quantized matmuls use the fused kernels where they run (`True`, the default) or always the XLA path (`False`)."
+    if not isinstance(value, bool):
+        raise TypeError(f"nf4_use_kernel expects True or False, got {value!r}")
+    from eformer_nb.ops.quantization import kernels
+    kernels.set_default_backend(None if value else "xla")
+
+# %% ../../../nbs/06e_ops.quantization.ipynb #ea21ea1c
+from .rsr import RSROperatorBinary, RSROperatorTernary
+
+_all_ = ["RSROperatorBinary", "RSROperatorTernary"]

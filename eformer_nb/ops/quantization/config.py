@@ -61,6 +61,8 @@ class QuantizationConfig:
     "How to quantize: the format, the block size and scale granularity, and NF4 double quantization."
     dtype: QuantizationType | str = QuantizationType.NF4
     block_size: int = 64
+    simulate: bool = False  # `quantize` returns the dequantized (fake-quantized) dense array instead of an implicit one
+    use_kernel: bool = True  # False: `quantize` switches the quantized matmuls to the XLA path process-wide (as `nf4_use_kernel(False)`)
     granularity: str | None = None  # None: the type's default (see `GRANULARITIES`)
     double_quant: bool = False
     nonfinite: str = "raise"  # NaN/Inf in the input: "raise" (a clear error) or "keep" (exactly where they were)
@@ -80,6 +82,9 @@ class QuantizationConfig:
             raise ValueError(f"granularity {self.granularity!r} is not valid for {qt.value}; "
                              f"expected one of {GRANULARITIES[qt]}")
         object.__setattr__(self, "granularity", gran)
+        for flag in ("simulate", "use_kernel"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         if self.double_quant and qt is not QuantizationType.NF4:
             raise ValueError(f"double_quant=True is only defined for nf4, got dtype={qt.value!r}")
         if self.nonfinite not in NONFINITE_MODES:
