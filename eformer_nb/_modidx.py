@@ -827,6 +827,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                    'eformer_nb/infra/factory.py'),
                                           'eformer_nb.infra.factory._import_model_package': ( 'nbs/infra.factory.html#_import_model_package',
                                                                                               'eformer_nb/infra/factory.py'),
+                                          'eformer_nb.infra.factory._keeps_old': ( 'nbs/infra.factory.html#_keeps_old',
+                                                                                   'eformer_nb/infra/factory.py'),
                                           'eformer_nb.infra.factory._read_model_type': ( 'nbs/infra.factory.html#_read_model_type',
                                                                                          'eformer_nb/infra/factory.py'),
                                           'eformer_nb.infra.factory._same_class': ( 'nbs/infra.factory.html#_same_class',

@@ -48,6 +48,12 @@ def _same_class(old: type, new: type) -> bool:
     return old is new or old.__qualname__ == new.__qualname__
 
 
+def _keeps_old(old: type | None, new: type) -> bool:
+    "An interactive re-run (`__main__`) of an importable class's definition does not displace the importable class."
+    return (old is not None and old is not new and _same_class(old, new)
+            and new.__module__ == "__main__" and old.__module__ != "__main__")
+
+
 def register_config(model_type: str, override: bool = False) -> tp.Callable[[type], type]:
     "Class decorator: register an `EasyDeLBaseConfig` subclass for `model_type` (and set its `model_type`)."
     if not isinstance(model_type, str) or not model_type:
@@ -62,7 +68,8 @@ def register_config(model_type: str, override: bool = False) -> tp.Callable[[typ
                 raise ValueError(f"model_type {model_type!r} is already registered to {old.__qualname__}; "
                                  f"pass override=True to replace it")
             cls.model_type = model_type
-            _CONFIGS[model_type] = cls
+            if override or not _keeps_old(old, cls):
+                _CONFIGS[model_type] = cls
         return cls
     return decorator
 
@@ -78,7 +85,8 @@ def register_module(task: TaskType | str, model_type: str, config: type | None =
             if old is not None and not _same_class(old, cls) and not override:
                 raise ValueError(f"({task.value!r}, {model_type!r}) is already registered to {old.__qualname__}; "
                                  f"pass override=True to replace it")
-            _MODULES[(task, model_type)] = cls
+            if override or not _keeps_old(old, cls):
+                _MODULES[(task, model_type)] = cls
         if config is not None:
             cls.config_class = config
         return cls
