@@ -151,6 +151,7 @@ def _offline_nbdev(ini: dict):
         _offline = True
 
         def __init__(self, sym, name=None, title_level=3, maxline=110):
+            _signature_from_init(sym)
             super().__init__(sym, name=name, title_level=title_level, maxline=maxline)
             target = self.sym
             self.is_class = inspect.isclass(target)
@@ -181,6 +182,20 @@ def _offline_nbdev(ini: dict):
 
     sd.BasicMarkdownRenderer = Renderer
     return restore
+
+
+def _signature_from_init(sym):
+    """A class whose signature annotations cannot be evaluated (flax nnx modules: `inspect.signature` lands on
+    `PytreeMeta.__call__`, annotated with a name flax does not define) is documented by its `__init__` instead."""
+    if not inspect.isclass(sym) or "__signature__" in vars(sym):
+        return
+    try:
+        inspect.signature(sym, eval_str=True)
+    except NameError:
+        init = inspect.signature(sym.__init__)
+        sym.__signature__ = init.replace(parameters=list(init.parameters.values())[1:])
+    except (TypeError, ValueError):
+        pass  # no signature at all: nbdev's renderer shows the name alone
 
 
 def _ctor_signature(cls, name):
