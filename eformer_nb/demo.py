@@ -439,24 +439,15 @@ def sample_and_save(cfg: DemoConfig, state, run: ePath) -> dict:
     return {"sample": sample, "generate_s": time.perf_counter() - t0, "merged_bytes": _du(str(merged_dir))}
 
 # %% ../nbs/90_demo.ipynb #34c58bbe
-def connect_ray(cfg: DemoConfig, attempts: int = 3):
+def connect_ray(cfg: DemoConfig):
     """`auto_ray_cluster` for `cfg`: join `ray_address` (or `$RAY_ADDRESS`), else start a new local cluster of
     `ray_cpus` CPUs without a dashboard — `address="local"`, so that a Ray someone else runs on this machine is never
-    joined by accident. Ray gives a new local node 30 s (not configurable) to register; on an overloaded machine that
-    can run out, so a local start is tried up to `attempts` times."""
-    import ray
+    joined by accident (`auto_ray_cluster` retries Ray's 30 s start-up timeout of a local node)."""
     from eformer_nb.executor import auto_ray_cluster
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
         return auto_ray_cluster(address)
-    for i in range(attempts):
-        try:
-            return auto_ray_cluster("local", num_cpus=cfg.ray_cpus, include_dashboard=False)
-        except Exception as e:  # only Ray's start-up timeout is retried; anything else propagates at once
-            if "timed out during startup" not in str(e) or i == attempts - 1:
-                raise
-            logger.warning("local Ray did not start (%s); retrying (%d of %d)", e, i + 2, attempts)
-            ray.shutdown()
+    return auto_ray_cluster("local", num_cpus=cfg.ray_cpus, include_dashboard=False)
 
 
 def run_job(cfg: DemoConfig, run_dir: str):

@@ -167,6 +167,8 @@ DistributedConfig.initialize = _initialize
 def resolve_ray_address(address: str | None = None, env: tp.Mapping[str, str] | None = None) -> tuple[str, str | None]:
     "What `auto_ray_cluster` would do: `('join', addr)`, `('slurm-head', addr)`, `('slurm-worker', addr)` or `('local', None)`."
     env = os.environ if env is None else env
+    if address == "local":  # Ray's own word for "start a new local cluster": never joins one already running
+        return "local", "local"
     if address:
         return "join", address
     if env.get("RAY_ADDRESS"):
@@ -272,6 +274,7 @@ def auto_ray_cluster(address: str | None = None, namespace: str = "eray-executor
             if "timed out during startup" not in str(e) or i == tries - 1:
                 raise
             logger.warning(f"auto_ray_cluster: local Ray did not start in time ({e}); try {i + 2} of {tries}")
+            ray.shutdown()
     return RayClusterHandle(plan, ray.get_runtime_context().gcs_address, started, True)
 
 # %% ../../nbs/14f_executor.cluster_util.ipynb #ba6e955f
