@@ -10,11 +10,12 @@ NBDEV_TEST_FLAGS ?= multidevice
 NBDEV_WORKERS ?= 2
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: help install test check-sync check-notebooks check-readme nbtest pytest docs readme bench demo clean
+.PHONY: help install test lint check-sync check-notebooks check-readme nbtest pytest docs readme bench demo clean
 
 help:
 	@echo "make install  - create $(VENV) and install eformer-nb with its dev extras"
 	@echo "make test     - install if needed, check notebooks/package/README agree, run notebook tests and pytest"
+	@echo "make lint     - ruff over the package, tests and CI scripts (line length 120, unused names)"
 	@echo "make docs     - build the docs site (Quarto when installed, otherwise an offline HTML preview in _docs/)"
 	@echo "make readme   - regenerate README.md from nbs/index.ipynb"
 	@echo "make bench    - run the benchmark notebooks in nbs/benchmarks/ and save their outputs"
@@ -48,7 +49,11 @@ nbtest: install
 pytest: install
 	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python -m pytest -q tests/
 
-test: check-sync check-notebooks check-readme nbtest pytest
+# ruff (settings in pyproject.toml): line length 120, unused imports/variables, undefined names.
+lint: install
+	$(BIN)/ruff check eformer_nb tests .ci
+
+test: check-sync check-notebooks check-readme lint nbtest pytest
 
 readme: install
 	$(BIN)/python .ci/docs.py readme

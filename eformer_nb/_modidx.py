@@ -2781,4 +2781,10 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                         'eformer_nb.serialization.serialization.tree_deserialize_leaves': ( 'nbs/serialization.serialization.html#tree_deserialize_leaves',
                                                                                                                             'eformer_nb/serialization/serialization.py'),
                                                         'eformer_nb.serialization.serialization.tree_serialize_leaves': ( 'nbs/serialization.serialization.html#tree_serialize_leaves',
-                                                                                                                          'eformer_nb/serialization/serialization.py')}}}
+                                                                                                                          'eformer_nb/serialization/serialization.py')},
+            'eformer_nb.testing': { 'eformer_nb.testing.assert_close': ('nbs/testing.html#assert_close', 'eformer_nb/testing.py'),
+                                    'eformer_nb.testing.rel_err': ('nbs/testing.html#rel_err', 'eformer_nb/testing.py'),
+                                    'eformer_nb.testing.run_transform': ('nbs/testing.html#run_transform', 'eformer_nb/testing.py'),
+                                    'eformer_nb.testing.toy_mlp_grads': ('nbs/testing.html#toy_mlp_grads', 'eformer_nb/testing.py'),
+                                    'eformer_nb.testing.toy_mlp_params': ('nbs/testing.html#toy_mlp_params', 'eformer_nb/testing.py'),
+                                    'eformer_nb.testing.tree_nbytes': ('nbs/testing.html#tree_nbytes', 'eformer_nb/testing.py')}}}
