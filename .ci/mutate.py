@@ -22,7 +22,8 @@ What it does:
    occurs 0 or more than 1 times in its exported cells), runs `nbdev-export`, checks that an exported module really
    changed (STALE otherwise), then runs the targets in order with PYTHONPATH=<copy> and
    XLA_FLAGS=--xla_force_host_platform_device_count=8. KILLED = a target failed (the first failing one is named);
-   SURVIVED = all passed.
+   SURVIVED = all passed. Targets run in the listed order and the first failure stops the mutation; with
+   `--all-targets` every target runs and the detail lists each that failed (and any that passed).
 
 Timeouts: each mutation gets `--timeout` seconds (default 600) for all its targets together. A run that times out
 is reported TIMEOUT and is NOT counted as killed (a mutation that only makes things hang or crawl has not been caught
@@ -34,7 +35,7 @@ ERROR (nbdev-export failed on the mutated notebook); 2 for a bad mutation file (
 notebook). The table is printed and written as markdown to `_mutate/report.md` (`--report`).
 
 Usage: python .ci/mutate.py [--only NAME ...] [--file PATH ...] [-j N] [--list] [--bin DIR] [--flags F]
-       [--timeout S] [--timeout-kills] [--keep] [--repo DIR] [--report PATH]
+       [--timeout S] [--timeout-kills] [--all-targets] [--keep] [--repo DIR] [--report PATH]
 """
 from __future__ import annotations
 
@@ -301,7 +302,7 @@ def run_baseline(base: Path, scratch: Path, runner: Runner, targets: list[str], 
 
 
 def run_mutation(m: Mutation, i: int, base: Path, scratch: Path, runner: Runner, lib: str, timeout: float,
-                 timeout_kills: bool, keep: bool) -> Result:
+                 timeout_kills: bool, keep: bool, all_targets: bool = False) -> Result:
     t0 = time.monotonic()
     tree = scratch / f"m{i:03d}-{m.name}"
     copy_tree(base, tree)
@@ -322,14 +323,24 @@ def run_mutation(m: Mutation, i: int, base: Path, scratch: Path, runner: Runner,
             return Result(m.name, m.file, "STALE", f"nbdev-export did not carry the replacement into {lib}/ "
                           f"(changed: {changed or 'nothing'})", time.monotonic() - t0)
         deadline = t0 + timeout
+        killers, passed, logs = [], [], []
         for target in m.run:
             code, out = runner.run_target(target, tree, deadline - time.monotonic())
             if code is None:
-                status = "KILLED" if timeout_kills else "TIMEOUT"
-                return Result(m.name, m.file, status, f"{target} (timed out after {timeout:.0f}s)",
-                              time.monotonic() - t0, tail(out))
+                status = "KILLED" if timeout_kills or killers else "TIMEOUT"
+                killers.append(f"{target} (timed out after {timeout:.0f}s)")
+                logs.append(f"=== {target} (timed out) ===\n{tail(out)}")
+                return Result(m.name, m.file, status, ", ".join(killers), time.monotonic() - t0, "\n".join(logs))
             if code != 0:
-                return Result(m.name, m.file, "KILLED", target, time.monotonic() - t0, tail(out))
+                killers.append(target)
+                logs.append(f"=== {target} (exit {code}) ===\n{tail(out)}")
+                if not all_targets:
+                    break
+            else:
+                passed.append(target)
+        if killers:
+            detail = ", ".join(killers) + (f" (passed: {', '.join(passed)})" if passed else "")
+            return Result(m.name, m.file, "KILLED", detail, time.monotonic() - t0, "\n".join(logs))
         return Result(m.name, m.file, "SURVIVED", f"{', '.join(m.run)} all passed ({', '.join(changed)} mutated)",
                       time.monotonic() - t0)
     finally:
@@ -342,9 +353,10 @@ def markdown(results: list[Result], header: str) -> str:
     for r in results:
         detail = r.detail.replace("|", "\\|")
         lines.append(f"| {r.name} | {r.file} | {r.status} | {detail} | {r.seconds:.1f} |")
-    failed = [r for r in results if r.status != "KILLED" and r.log]
-    for r in failed:
-        lines += ["", f"<details><summary>{r.name}: {r.status}</summary>", "", "```", r.log, "```", "", "</details>"]
+    for r in results:  # the failing output: what killed each mutation, or why it was not judged
+        if r.log:
+            lines += ["", f"<details><summary>{r.name}: {r.status} {r.detail}</summary>", "", "```", r.log, "```", "",
+                      "</details>"]
     return "\n".join(lines) + "\n"
 
 
@@ -363,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="nbdev-test flags (default: 'multidevice', plus 'hf' when torch and transformers import)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per mutation, all its targets (default 600)")
     ap.add_argument("--timeout-kills", action="store_true", help="count a timed-out mutation as killed")
+    ap.add_argument("--all-targets", action="store_true",
+                    help="run every target of a mutation, not only up to the first that kills it (lists them all)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch trees (their path is printed)")
     ap.add_argument("--report", type=Path, default=None, help="markdown report (default: <repo>/_mutate/report.md)")
     args = ap.parse_args(argv)
@@ -426,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
 
         def one(i_m):
             i, m = i_m
-            r = run_mutation(m, i, base, scratch, runner, lib, args.timeout, args.timeout_kills, args.keep)
+            r = run_mutation(m, i, base, scratch, runner, lib, args.timeout, args.timeout_kills, args.keep,
+                             args.all_targets)
             say(f"{r.status:13s} {r.seconds:7.1f}s {r.name}: {r.detail}")
             return r
 
