@@ -230,10 +230,11 @@ class Runner:
                    PATH=f"{self.bin}{os.pathsep}{env.get('PATH', '')}")
         return env
 
-    def command(self, target: str) -> list[str]:
-        if target.endswith(".ipynb"):
-            return [str(self.bin / "nbdev-test"), target, "--flags", self.flags, "--n-workers", "0"]
-        return [str(self.bin / "python"), "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", target]
+    def command(self, group: list[str], stop_first: bool) -> list[str]:
+        if group[0].endswith(".ipynb"):
+            return [str(self.bin / "nbdev-test"), group[0], "--flags", self.flags, "--n-workers", "0"]
+        return [str(self.bin / "python"), "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider",
+                *(["-x"] if stop_first else []), *group]
 
     def call(self, cmd: list[str], tree: Path, timeout: float) -> tuple[int | None, str]:
         "Run `cmd` in `tree` in its own process group; returns (exit code or None on timeout, output)."
@@ -249,8 +250,30 @@ class Runner:
         finally:
             _killpg(proc.pid)  # whatever the target left running (ray, emulators) goes with it
 
-    def run_target(self, target: str, tree: Path, timeout: float) -> tuple[int | None, str]:
-        return self.call(self.command(target), tree, timeout)
+    def run_group(self, group: list[str], tree: Path, timeout: float,
+                  stop_first: bool) -> tuple[list[str], int | None, str]:
+        """Run one notebook, or consecutive pytest targets in one pytest process (one start-up instead of several).
+        Returns (the targets that failed, exit code or None on timeout, output)."""
+        code, out = self.call(self.command(group, stop_first), tree, timeout)
+        if code == 0:
+            return [], code, out
+        if code == 1 and not group[0].endswith(".ipynb"):  # some tests failed: which targets do they belong to?
+            ids = [m.group(2) for m in re.finditer(r"^(FAILED|ERROR) (\S+)", out, re.M)]
+            hit = [t for t in group if any(i == t or i.startswith((t + "::", t + "[")) for i in ids)]
+            if hit:
+                return hit, code, out
+        return list(group), code, out  # a timeout, a collection/usage error or a failing notebook: the whole group
+
+
+def groups(targets: list[str]) -> list[list[str]]:
+    "Each notebook alone; consecutive pytest targets together, in order."
+    out: list[list[str]] = []
+    for t in targets:
+        if t.endswith(".ipynb") or not out or out[-1][0].endswith(".ipynb"):
+            out.append([t])
+        else:
+            out[-1].append(t)
+    return out
 
 
 def _killpg(pid: int) -> None:
@@ -284,21 +307,24 @@ def build_base(repo: Path, scratch: Path, runner: Runner) -> Path:
 
 def run_baseline(base: Path, scratch: Path, runner: Runner, targets: list[str], timeout: float, jobs: int,
                  say) -> dict[str, tuple[bool, float, str]]:
-    "Each target once, unmutated: {target: (passed, seconds, output tail)}."
-    def one(i_t):
-        i, t = i_t
+    "Each target once, unmutated (the pytest targets in one pytest run): {target: (passed, seconds, output tail)}."
+    def one(i_g):
+        i, group = i_g
         tree = scratch / f"baseline-{i}"
         copy_tree(base, tree)
         t0 = time.monotonic()
-        code, out = runner.run_target(t, tree, timeout)
+        failed, code, out = runner.run_group(group, tree, timeout, stop_first=False)
         dt = time.monotonic() - t0
         shutil.rmtree(tree, ignore_errors=True)
-        ok = code == 0
-        say(f"baseline {'ok  ' if ok else 'FAIL'} {dt:7.1f}s {t}" + ("" if code is not None else " (timed out)"))
-        return t, (ok, dt, "" if ok else tail(out))
+        for t in group:
+            late = "" if code is not None else " (timed out)"
+            say(f"baseline {'FAIL' if t in failed else 'ok  '} {dt:7.1f}s {t}{late}")
+        return [(t, (t not in failed, dt, tail(out) if t in failed else "")) for t in group]
 
+    nbs = [[t] for t in targets if t.endswith(".ipynb")]
+    tests = [t for t in targets if not t.endswith(".ipynb")]
     with cf.ThreadPoolExecutor(max(jobs, 1)) as ex:
-        return dict(ex.map(one, enumerate(targets)))
+        return dict(pair for pairs in ex.map(one, enumerate(nbs + ([tests] if tests else []))) for pair in pairs)
 
 
 def run_mutation(m: Mutation, i: int, base: Path, scratch: Path, runner: Runner, lib: str, timeout: float,
@@ -324,20 +350,19 @@ def run_mutation(m: Mutation, i: int, base: Path, scratch: Path, runner: Runner,
                           f"(changed: {changed or 'nothing'})", time.monotonic() - t0)
         deadline = t0 + timeout
         killers, passed, logs = [], [], []
-        for target in m.run:
-            code, out = runner.run_target(target, tree, deadline - time.monotonic())
+        for group in groups(m.run):
+            failed, code, out = runner.run_group(group, tree, deadline - time.monotonic(), stop_first=not all_targets)
             if code is None:
                 status = "KILLED" if timeout_kills or killers else "TIMEOUT"
-                killers.append(f"{target} (timed out after {timeout:.0f}s)")
-                logs.append(f"=== {target} (timed out) ===\n{tail(out)}")
+                killers.append(f"{' '.join(group)} (timed out after {timeout:.0f}s)")
+                logs.append(f"=== {' '.join(group)} (timed out) ===\n{tail(out)}")
                 return Result(m.name, m.file, status, ", ".join(killers), time.monotonic() - t0, "\n".join(logs))
-            if code != 0:
-                killers.append(target)
-                logs.append(f"=== {target} (exit {code}) ===\n{tail(out)}")
+            killers += failed
+            passed += [t for t in group if t not in failed and (all_targets or not failed)]
+            if failed:
+                logs.append(f"=== {' '.join(group)} (exit {code}) ===\n{tail(out)}")
                 if not all_targets:
                     break
-            else:
-                passed.append(target)
         if killers:
             detail = ", ".join(killers) + (f" (passed: {', '.join(passed)})" if passed else "")
             return Result(m.name, m.file, "KILLED", detail, time.monotonic() - t0, "\n".join(logs))

@@ -49,6 +49,9 @@ def make_repo(root: Path) -> Path:
         def test_mul():
             assert mul(2, 3) == 6
 
+        def test_add():
+            assert add(2, 2) == 4
+
         def test_add_is_broken_on_purpose():
             assert add(1, 1) == 3
         """))
@@ -87,7 +90,7 @@ def test_killed_survived_stale(tmp_path):
     repo = make_repo(tmp_path / "mini")
     write_yaml(repo / "tests" / "mutations" / "mini.yaml", [
         m("add-subtracts", "return a + b", "return a - b", NB),  # the notebook's assert kills it
-        m("mul-adds", "return a * b", "return a + b", "tests/test_core.py::test_mul"),  # pytest kills it
+        m("mul-adds", "return a * b", "return a + b", "tests/test_core.py::test_add", "tests/test_core.py::test_mul"),
         m("mul-commutes", "return a * b", "return b * a", "tests/test_core.py::test_mul"),  # equivalent: survives
         m("find-is-gone", "return a ** b", "return 0", NB),  # stale: not in the notebook
         m("find-is-ambiguous", "return a", "return 0", NB),  # stale: twice in the exported cell
@@ -109,8 +112,10 @@ def test_killed_survived_stale(tmp_path):
     assert "return a + b" in (repo / "mini" / "core.py").read_text()
     assert "return a + b" in (repo / NB).read_text()
 
-    only = mutate(repo, "--only", "mul-adds")
+    only = mutate(repo, "--only", "mul-adds", "--all-targets")  # both pytest targets in one pytest run, each judged
     assert only.returncode == 0 and "1 mutation(s)" in only.stdout and "add-subtracts" not in only.stdout, only.stdout
+    assert "| mul-adds | tests/mutations/mini.yaml | KILLED | tests/test_core.py::test_mul (passed: " \
+           "tests/test_core.py::test_add) |" in (repo / "_mutate" / "report.md").read_text()
 
 
 def test_baseline_failure_is_not_judged(tmp_path):
