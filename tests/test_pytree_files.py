@@ -1,5 +1,10 @@
 """Faults for eformer_nb.pytree.serialization files: a writer killed with SIGKILL never leaves a
-corrupt file under the final name, and a file cut or damaged on disk is rejected with a ValueError."""
+corrupt file under the final name, and a file cut or damaged on disk is rejected with a ValueError.
+
+The SIGKILL lands at a chosen point of the save (a hook stops the writer before buffer k), not after a random delay:
+a kill after a delay rarely hits an in-place writer's short write window (issue 17: caught on 1-2 of 3 delays, and
+3 of 3 runs of a 0.2 s-delay kill passed against `open(path, "wb")`), while the hooked kill fails it every time.
+EFBIG and injected-exception faults for the same function: tests/test_faults.py."""
 import os
 import signal
 import subprocess
@@ -11,19 +16,6 @@ import numpy as np
 import pytest
 
 from eformer_nb.pytree import load_from_file, save_to_file, tree_equal
-
-WRITER = textwrap.dedent("""
-    import sys, numpy as np
-    from eformer_nb.pytree import save_to_file
-    path, ready = sys.argv[1], sys.argv[2]
-    i = 0
-    while True:  # rewrite the file forever, each time with different content, until killed
-        tree = {"w": np.full((1024, 1024, 8), i % 7, np.float32), "step": i}
-        save_to_file(tree, path)
-        if i == 0:
-            open(ready, "w").close()
-        i += 1
-""")
 
 # Deterministic: the second save's buffers are handed to the writer one by one, and before buffer `k` the child says
 # "ready" and sleeps, so the SIGKILL always lands after the writer opened its file and wrote buffers [:k] of the new
@@ -49,12 +41,6 @@ HOOKED_WRITER = textwrap.dedent("""
     save_to_file({"w": np.full((256, 256), 2, np.float32), "step": 2}, path)
     sys.exit("the second save was not killed")
 """)
-
-
-def _check_whole(path, shape=(1024, 1024, 8)):
-    tree = load_from_file(path)
-    assert tree["w"].shape == shape
-    assert np.all(tree["w"] == tree["step"] % 7), "the file mixes two versions"
 
 
 def _leftovers(directory, name):
@@ -84,30 +70,6 @@ def test_sigkill_mid_save_leaves_the_old_file(tmp_path, k):
     old = load_from_file(path)  # the old file, whole: not a truncated or half-new one
     assert old["step"] == 1 and np.all(old["w"] == 1), old
     assert len(_leftovers(tmp_path, "state.msgpack")) == 1  # the temporary the killed save was writing
-    save_to_file({"step": -1}, tmp_path / "other.msgpack")  # the next save into that directory removes it
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.msgpack", "ready", "state.msgpack"]
-
-
-@pytest.mark.timeout(120)
-def test_sigkill_during_save_leaves_a_whole_file(tmp_path):
-    "A kill at an arbitrary moment of a writer saving 32 MiB files in a loop (the hooked test above is the exact one)."
-    path, ready = tmp_path / "state.msgpack", tmp_path / "ready"
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(ready)])
-    try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert proc.poll() is None, "the writer died before its first save"
-            assert time.monotonic() < deadline, "the writer did not finish a first save in 60 s"
-            time.sleep(0.01)
-        time.sleep(0.2)  # somewhere in the middle of a later save
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL
-    _check_whole(path)  # the last completed save, whole
-    leftovers = _leftovers(tmp_path, "state.msgpack")
-    assert len(leftovers) <= 1  # at most the one temporary the killed save was writing
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ready", "state.msgpack", *leftovers])
     save_to_file({"step": -1}, tmp_path / "other.msgpack")  # the next save into that directory removes it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.msgpack", "ready", "state.msgpack"]
 
