@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextvars
 import math
 import os
+import re
 import struct
 import typing as tp
 import zlib
@@ -17,6 +18,7 @@ import jax
 import ml_dtypes
 import msgpack
 import numpy as np
+from fastcore.basics import patch
 from jax import tree_util as jtu
 
 from .tree_util import key_entry_name
@@ -53,7 +55,7 @@ def dtype_from_tag(tag: tp.Any) -> np.dtype:
         raise ValueError(f"unknown dtype tag {tag!r}; known tags: {sorted(DTYPES)}")
     return DTYPES[tag]
 
-# %% ../../nbs/03b_pytree.serialization.ipynb #e490f34a
+# %% ../../nbs/03b_pytree.serialization.ipynb #7a50c722
 _StateFns = tuple[Callable[[tp.Any], tp.Any], Callable[[tp.Any, tp.Any], tp.Any]]
 _STATE_REGISTRY: dict[type, _StateFns] = {}
 _CURRENT_PATH: contextvars.ContextVar[str] = contextvars.ContextVar("eformer_nb_state_path", default="")
@@ -75,7 +77,7 @@ def _registered(i: int, x: tp.Any, path: str, *args: tp.Any) -> tp.Any:
     finally:
         _CURRENT_PATH.reset(token)
 
-
+# %% ../../nbs/03b_pytree.serialization.ipynb #ecd2848e
 def _children(x: tp.Any):
     "Immediate children of a pytree node as `[(name, child)]` and the one-level treedef (None for a leaf)."
     if type(x) is dict:  # plain dicts keep their insertion order (and may mix key types)
@@ -88,6 +90,7 @@ def _children(x: tp.Any):
 
 
 def _join(path: str, name: str) -> str:
+    "`path/name`, or `name` at the root."
     return f"{path}/{name}" if path else name
 
 
@@ -100,10 +103,11 @@ def _enter(active: set[int], node: tp.Any, path: str, fn: str) -> None:
         raise ValueError(f"{fn}: the {type(node).__name__} at {path or '<root>'!r} contains itself (a cycle); "
                          "a pytree must be a tree")
     if len(active) >= _MAX_TREE_DEPTH:
-        raise ValueError(f"{fn}: containers nest deeper than {_MAX_TREE_DEPTH} levels (at {path[:60] + '...' if len(path) > 60 else path!r})")
+        at = path[:60] + "..." if len(path) > 60 else path
+        raise ValueError(f"{fn}: containers nest deeper than {_MAX_TREE_DEPTH} levels (at {at!r})")
     active.add(id(node))
 
-
+# %% ../../nbs/03b_pytree.serialization.ipynb #5a38d6a2
 def to_state_dict(target: tp.Any, *, _path: str = "", _active: set[int] | None = None) -> tp.Any:
     "Nested dicts with string keys for every pytree node of `target`; leaves are returned unchanged."
     tree = target
@@ -126,7 +130,7 @@ def to_state_dict(target: tp.Any, *, _path: str = "", _active: set[int] | None =
     finally:
         active.discard(id(tree))
 
-
+# %% ../../nbs/03b_pytree.serialization.ipynb #f8898d07
 def _same_dtype(a: tp.Any, b: tp.Any) -> bool:
     if a == b:
         return True
@@ -177,7 +181,7 @@ def from_state_dict(target: tp.Any, state: tp.Any, name: str = ".", *, _path: st
         return dict(zip(target, restored))
     return jtu.tree_unflatten(treedef, restored)
 
-# %% ../../nbs/03b_pytree.serialization.ipynb #7e2fee05
+# %% ../../nbs/03b_pytree.serialization.ipynb #af1a07ab
 MAGIC = b"\x89EFNBPT\n"  # 8 bytes: a high byte and a newline catch text-mode mangling
 FORMAT_VERSION = 1
 ALIGN = 64  # every array starts at a multiple of this within the data section
@@ -205,8 +209,9 @@ def _host_array(x: tp.Any, path: str) -> np.ndarray:
         raise TypeError(f"cannot serialize the object array at {path or '<root>'!r}: only numeric dtypes are allowed")
     return arr
 
-
+# %% ../../nbs/03b_pytree.serialization.ipynb #2003d0ef
 class _Encoder:
+    "Turns a tree of plain containers into msgpack-ready values, collecting its arrays."
     def __init__(self):
         self.arrays: list[np.ndarray] = []
         self.active: set[int] = set()  # ids of the containers being encoded (see `_enter`)
@@ -220,42 +225,46 @@ class _Encoder:
         self.arrays.append(arr)
         return struct.pack("<I", len(self.arrays) - 1)
 
-    def encode(self, obj: tp.Any, path: str = "") -> tp.Any:
-        ty = type(obj)
-        if obj is None or ty in (bool, str, bytes, float):
-            return obj
-        if ty is int:
-            return obj if -2**63 <= obj < 2**64 else msgpack.ExtType(_EXT_BIGINT, str(obj).encode())
-        if ty is complex:
-            return msgpack.ExtType(_EXT_COMPLEX, struct.pack("<dd", obj.real, obj.imag))
-        if isinstance(obj, dict) or ty in (list, tuple):
-            _enter(self.active, obj, path, "to_bytes")
-            try:
-                return self._encode_container(obj, path)
-            finally:
-                self.active.discard(id(obj))
-        if isinstance(obj, jax.Array) and jax.dtypes.issubdtype(obj.dtype, jax.dtypes.prng_key):
-            impl = str(jax.random.key_impl(obj))
-            ref = self.add_array(jax.random.key_data(obj), path)
-            return msgpack.ExtType(_EXT_KEY, _pack([struct.unpack("<I", ref)[0], impl]))
-        if isinstance(obj, (np.ndarray, jax.Array)):
-            return msgpack.ExtType(_EXT_ARRAY, self.add_array(obj, path))
-        if isinstance(obj, np.generic):
-            return msgpack.ExtType(_EXT_SCALAR, self.add_array(np.asarray(obj), path))
-        raise TypeError(f"cannot serialize the leaf at {path or '<root>'!r} of type {ty.__qualname__}; "
-                        f"supported: {_SUPPORTED} (containers other than these go through to_state_dict)")
+# %% ../../nbs/03b_pytree.serialization.ipynb #5307c02b
+@patch
+def encode(self: _Encoder, obj: tp.Any, path: str = "") -> tp.Any:
+    ty = type(obj)
+    if obj is None or ty in (bool, str, bytes, float):
+        return obj
+    if ty is int:
+        return obj if -2**63 <= obj < 2**64 else msgpack.ExtType(_EXT_BIGINT, str(obj).encode())
+    if ty is complex:
+        return msgpack.ExtType(_EXT_COMPLEX, struct.pack("<dd", obj.real, obj.imag))
+    if isinstance(obj, dict) or ty in (list, tuple):
+        _enter(self.active, obj, path, "to_bytes")
+        try:
+            return self._encode_container(obj, path)
+        finally:
+            self.active.discard(id(obj))
+    if isinstance(obj, jax.Array) and jax.dtypes.issubdtype(obj.dtype, jax.dtypes.prng_key):
+        impl = str(jax.random.key_impl(obj))
+        ref = self.add_array(jax.random.key_data(obj), path)
+        return msgpack.ExtType(_EXT_KEY, _pack([struct.unpack("<I", ref)[0], impl]))
+    if isinstance(obj, (np.ndarray, jax.Array)):
+        return msgpack.ExtType(_EXT_ARRAY, self.add_array(obj, path))
+    if isinstance(obj, np.generic):
+        return msgpack.ExtType(_EXT_SCALAR, self.add_array(np.asarray(obj), path))
+    raise TypeError(f"cannot serialize the leaf at {path or '<root>'!r} of type {ty.__qualname__}; "
+                    f"supported: {_SUPPORTED} (containers other than these go through to_state_dict)")
 
-    def _encode_container(self, obj: tp.Any, path: str) -> tp.Any:
-        if isinstance(obj, dict):
-            out = {}
-            for k, v in obj.items():
-                if type(k) not in (str, int):
-                    raise TypeError(f"dict key {k!r} at {path or '<root>'!r} must be str or int, got {type(k).__name__}")
-                out[k] = self.encode(v, _join(path, str(k)))
-            return out
-        if type(obj) is list:
-            return [self.encode(v, _join(path, str(i))) for i, v in enumerate(obj)]
-        return msgpack.ExtType(_EXT_TUPLE, _pack([self.encode(v, _join(path, str(i))) for i, v in enumerate(obj)]))
+
+@patch
+def _encode_container(self: _Encoder, obj: tp.Any, path: str) -> tp.Any:
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            if type(k) not in (str, int):
+                raise TypeError(f"dict key {k!r} at {path or '<root>'!r} must be str or int, got {type(k).__name__}")
+            out[k] = self.encode(v, _join(path, str(k)))
+        return out
+    if type(obj) is list:
+        return [self.encode(v, _join(path, str(i))) for i, v in enumerate(obj)]
+    return msgpack.ExtType(_EXT_TUPLE, _pack([self.encode(v, _join(path, str(i))) for i, v in enumerate(obj)]))
 
 # %% ../../nbs/03b_pytree.serialization.ipynb #0ec0585c
 def _pad(n: int) -> int:
@@ -299,7 +308,7 @@ def to_bytes(target: tp.Any, checksum: bool = True) -> bytes:
     "Serialize any pytree (via `to_state_dict`) to bytes; `checksum=False` skips the data CRC."
     return msgpack_serialize(to_state_dict(target), checksum=checksum)
 
-# %% ../../nbs/03b_pytree.serialization.ipynb #4b47f3a6
+# %% ../../nbs/03b_pytree.serialization.ipynb #2de6990a
 class _Ref(tp.NamedTuple):
     kind: int
     index: int
@@ -346,7 +355,7 @@ class _Decoder:
             return int(data.decode("ascii"))
         raise ValueError(f"unknown msgpack extension code {code}; known codes are 1-6")
 
-
+# %% ../../nbs/03b_pytree.serialization.ipynb #0eafb926
 def _check_entry(i: int, entry: tp.Any, data_len: int) -> tuple[np.dtype, tuple[int, ...], int, int]:
     if not (isinstance(entry, list) and len(entry) == 4):
         raise ValueError(f"array entry {i} is {entry!r}, expected [dtype, shape, offset, nbytes]")
@@ -364,13 +373,9 @@ def _check_entry(i: int, entry: tp.Any, data_len: int) -> tuple[np.dtype, tuple[
                          f"{data_len}-byte data section or is not {ALIGN}-byte aligned")
     return dtype, tuple(shape), offset, nbytes
 
-
-def msgpack_restore(encoded_pytree: bytes | bytearray | memoryview, verify: bool = True, copy: bool = False) -> tp.Any:
-    "Decode `to_bytes`/`msgpack_serialize` output to plain containers and NumPy arrays (no target needed)."
-    data = encoded_pytree
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise TypeError(f"expected bytes, bytearray or memoryview, got {type(data).__name__}")
-    buf = memoryview(data).cast("B") if isinstance(data, memoryview) else memoryview(data)
+# %% ../../nbs/03b_pytree.serialization.ipynb #211e1c0a
+def _check_prefix(buf: memoryview, verify: bool) -> tuple[memoryview, int, int]:
+    "`(header bytes, data start, data length)` of a payload whose prefix, lengths and checksums all check out."
     n = len(buf)
     if n < PREFIX_SIZE:
         raise ValueError(f"truncated input: {n} bytes is shorter than the {PREFIX_SIZE}-byte prefix")
@@ -393,6 +398,55 @@ def msgpack_restore(encoded_pytree: bytes | bytearray | memoryview, verify: bool
         raise ValueError("corrupted input: the padding after the header is not zero")
     if verify and flags & _FLAG_DATA_CRC and zlib.crc32(buf[data_start:]) != data_crc:
         raise ValueError("corrupted input: the data checksum does not match")
+    return header, data_start, data_len
+
+
+def _array_at(ref: _Ref, entries: list, buf: memoryview, data_start: int, copy: bool) -> tp.Any:
+    "The array, scalar or PRNG key array that `ref` points at (a view of `buf`, or a copy)."
+    if ref.index >= len(entries):
+        raise ValueError(f"array reference {ref.index} but the table has {len(entries)} entries")
+    dtype, shape, offset, nbytes = entries[ref.index]
+    if nbytes == 0:
+        arr = np.empty(shape, dtype)
+    else:
+        count = nbytes // dtype.itemsize
+        arr = np.frombuffer(buf, dtype=dtype, count=count, offset=data_start + offset).reshape(shape)
+        arr = arr.copy() if copy else arr
+    if ref.kind == _EXT_SCALAR:
+        return arr[()]
+    if ref.kind == _EXT_KEY:
+        try:
+            return jax.random.wrap_key_data(arr, impl=ref.impl)
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"cannot rebuild PRNG keys of implementation {ref.impl!r} from data of shape "
+                             f"{arr.shape} and dtype {arr.dtype}: {e}") from e
+    return arr
+
+# %% ../../nbs/03b_pytree.serialization.ipynb #12cbc7c7
+def _resolve(x: tp.Any, array: Callable[[_Ref], tp.Any]) -> tp.Any:
+    "The decoded header tree with every `_Ref` replaced by `array(ref)`."
+    if isinstance(x, _Ref):
+        return array(x)
+    if type(x) is dict:
+        return {k: _resolve(v, array) for k, v in x.items()}
+    if type(x) is list:
+        return [_resolve(v, array) for v in x]
+    if type(x) is tuple:
+        return tuple(_resolve(v, array) for v in x)
+    return x
+
+
+def msgpack_restore(
+    encoded_pytree: bytes | bytearray | memoryview,  # `to_bytes`/`msgpack_serialize` output
+    verify: bool = True,  # check the data CRC (the header is always checked)
+    copy: bool = False,  # copy the arrays out of the input instead of viewing it
+) -> tp.Any:  # plain containers, NumPy arrays and scalars, PRNG key arrays
+    "Decode `to_bytes`/`msgpack_serialize` output (no target needed); any defect in the input is a `ValueError`."
+    data = encoded_pytree
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"expected bytes, bytearray or memoryview, got {type(data).__name__}")
+    buf = memoryview(data).cast("B") if isinstance(data, memoryview) else memoryview(data)
+    header, data_start, data_len = _check_prefix(buf, verify)
     try:
         head = _Decoder().unpack(header)
     except (ValueError, TypeError, KeyError, struct.error, UnicodeDecodeError, RecursionError,
@@ -401,82 +455,70 @@ def msgpack_restore(encoded_pytree: bytes | bytearray | memoryview, verify: bool
     if not (isinstance(head, dict) and set(head) == {"arrays", "tree"} and isinstance(head["arrays"], list)):
         raise ValueError("corrupted input: the header is not {'arrays': [...], 'tree': ...}")
     entries = [_check_entry(i, e, data_len) for i, e in enumerate(head["arrays"])]
-
-    def array(ref: _Ref) -> tp.Any:
-        if ref.index >= len(entries):
-            raise ValueError(f"array reference {ref.index} but the table has {len(entries)} entries")
-        dtype, shape, offset, nbytes = entries[ref.index]
-        if nbytes == 0:
-            arr = np.empty(shape, dtype)
-        else:
-            arr = np.frombuffer(buf, dtype=dtype, count=nbytes // dtype.itemsize, offset=data_start + offset).reshape(shape)
-            if copy:
-                arr = arr.copy()
-        if ref.kind == _EXT_SCALAR:
-            return arr[()]
-        if ref.kind == _EXT_KEY:
-            try:
-                return jax.random.wrap_key_data(arr, impl=ref.impl)
-            except (ValueError, TypeError, KeyError) as e:
-                raise ValueError(f"cannot rebuild PRNG keys of implementation {ref.impl!r} from data of shape "
-                                 f"{arr.shape} and dtype {arr.dtype}: {e}") from e
-        return arr
-
-    def resolve(x: tp.Any) -> tp.Any:
-        if isinstance(x, _Ref):
-            return array(x)
-        if type(x) is dict:
-            return {k: resolve(v) for k, v in x.items()}
-        if type(x) is list:
-            return [resolve(v) for v in x]
-        if type(x) is tuple:
-            return tuple(resolve(v) for v in x)
-        return x
-
     try:
-        return resolve(head["tree"])
+        return _resolve(head["tree"], lambda ref: _array_at(ref, entries, buf, data_start, copy))
     except RecursionError as e:
         raise ValueError("corrupted input: the header nests containers too deeply to rebuild") from e
 
 
-def from_bytes(target: tp.Any, encoded_bytes: bytes | bytearray | memoryview, verify: bool = True, copy: bool = False) -> tp.Any:
-    "Restore `to_bytes` output into the structure of `target`; with `target=None`, return the state dict."
+def from_bytes(
+    target: tp.Any,  # a pytree of the expected structure (arrays or `ShapeDtypeStruct`s), or None
+    encoded_bytes: bytes | bytearray | memoryview,  # `to_bytes` output
+    verify: bool = True,  # check the data CRC
+    copy: bool = False,  # copy the arrays out of the input instead of viewing it
+) -> tp.Any:  # `target`'s structure with the stored leaves (the state dict when `target` is None)
+    "Restore `to_bytes` output into the structure of `target`, checking shapes and dtypes."
     state = msgpack_restore(encoded_bytes, verify=verify, copy=copy)
     return state if target is None else from_state_dict(target, state)
 
-# %% ../../nbs/03b_pytree.serialization.ipynb #ee8e92e6
-def _is_url(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
+# %% ../../nbs/03b_pytree.serialization.ipynb #8504743d
+def _file_path(filepath: str | os.PathLike) -> tuple[str, bool]:
+    "`(path, remote)`: a URL as given when `paths.is_remote_path` says it is remote, else the local path (no `file://`)."
+    from eformer_nb.paths import is_remote_path  # the one "is this remote" rule; imported here to keep imports cheap
 
-
-def save_to_file(target: tp.Any, filepath: str | os.PathLike, checksum: bool = True, fsync: bool = True) -> int:
-    "Serialize `target` (as `to_bytes`) to `filepath`, atomically for local paths; returns the bytes written."
-    parts = _serialize_parts(to_state_dict(target), checksum=checksum)
     path = os.fspath(filepath)
-    if _is_url(path):
+    if is_remote_path(path):
+        return path, True
+    return re.sub(r"^(?i:file|local)://", "", path), False
+
+
+def save_to_file(
+    target: tp.Any,  # any pytree `to_bytes` can write
+    filepath: str | os.PathLike,  # a local path, a `file://` URL, or a remote URL (`gs://...`, through fsspec)
+    checksum: bool = True,  # write the data CRC
+    fsync: bool = True,  # fsync the temporary before it is renamed into place (local paths)
+) -> int:  # the bytes written
+    "Serialize `target` (as `to_bytes`) to `filepath`, atomically for local paths."
+    parts = _serialize_parts(to_state_dict(target), checksum=checksum)
+    path, remote = _file_path(filepath)
+    if remote:
         import fsspec
         with fsspec.open(path, "wb") as f:
             for part in parts:
                 f.write(part)
         return sum(memoryview(p).nbytes for p in parts)
-    from eformer_nb.paths import atomic_write_local  # one atomic write: temporary + rename, umask, symlinks, stale temporaries
+    from eformer_nb.paths import atomic_write_local  # one atomic write: temporary + rename, umask, symlinks
 
-    return atomic_write_local(path.removeprefix("file://"), parts, fsync=fsync)
+    return atomic_write_local(path, parts, fsync=fsync)
 
 
-def load_from_file(target: tp.Any, filepath: str | os.PathLike | None = None, verify: bool = True) -> tp.Any:
-    "Read a `save_to_file` file and restore it into `target` (or return the state dict if `target` is None). eformer's order is `(target, filepath)`; the older `(filepath)` and `(filepath, target)` still work, since a path is never a target."
+def load_from_file(
+    target: tp.Any,  # the structure to restore into (None: return the state dict); a path here is the older order
+    filepath: str | os.PathLike | None = None,  # the file written by `save_to_file`
+    verify: bool = True,  # check the data CRC
+) -> tp.Any:  # `target`'s structure with the stored leaves
+    """Read a `save_to_file` file and restore it into `target`. eformer's order is `(target, filepath)`; the older
+    `(filepath)` and `(filepath, target)` still work, since a path is never a target."""
     if isinstance(target, (str, os.PathLike)) and not isinstance(filepath, (str, os.PathLike)):
         target, filepath = filepath, target
     if filepath is None:
         raise TypeError(f"load_from_file needs a file path; got target={type(target).__name__} and filepath=None")
-    path = os.fspath(filepath)
-    if _is_url(path):
+    path, remote = _file_path(filepath)
+    if remote:
         import fsspec
         with fsspec.open(path, "rb") as f:
             buf = bytearray(f.read())
     else:
-        path = path.removeprefix("file://")
         size = os.path.getsize(path)
         buf = bytearray(size)
         with open(path, "rb", buffering=0) as f:
