@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+from fastcore.basics import patch
 
 from .serialization import dtype_from_tag, dtype_to_tag
 
@@ -95,22 +96,27 @@ def _split_fields(cls: type, meta_fields: tp.Iterable[str]) -> tuple[PyTreeField
             data.append(f.name)
     return PyTreeFields(tuple(data), tuple(meta)), tuple(dropped)
 
-# %% ../../nbs/03c_pytree.dataclasses.ipynb #fecc4728
-def is_pytree_dataclass(obj: tp.Any) -> bool:
+# %% ../../nbs/03c_pytree.dataclasses.ipynb #5b874080
+def is_pytree_dataclass(
+    obj: tp.Any,  # a class or an instance
+) -> bool:
     "True for a class made by `auto_pytree` (or a `PyTree` subclass), or an instance of one."
     cls = obj if isinstance(obj, type) else type(obj)
     return "__pytree_fields__" in cls.__dict__
 
 
-def pytree_fields(obj: tp.Any) -> PyTreeFields:
+def pytree_fields(
+    obj: tp.Any,  # a dataclass pytree class or instance
+) -> PyTreeFields:  # the data and meta field names
     "The `(data, meta)` field names of a dataclass pytree class or instance."
     cls = obj if isinstance(obj, type) else type(obj)
     if not is_pytree_dataclass(cls):
         raise TypeError(f"{cls.__name__} is not a dataclass pytree (use @auto_pytree or subclass PyTree)")
     return cls.__pytree_fields__
 
-
+# %% ../../nbs/03c_pytree.dataclasses.ipynb #657e8538
 def _to_dict_value(v: tp.Any) -> tp.Any:
+    "`v` with every dataclass pytree inside (also in lists, tuples, dicts) turned into a dict."
     if is_pytree_dataclass(v):
         return v.to_dict()
     if isinstance(v, list):
@@ -146,8 +152,9 @@ def _from_dict_value(hint: tp.Any, v: tp.Any) -> tp.Any:
         return {k: _from_dict_value(args[1], x) for k, x in v.items()}
     return v
 
-
+# %% ../../nbs/03c_pytree.dataclasses.ipynb #5507cc0a
 def _json_default(obj: tp.Any) -> tp.Any:
+    "`json.dumps`' `default`: dataclass pytrees, arrays (base64, bit-exact), NumPy scalars, enums."
     if is_pytree_dataclass(obj):
         return obj.to_dict()
     if isinstance(obj, (np.ndarray, jax.Array)):
@@ -166,6 +173,7 @@ def _json_default(obj: tp.Any) -> tp.Any:
 
 
 def _json_object_hook(d: dict) -> tp.Any:
+    "`json.loads`' `object_hook`: an encoded array back to a NumPy array, other objects unchanged."
     if "__ndarray__" in d:
         dtype = dtype_from_tag(d["dtype"])
         raw = base64.b64decode(d["__ndarray__"], validate=True)
@@ -184,11 +192,14 @@ def _short_repr(rep: Callable[[tp.Any], str], limit: int) -> Callable[[tp.Any], 
         return text if len(text) <= limit else text[:max(limit - 4, 0)] + "...)"
     return short
 
-
+# %% ../../nbs/03c_pytree.dataclasses.ipynb #03058d64
 class _PyTreeMethods:
     "The methods every dataclass pytree has."
 
-    def replace(self: _T, **changes: tp.Any) -> _T:
+    def replace(
+        self: _T,
+        **changes: tp.Any,  # field names and their new values
+    ) -> _T:
         "A copy of `self` with the given fields changed."
         names = [f.name for f in dataclasses.fields(self) if f.init]
         unknown = sorted(set(changes) - set(names))
@@ -201,7 +212,10 @@ class _PyTreeMethods:
         return {f.name: _to_dict_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     @classmethod
-    def from_dict(cls: type[_T], data: tp.Mapping[str, tp.Any]) -> _T:
+    def from_dict(
+        cls: type[_T],
+        data: tp.Mapping[str, tp.Any],  # `to_dict()` output (or the same shape from JSON/YAML)
+    ) -> _T:
         "Build an instance from `to_dict()` output (nested dicts become nested dataclass pytrees)."
         if not isinstance(data, tp.Mapping):
             raise TypeError(f"{cls.__name__}.from_dict expects a mapping, got {type(data).__name__}")
@@ -217,14 +231,25 @@ class _PyTreeMethods:
         hints = _type_hints(cls)
         return cls(**{k: _from_dict_value(hints.get(k, tp.Any), v) for k, v in data.items()})
 
-    def to_json(self, **kwargs: tp.Any) -> str:
-        "JSON text of `to_dict()`; `kwargs` go to `json.dumps` (e.g. `indent=2`)."
-        return json.dumps(self.to_dict(), default=_json_default, **kwargs)
+# %% ../../nbs/03c_pytree.dataclasses.ipynb #8cd04a35
+@patch
+def to_json(
+    self: _PyTreeMethods,
+    **kwargs: tp.Any,  # passed to `json.dumps` (e.g. `indent=2`)
+) -> str:
+    "JSON text of `to_dict()`; `kwargs` go to `json.dumps` (e.g. `indent=2`)."
+    return json.dumps(self.to_dict(), default=_json_default, **kwargs)
 
-    @classmethod
-    def from_json(cls: type[_T], text: str | bytes) -> _T:
-        "Build an instance from `to_json()` output."
-        return cls.from_dict(json.loads(text, object_hook=_json_object_hook))
+
+def _from_json(
+    cls: type[_T],
+    text: str | bytes,  # `to_json()` output
+) -> _T:
+    "Build an instance from `to_json()` output."
+    return cls.from_dict(json.loads(text, object_hook=_json_object_hook))
+
+
+_PyTreeMethods.from_json = classmethod(_from_json)
 
 # %% ../../nbs/03c_pytree.dataclasses.ipynb #23371255
 @tp.dataclass_transform(field_specifiers=(field, dataclasses.field))
