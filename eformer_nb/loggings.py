@@ -88,7 +88,7 @@ class ColorFormatter(logging.Formatter):
             line += "\n" + self.formatException(record.exc_info)
         return line
 
-# %% ../nbs/01_loggings.ipynb #92cdeee2
+# %% ../nbs/01_loggings.ipynb #439aeef1
 _LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "WARN": logging.WARNING,
            "ERROR": logging.ERROR, "CRITICAL": logging.CRITICAL}
 LOG_LEVEL_ENV = "EFORMER_NB_LOG_LEVEL"
@@ -107,7 +107,7 @@ def _parse_level(level: int | str) -> int:
         raise ValueError(f"unknown log level {level!r}; valid names are {sorted(_LEVELS)}")
     return _LEVELS[key]
 
-# %% ../nbs/01_loggings.ipynb #1b822547
+# %% ../nbs/01_loggings.ipynb #54520438
 class LazyLogger:
     "A logger configured on first use: INFO on process 0, WARNING elsewhere; `*_once` variants log a message once."
 
@@ -138,7 +138,7 @@ class LazyLogger:
                     self._logger = self._build()
         return self._logger
 
-# %% ../nbs/01_loggings.ipynb #ab716a08
+# %% ../nbs/01_loggings.ipynb #0517d09e
 @patch
 def _default_level(self: LazyLogger) -> int:
     "The level asked for, else `EFORMER_NB_LOG_LEVEL`, else INFO on process 0 and WARNING elsewhere."
@@ -166,7 +166,7 @@ def _build(self: LazyLogger) -> logging.Logger:
     logger.addHandler(handler)
     return logger
 
-# %% ../nbs/01_loggings.ipynb #d1749ce3
+# %% ../nbs/01_loggings.ipynb #c512ee9a
 @patch
 def setLevel(
     self: LazyLogger,
@@ -206,7 +206,7 @@ def __repr__(self: LazyLogger) -> str:
 
 LazyLogger.warn = LazyLogger.warning
 
-# %% ../nbs/01_loggings.ipynb #574b95b3
+# %% ../nbs/01_loggings.ipynb #66bf43c3
 @patch
 def log_once(
     self: LazyLogger,
@@ -238,7 +238,7 @@ def error_once(self: LazyLogger, message, *args, **kw): return self.log_once(log
 
 LazyLogger.warn_once = LazyLogger.warning_once  # eformer's spelling
 
-# %% ../nbs/01_loggings.ipynb #9ac291bf
+# %% ../nbs/01_loggings.ipynb #a57b5f7e
 _LOGGERS: dict[str, LazyLogger] = {}
 _LOGGERS_LOCK = threading.Lock()
 
@@ -260,7 +260,7 @@ def get_logger(
         lg.setLevel(level)
     return lg
 
-# %% ../nbs/01_loggings.ipynb #863307b2
+# %% ../nbs/01_loggings.ipynb #6b34d1f8
 def _is_interactive(stream) -> bool:
     "True in a Jupyter kernel or when `stream` is a terminal."
     if "ipykernel" in sys.modules and "IPython" in sys.modules:
@@ -305,7 +305,7 @@ class ProgressLogger:
             from tqdm.auto import tqdm
             self._bar = tqdm(total=total, desc=desc, unit=unit, file=self._stream, dynamic_ncols=True)
 
-# %% ../nbs/01_loggings.ipynb #37f74cda
+# %% ../nbs/01_loggings.ipynb #d969aac1
 @patch
 def update(
     self: ProgressLogger,
@@ -340,7 +340,7 @@ def update(
         if postfix:
             self._bar.set_postfix(postfix, refresh=False)
 
-# %% ../nbs/01_loggings.ipynb #b6faf161
+# %% ../nbs/01_loggings.ipynb #c08c11fb
 @patch(as_prop=True)
 def elapsed(self: ProgressLogger) -> float:
     "Seconds since the bar was created."
@@ -367,7 +367,7 @@ def __enter__(self: ProgressLogger) -> ProgressLogger: return self
 @patch
 def __exit__(self: ProgressLogger, *exc) -> None: self.close()
 
-# %% ../nbs/01_loggings.ipynb #bf99593d
+# %% ../nbs/01_loggings.ipynb #d9a848d0
 def progress(
     iterable: tp.Iterable,  # what to iterate over
     desc: str = "",  # the bar's description
@@ -382,7 +382,7 @@ def progress(
             yield item
             bar.update()
 
-# %% ../nbs/01_loggings.ipynb #cf2da4f0
+# %% ../nbs/01_loggings.ipynb #160296ff
 @patch
 def clear_once_cache(self: LazyLogger) -> None:
     "Forget the `*_once` messages already logged, so each logs once more."
@@ -414,7 +414,7 @@ def complete(
     if message is not None and process_index() == 0:
         self.logger.info("%s (%.2fs)" % (message, self.elapsed) if show_time else "%s" % message)
 
-# %% ../nbs/01_loggings.ipynb #5f8f97e1
+# %% ../nbs/01_loggings.ipynb #645e882f
 def ignite_profiler(
     profile_path: str,  # the directory the trace is written to
     enable_perfetto: bool = False,  # also write a Perfetto trace file

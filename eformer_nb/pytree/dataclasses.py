@@ -96,7 +96,7 @@ def _split_fields(cls: type, meta_fields: tp.Iterable[str]) -> tuple[PyTreeField
             data.append(f.name)
     return PyTreeFields(tuple(data), tuple(meta)), tuple(dropped)
 
-# %% ../../nbs/03c_pytree.dataclasses.ipynb #5b874080
+# %% ../../nbs/03c_pytree.dataclasses.ipynb #207894b2
 def is_pytree_dataclass(
     obj: tp.Any,  # a class or an instance
 ) -> bool:
@@ -114,7 +114,7 @@ def pytree_fields(
         raise TypeError(f"{cls.__name__} is not a dataclass pytree (use @auto_pytree or subclass PyTree)")
     return cls.__pytree_fields__
 
-# %% ../../nbs/03c_pytree.dataclasses.ipynb #657e8538
+# %% ../../nbs/03c_pytree.dataclasses.ipynb #8eaf324a
 def _to_dict_value(v: tp.Any) -> tp.Any:
     "`v` with every dataclass pytree inside (also in lists, tuples, dicts) turned into a dict."
     if is_pytree_dataclass(v):
@@ -152,7 +152,7 @@ def _from_dict_value(hint: tp.Any, v: tp.Any) -> tp.Any:
         return {k: _from_dict_value(args[1], x) for k, x in v.items()}
     return v
 
-# %% ../../nbs/03c_pytree.dataclasses.ipynb #5507cc0a
+# %% ../../nbs/03c_pytree.dataclasses.ipynb #b81bbd09
 def _json_default(obj: tp.Any) -> tp.Any:
     "`json.dumps`' `default`: dataclass pytrees, arrays (base64, bit-exact), NumPy scalars, enums."
     if is_pytree_dataclass(obj):
@@ -192,7 +192,7 @@ def _short_repr(rep: Callable[[tp.Any], str], limit: int) -> Callable[[tp.Any], 
         return text if len(text) <= limit else text[:max(limit - 4, 0)] + "...)"
     return short
 
-# %% ../../nbs/03c_pytree.dataclasses.ipynb #03058d64
+# %% ../../nbs/03c_pytree.dataclasses.ipynb #d2899293
 class _PyTreeMethods:
     "The methods every dataclass pytree has."
 
@@ -231,7 +231,7 @@ class _PyTreeMethods:
         hints = _type_hints(cls)
         return cls(**{k: _from_dict_value(hints.get(k, tp.Any), v) for k, v in data.items()})
 
-# %% ../../nbs/03c_pytree.dataclasses.ipynb #8cd04a35
+# %% ../../nbs/03c_pytree.dataclasses.ipynb #fc509b19
 @patch
 def to_json(
     self: _PyTreeMethods,

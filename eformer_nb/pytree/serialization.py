@@ -55,7 +55,7 @@ def dtype_from_tag(tag: tp.Any) -> np.dtype:
         raise ValueError(f"unknown dtype tag {tag!r}; known tags: {sorted(DTYPES)}")
     return DTYPES[tag]
 
-# %% ../../nbs/03b_pytree.serialization.ipynb #9eb38f1d
+# %% ../../nbs/03b_pytree.serialization.ipynb #a748a6e1
 _StateFns = tuple[Callable[[tp.Any], tp.Any], Callable[[tp.Any, tp.Any], tp.Any]]
 _STATE_REGISTRY: dict[type, _StateFns] = {}
 _CURRENT_PATH: contextvars.ContextVar[str] = contextvars.ContextVar("eformer_nb_state_path", default="")
@@ -77,7 +77,7 @@ def _registered(i: int, x: tp.Any, path: str, *args: tp.Any) -> tp.Any:
     finally:
         _CURRENT_PATH.reset(token)
 
-# %% ../../nbs/03b_pytree.serialization.ipynb #eb99be1d
+# %% ../../nbs/03b_pytree.serialization.ipynb #ec50c3cc
 def _children(x: tp.Any):
     "Immediate children of a pytree node as `[(name, child)]` and the one-level treedef (None for a leaf)."
     if type(x) is dict:  # plain dicts keep their insertion order (and may mix key types)
@@ -107,7 +107,7 @@ def _enter(active: set[int], node: tp.Any, path: str, fn: str) -> None:
         raise ValueError(f"{fn}: containers nest deeper than {_MAX_TREE_DEPTH} levels (at {at!r})")
     active.add(id(node))
 
-# %% ../../nbs/03b_pytree.serialization.ipynb #d2642e92
+# %% ../../nbs/03b_pytree.serialization.ipynb #80c1fc83
 def to_state_dict(target: tp.Any, *, _path: str = "", _active: set[int] | None = None) -> tp.Any:
     "Nested dicts with string keys for every pytree node of `target`; leaves are returned unchanged."
     tree = target
@@ -130,7 +130,7 @@ def to_state_dict(target: tp.Any, *, _path: str = "", _active: set[int] | None =
     finally:
         active.discard(id(tree))
 
-# %% ../../nbs/03b_pytree.serialization.ipynb #b4070ecf
+# %% ../../nbs/03b_pytree.serialization.ipynb #119584a3
 def _same_dtype(a: tp.Any, b: tp.Any) -> bool:
     if a == b:
         return True
@@ -181,7 +181,7 @@ def from_state_dict(target: tp.Any, state: tp.Any, name: str = ".", *, _path: st
         return dict(zip(target, restored))
     return jtu.tree_unflatten(treedef, restored)
 
-# %% ../../nbs/03b_pytree.serialization.ipynb #8b0a1bab
+# %% ../../nbs/03b_pytree.serialization.ipynb #ba05f658
 MAGIC = b"\x89EFNBPT\n"  # 8 bytes: a high byte and a newline catch text-mode mangling
 FORMAT_VERSION = 1
 ALIGN = 64  # every array starts at a multiple of this within the data section
@@ -209,7 +209,7 @@ def _host_array(x: tp.Any, path: str) -> np.ndarray:
         raise TypeError(f"cannot serialize the object array at {path or '<root>'!r}: only numeric dtypes are allowed")
     return arr
 
-# %% ../../nbs/03b_pytree.serialization.ipynb #e763e6a5
+# %% ../../nbs/03b_pytree.serialization.ipynb #d31c4d72
 class _Encoder:
     "Turns a tree of plain containers into msgpack-ready values, collecting its arrays."
     def __init__(self):
@@ -225,7 +225,7 @@ class _Encoder:
         self.arrays.append(arr)
         return struct.pack("<I", len(self.arrays) - 1)
 
-# %% ../../nbs/03b_pytree.serialization.ipynb #6b5d4d56
+# %% ../../nbs/03b_pytree.serialization.ipynb #65f01234
 @patch
 def encode(self: _Encoder, obj: tp.Any, path: str = "") -> tp.Any:
     ty = type(obj)
@@ -308,7 +308,7 @@ def to_bytes(target: tp.Any, checksum: bool = True) -> bytes:
     "Serialize any pytree (via `to_state_dict`) to bytes; `checksum=False` skips the data CRC."
     return msgpack_serialize(to_state_dict(target), checksum=checksum)
 
-# %% ../../nbs/03b_pytree.serialization.ipynb #122c62da
+# %% ../../nbs/03b_pytree.serialization.ipynb #8f4e8baa
 class _Ref(tp.NamedTuple):
     kind: int
     index: int
@@ -355,7 +355,7 @@ class _Decoder:
             return int(data.decode("ascii"))
         raise ValueError(f"unknown msgpack extension code {code}; known codes are 1-6")
 
-# %% ../../nbs/03b_pytree.serialization.ipynb #4fc8ad3c
+# %% ../../nbs/03b_pytree.serialization.ipynb #463d3a85
 def _check_entry(i: int, entry: tp.Any, data_len: int) -> tuple[np.dtype, tuple[int, ...], int, int]:
     if not (isinstance(entry, list) and len(entry) == 4):
         raise ValueError(f"array entry {i} is {entry!r}, expected [dtype, shape, offset, nbytes]")
@@ -373,7 +373,7 @@ def _check_entry(i: int, entry: tp.Any, data_len: int) -> tuple[np.dtype, tuple[
                          f"{data_len}-byte data section or is not {ALIGN}-byte aligned")
     return dtype, tuple(shape), offset, nbytes
 
-# %% ../../nbs/03b_pytree.serialization.ipynb #458f5f8a
+# %% ../../nbs/03b_pytree.serialization.ipynb #6bb29283
 def _check_prefix(buf: memoryview, verify: bool) -> tuple[memoryview, int, int]:
     "`(header bytes, data start, data length)` of a payload whose prefix, lengths and checksums all check out."
     n = len(buf)
@@ -422,7 +422,7 @@ def _array_at(ref: _Ref, entries: list, buf: memoryview, data_start: int, copy: 
                              f"{arr.shape} and dtype {arr.dtype}: {e}") from e
     return arr
 
-# %% ../../nbs/03b_pytree.serialization.ipynb #2f3a9178
+# %% ../../nbs/03b_pytree.serialization.ipynb #154d9c52
 def _resolve(x: tp.Any, array: Callable[[_Ref], tp.Any]) -> tp.Any:
     "The decoded header tree with every `_Ref` replaced by `array(ref)`."
     if isinstance(x, _Ref):
@@ -471,7 +471,7 @@ def from_bytes(
     state = msgpack_restore(encoded_bytes, verify=verify, copy=copy)
     return state if target is None else from_state_dict(target, state)
 
-# %% ../../nbs/03b_pytree.serialization.ipynb #12f215d5
+# %% ../../nbs/03b_pytree.serialization.ipynb #b1a77c4c
 def _file_path(filepath: str | os.PathLike) -> tuple[str, bool]:
     "`(path, remote)`: a URL as given when `paths.is_remote_path` says it is remote, else the local path (no `file://`)."
     from eformer_nb.paths import is_remote_path  # the one "is this remote" rule; imported here to keep imports cheap

@@ -83,7 +83,7 @@ def flatten_tree(
         out[name] = leaf
     return out
 
-# %% ../../nbs/03a_pytree.tree_util.ipynb #3880ed59
+# %% ../../nbs/03a_pytree.tree_util.ipynb #09761bfe
 class _EmptyNode:
     "Marks an empty sub-mapping in a flat dict (so `unflatten_dict` can restore it)."
     def __repr__(self) -> str: return "empty_node"
@@ -129,7 +129,7 @@ def flatten_dict(
     walk(xs, ())
     return out
 
-
+# %% ../../nbs/03a_pytree.tree_util.ipynb #73e122b3
 def unflatten_dict(xs: Mapping, sep: str | None = None) -> dict[tp.Any, tp.Any]:
     "Inverse of `flatten_dict`: nest `{tuple_path: value}` (or `sep`-joined string keys) into dicts."
     if not isinstance(xs, Mapping):
@@ -375,7 +375,7 @@ def tree_concatenate(trees: Sequence[PyTree], axis: int = 0) -> PyTree:
         raise ValueError("tree_concatenate needs at least one tree, got an empty sequence")
     return jax.tree.map(lambda *xs: _xp(xs).concatenate(xs, axis=axis), *trees)
 
-# %% ../../nbs/03a_pytree.tree_util.ipynb #4cb42057
+# %% ../../nbs/03a_pytree.tree_util.ipynb #6bbc2df4
 class TreeDifference(tp.NamedTuple):
     "One difference between two trees."
     path: str  # the leaf's path, joined with `sep` ("" for the root)
@@ -388,13 +388,14 @@ def _is_arraylike(x: tp.Any) -> bool:
 
 
 def _comparable(x: np.ndarray) -> np.ndarray:
-    # ml_dtypes (bfloat16, float8_*, int4, ...) have kind 'V'; widen them losslessly for comparison
+    "`x`, with ml_dtypes (bfloat16, float8_*, int4: kind 'V') widened losslessly for comparison."
     if x.dtype.kind != "V":
         return x
     return x.astype(np.float32 if jnp.issubdtype(x.dtype, jnp.inexact) else np.int16)
 
 
 def _leaf_difference(x, y, rtol: float, atol: float) -> tuple[str, str] | None:
+    "`(kind, detail)` of how leaves `x` and `y` differ, or None when they are equal (NaNs in the same places are)."
     if _is_arraylike(x) != _is_arraylike(y) or (not _is_arraylike(x) and type(x) is not type(y)):
         return "type", f"{type(x).__name__} != {type(y).__name__}"
     if not _is_arraylike(x):
@@ -423,9 +424,16 @@ def _leaf_difference(x, y, rtol: float, atol: float) -> tuple[str, str] | None:
         detail += f", max abs diff {np.nanmax(np.where(close, 0, gap)):.6g}"
     return "value", detail
 
-
-def tree_diff(a: PyTree, b: PyTree, *, rtol: float = 0.0, atol: float = 0.0, sep: str = "/",
-              is_leaf: Callable[[tp.Any], bool] | None = None) -> list[TreeDifference]:
+# %% ../../nbs/03a_pytree.tree_util.ipynb #c5f4bd66
+def tree_diff(
+    a: PyTree,  # the first tree
+    b: PyTree,  # the second tree
+    *,
+    rtol: float = 0.0,  # relative tolerance for inexact values
+    atol: float = 0.0,  # absolute tolerance for inexact values
+    sep: str = "/",  # joins the names of a leaf's path
+    is_leaf: Callable[[tp.Any], bool] | None = None,  # nodes for which this is True are leaves
+) -> list[TreeDifference]:  # every difference, `[]` when the trees are equal
     "Every difference between trees `a` and `b` (structure, types, shapes, dtypes, values); `[]` if equal."
     fa = {tree_path_to_string(p, sep): (p, x) for p, x in jtu.tree_flatten_with_path(a, is_leaf=is_leaf)[0]}
     fb = {tree_path_to_string(p, sep): (p, x) for p, x in jtu.tree_flatten_with_path(b, is_leaf=is_leaf)[0]}
@@ -453,9 +461,14 @@ def tree_diff(a: PyTree, b: PyTree, *, rtol: float = 0.0, atol: float = 0.0, sep
     return out
 
 
-def tree_equal(*pytrees: PyTree, typematch: bool = False, rtol: float = 0.0, atol: float = 0.0,
-               is_leaf: Callable[[tp.Any], bool] | None = None) -> bool:
-    "True when all `pytrees` have the same structure, shapes, dtypes and values (see `tree_diff`); `typematch=True` also requires the same leaf types (a NumPy array is not a `jax.Array`)."
+def tree_equal(
+    *pytrees: PyTree,  # the trees to compare
+    typematch: bool = False,  # also require the same leaf types (a NumPy array is not a `jax.Array`)
+    rtol: float = 0.0,  # relative tolerance for inexact values
+    atol: float = 0.0,  # absolute tolerance for inexact values
+    is_leaf: Callable[[tp.Any], bool] | None = None,  # nodes for which this is True are leaves
+) -> bool:
+    "True when all `pytrees` have the same structure, shapes, dtypes and values (see `tree_diff`)."
     if typematch and len({tuple(type(x) for x in jax.tree.leaves(t, is_leaf=is_leaf)) for t in pytrees}) > 1:
         return False
     return all(not tree_diff(pytrees[0], t, rtol=rtol, atol=atol, is_leaf=is_leaf) for t in pytrees[1:])
@@ -620,7 +633,7 @@ def leaf_key_paths(pytree: PyTree, prefix: str = "", *, is_leaf: Callable[[tp.An
         return f"{prefix}.{n}" if prefix and n else (prefix or n)
     return jtu.tree_map_with_path(name, pytree, is_leaf=is_leaf)
 
-# %% ../../nbs/03a_pytree.tree_util.ipynb #11d571fd
+# %% ../../nbs/03a_pytree.tree_util.ipynb #33a88e42
 def flatten_mapping(xs: Mapping, *, keep_empty_nodes: bool = False, is_leaf=None, sep: str | None = None) -> dict:
     "`flatten_dict` with keyword-only options (flax's `flatten_mapping`)."
     return flatten_dict(xs, keep_empty_nodes=keep_empty_nodes, is_leaf=is_leaf, sep=sep)
@@ -649,7 +662,7 @@ def is_iterable(obj: tp.Any) -> bool:
         return False
     return True
 
-
+# %% ../../nbs/03a_pytree.tree_util.ipynb #b62827bf
 def _map_keys(xs: tp.Any, fn: Callable[[tp.Any], tp.Any]) -> tp.Any:
     if isinstance(xs, Mapping):
         return {fn(k): _map_keys(v, fn) for k, v in xs.items()}
