@@ -62,7 +62,7 @@ def Argu(
         return dataclasses.field(default_factory=default_factory, metadata=meta, **field_kwargs)
     return dataclasses.field(default=default, metadata=meta, **field_kwargs)
 
-# %% ../nbs/02_aparser.ipynb #c6c7b851
+# %% ../nbs/02_aparser.ipynb #cbb53abc
 class ArgumentTypeError(argparse.ArgumentTypeError, TypeError, ValueError):
     "A value that does not fit its field: raised with the field path, the value and what was expected."
 
@@ -110,7 +110,7 @@ def check_config_value(
         stack.extend((k, depth + 1, False) for k in kids(x))
     return data
 
-# %% ../nbs/02_aparser.ipynb #26c38ae8
+# %% ../nbs/02_aparser.ipynb #1df56261
 def _unique_keys(pairs: list) -> dict:
     "A JSON `object_pairs_hook`: a key given twice is an error, not a silent last-one-wins."
     out = {}
@@ -147,7 +147,7 @@ def _json_or_fail(text: str, where: str, expected: str):
     except (ValueError, RecursionError):  # JSONDecodeError, duplicate keys, too deep or too big
         _fail(where, _short(text), expected)
 
-# %% ../nbs/02_aparser.ipynb #d578eda6
+# %% ../nbs/02_aparser.ipynb #e7570527
 def convert_value(
     value,  # the value to check: a string from a CLI, or a typed value from YAML/JSON/a dict
     annotation,  # the field's type annotation
@@ -200,7 +200,7 @@ def convert_value(
     raise TypeError(f"{where}: unsupported annotation {annotation!r}; supported are bool, int, float, str, Path, "
                     "Optional/Union, Literal, Enum, list/tuple/set, dict and dataclasses")
 
-# %% ../nbs/02_aparser.ipynb #d226f560
+# %% ../nbs/02_aparser.ipynb #08e9b655
 def _convert_numeric_strings(value, annotation, where: str):
     "`convert_value` where strings are also accepted for int/float fields, at any depth (lists, dicts, dataclasses)."
     origin, args = tp.get_origin(annotation), tp.get_args(annotation)
@@ -223,7 +223,7 @@ def _convert_numeric_strings(value, annotation, where: str):
         value = {k: _convert_numeric_strings(v, args[1], f"{where}[{k!r}]") for k, v in value.items()}
     return convert_value(value, annotation, where)
 
-# %% ../nbs/02_aparser.ipynb #36b05718
+# %% ../nbs/02_aparser.ipynb #54e011eb
 def _convert_bool(value, where: str, from_string: bool) -> bool:
     if isinstance(value, bool):
         return value
@@ -264,7 +264,7 @@ def _convert_float(value, where: str, from_string: bool) -> float:
         return out
     _fail(where, _short(value), "float" if out is None else "a finite float (not nan/inf or beyond float range)")
 
-# %% ../nbs/02_aparser.ipynb #293eaca2
+# %% ../nbs/02_aparser.ipynb #817317ef
 def _convert_union(value, args: tuple, where: str, from_string: bool):
     "`None` for an Optional given None (or 'none' from a CLI); else the first arm that `value` fits."
     if value is None or (from_string and isinstance(value, str) and value.strip().lower() in _NONE_STRINGS):
@@ -297,7 +297,7 @@ def _convert_enum(value, annotation: type[enum.Enum], where: str):
             return member
     _fail(where, value, f"one of {[m.name for m in annotation]!r} ({annotation.__name__})")
 
-# %% ../nbs/02_aparser.ipynb #06b36d6f
+# %% ../nbs/02_aparser.ipynb #6f578f23
 def _convert_collection(value, annotation, where: str, from_string: bool):
     "A list, tuple, set or frozenset (as `annotation` says) of converted items; from a CLI, a JSON list too."
     origin, args = tp.get_origin(annotation), tp.get_args(annotation)
@@ -402,7 +402,7 @@ def _with_args_files(args, look_for_args_file: bool, args_filename, args_file_fl
         files += [Path(f) for f in ns.files]
     return [a for f in files for a in _read_args_file(f)] + cmdline
 
-# %% ../nbs/02_aparser.ipynb #7f2e0e55
+# %% ../nbs/02_aparser.ipynb #8df0bd86
 def _strip_optional(ann):
     "`T` for `Optional[T]` (`T | None`); any other annotation unchanged."
     if tp.get_origin(ann) in (tp.Union, types.UnionType):
@@ -417,7 +417,7 @@ def _option_names(dest: str, field: dataclasses.Field) -> list[str]:
     names = [f"--{dest}"] + ([f"--{dest.replace('_', '-')}"] if "_" in dest else [])
     return names + list(field.metadata.get("aliases", []))
 
-# %% ../nbs/02_aparser.ipynb #1d3ff54d
+# %% ../nbs/02_aparser.ipynb #6ee5bcaf
 class DataClassArgumentParser(argparse.ArgumentParser):
     "An `ArgumentParser` made from dataclass types, with strict dict/JSON/YAML loading into the same dataclasses."
     dataclass_types: list[type]  # the dataclass types, in the order they are parsed
@@ -440,7 +440,7 @@ class DataClassArgumentParser(argparse.ArgumentParser):
                 raise TypeError(f"DataClassArgumentParser: {dtype!r} is not a dataclass type")
             self._add_dataclass_arguments(dtype, prefix="", group=self.add_argument_group(dtype.__name__))
 
-# %% ../nbs/02_aparser.ipynb #c3c48bb5
+# %% ../nbs/02_aparser.ipynb #f1df8ac0
 @patch
 def _add_dataclass_arguments(self: DataClassArgumentParser, dtype, prefix: str, group):
     "One option per init field of `dtype`; nested dataclasses recurse with `prefix` + `field.`."
@@ -486,7 +486,7 @@ def _add_field(self: DataClassArgumentParser, field, ann, dest: str, group):
         kw["type"] = convert
     group.add_argument(*names, **kw)
 
-# %% ../nbs/02_aparser.ipynb #848d4520
+# %% ../nbs/02_aparser.ipynb #ecdeae02
 @patch
 def _fill(self: DataClassArgumentParser, dtype, ns: dict, prefix: str):
     "An instance of `dtype` from the parsed namespace `ns` (its entries are popped)."
@@ -510,7 +510,7 @@ def _fill(self: DataClassArgumentParser, dtype, ns: dict, prefix: str):
 def _namespace_to_dataclasses(self: DataClassArgumentParser, ns: dict) -> list:
     return [self._fill(dtype, ns, prefix="") for dtype in self.dataclass_types]
 
-# %% ../nbs/02_aparser.ipynb #c935df32
+# %% ../nbs/02_aparser.ipynb #423c2533
 @patch
 def parse_args_into_dataclasses(
     self: DataClassArgumentParser,
@@ -529,7 +529,7 @@ def parse_args_into_dataclasses(
     outputs = self._namespace_to_dataclasses(vars(ns))
     return (*outputs, remaining) if return_remaining_strings else tuple(outputs)
 
-# %% ../nbs/02_aparser.ipynb #59846459
+# %% ../nbs/02_aparser.ipynb #4ef90276
 @patch
 def _report_extra(self: DataClassArgumentParser, extra: Mapping):
     if extra:
@@ -567,7 +567,7 @@ def parse_dict(
         self._report_extra(remaining)
     return tuple(outputs)
 
-# %% ../nbs/02_aparser.ipynb #776271bd
+# %% ../nbs/02_aparser.ipynb #9cc68d2b
 def _top_mapping(data, source) -> Mapping:
     if not isinstance(data, Mapping):
         raise TypeError(f"{source}: the top level must be a mapping of field names to values, "
@@ -613,7 +613,7 @@ def _load_yaml(text: str):
     except yaml.YAMLError as e:
         raise ValueError(str(e)) from None
 
-# %% ../nbs/02_aparser.ipynb #7e5dcc00
+# %% ../nbs/02_aparser.ipynb #28f88d3b
 def load_config_file(
     path: str | os.PathLike,  # the file
     format: str,  # 'json' or 'yaml'
@@ -638,7 +638,7 @@ def load_config_file(
     check_config_value(data, name)
     return _top_mapping(data, name)
 
-# %% ../nbs/02_aparser.ipynb #e859bea0
+# %% ../nbs/02_aparser.ipynb #84d68b7b
 @patch
 def parse_json_file(
     self: DataClassArgumentParser,

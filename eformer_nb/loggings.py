@@ -88,7 +88,7 @@ class ColorFormatter(logging.Formatter):
             line += "\n" + self.formatException(record.exc_info)
         return line
 
-# %% ../nbs/01_loggings.ipynb #439aeef1
+# %% ../nbs/01_loggings.ipynb #2edb1535
 _LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "WARN": logging.WARNING,
            "ERROR": logging.ERROR, "CRITICAL": logging.CRITICAL}
 LOG_LEVEL_ENV = "EFORMER_NB_LOG_LEVEL"
@@ -107,7 +107,7 @@ def _parse_level(level: int | str) -> int:
         raise ValueError(f"unknown log level {level!r}; valid names are {sorted(_LEVELS)}")
     return _LEVELS[key]
 
-# %% ../nbs/01_loggings.ipynb #54520438
+# %% ../nbs/01_loggings.ipynb #27d2df2f
 class LazyLogger:
     "A logger configured on first use: INFO on process 0, WARNING elsewhere; `*_once` variants log a message once."
 
@@ -138,7 +138,7 @@ class LazyLogger:
                     self._logger = self._build()
         return self._logger
 
-# %% ../nbs/01_loggings.ipynb #0517d09e
+# %% ../nbs/01_loggings.ipynb #5eb644ed
 @patch
 def _default_level(self: LazyLogger) -> int:
     "The level asked for, else `EFORMER_NB_LOG_LEVEL`, else INFO on process 0 and WARNING elsewhere."
@@ -166,7 +166,7 @@ def _build(self: LazyLogger) -> logging.Logger:
     logger.addHandler(handler)
     return logger
 
-# %% ../nbs/01_loggings.ipynb #c512ee9a
+# %% ../nbs/01_loggings.ipynb #8211db0e
 @patch
 def setLevel(
     self: LazyLogger,
@@ -185,19 +185,59 @@ def level(self: LazyLogger) -> int:
 
 
 @patch
-def isEnabledFor(self: LazyLogger, level: int) -> bool: return self.logger.isEnabledFor(level)
+def isEnabledFor(
+    self: LazyLogger,
+    level: int,  # a `logging` level number
+) -> bool:
+    return self.logger.isEnabledFor(level)
 @patch
-def debug(self: LazyLogger, msg, *args, **kw): self.logger.debug(msg, *args, stacklevel=2, **kw)
+def debug(
+    self: LazyLogger,
+    msg,  # the message, %-formatted with `args`
+    *args,  # values for the message's placeholders
+    **kw,  # passed to `logging.Logger` (`exc_info`, `extra`, ...)
+):
+    self.logger.debug(msg, *args, stacklevel=2, **kw)
 @patch
-def info(self: LazyLogger, msg, *args, **kw): self.logger.info(msg, *args, stacklevel=2, **kw)
+def info(
+    self: LazyLogger,
+    msg,  # the message, %-formatted with `args`
+    *args,  # values for the message's placeholders
+    **kw,  # passed to `logging.Logger` (`exc_info`, `extra`, ...)
+):
+    self.logger.info(msg, *args, stacklevel=2, **kw)
 @patch
-def warning(self: LazyLogger, msg, *args, **kw): self.logger.warning(msg, *args, stacklevel=2, **kw)
+def warning(
+    self: LazyLogger,
+    msg,  # the message, %-formatted with `args`
+    *args,  # values for the message's placeholders
+    **kw,  # passed to `logging.Logger` (`exc_info`, `extra`, ...)
+):
+    self.logger.warning(msg, *args, stacklevel=2, **kw)
 @patch
-def error(self: LazyLogger, msg, *args, **kw): self.logger.error(msg, *args, stacklevel=2, **kw)
+def error(
+    self: LazyLogger,
+    msg,  # the message, %-formatted with `args`
+    *args,  # values for the message's placeholders
+    **kw,  # passed to `logging.Logger` (`exc_info`, `extra`, ...)
+):
+    self.logger.error(msg, *args, stacklevel=2, **kw)
 @patch
-def exception(self: LazyLogger, msg, *args, **kw): self.logger.exception(msg, *args, stacklevel=2, **kw)
+def exception(
+    self: LazyLogger,
+    msg,  # the message, %-formatted with `args`
+    *args,  # values for the message's placeholders
+    **kw,  # passed to `logging.Logger` (`exc_info`, `extra`, ...)
+):
+    self.logger.exception(msg, *args, stacklevel=2, **kw)
 @patch
-def critical(self: LazyLogger, msg, *args, **kw): self.logger.critical(msg, *args, stacklevel=2, **kw)
+def critical(
+    self: LazyLogger,
+    msg,  # the message, %-formatted with `args`
+    *args,  # values for the message's placeholders
+    **kw,  # passed to `logging.Logger` (`exc_info`, `extra`, ...)
+):
+    self.logger.critical(msg, *args, stacklevel=2, **kw)
 @patch
 def __repr__(self: LazyLogger) -> str:
     state = logging.getLevelName(self._logger.level) if self._logger else "unconfigured"
@@ -206,7 +246,7 @@ def __repr__(self: LazyLogger) -> str:
 
 LazyLogger.warn = LazyLogger.warning
 
-# %% ../nbs/01_loggings.ipynb #66bf43c3
+# %% ../nbs/01_loggings.ipynb #14acd22d
 @patch
 def log_once(
     self: LazyLogger,
@@ -227,18 +267,42 @@ def log_once(
 
 
 @patch
-def debug_once(self: LazyLogger, message, *args, **kw): return self.log_once(logging.DEBUG, message, *args, **kw)
+def debug_once(
+    self: LazyLogger,
+    message,  # the message, %-formatted with `args`
+    *args,  # values for the message's placeholders
+    **kw,  # passed to `logging.Logger.log`
+):  # whether it was logged (False: already seen)
+    return self.log_once(logging.DEBUG, message, *args, **kw)
 @patch
-def info_once(self: LazyLogger, message, *args, **kw): return self.log_once(logging.INFO, message, *args, **kw)
+def info_once(
+    self: LazyLogger,
+    message,  # the message, %-formatted with `args`
+    *args,  # values for the message's placeholders
+    **kw,  # passed to `logging.Logger.log`
+):  # whether it was logged (False: already seen)
+    return self.log_once(logging.INFO, message, *args, **kw)
 @patch
-def warning_once(self: LazyLogger, message, *args, **kw): return self.log_once(logging.WARNING, message, *args, **kw)
+def warning_once(
+    self: LazyLogger,
+    message,  # the message, %-formatted with `args`
+    *args,  # values for the message's placeholders
+    **kw,  # passed to `logging.Logger.log`
+):  # whether it was logged (False: already seen)
+    return self.log_once(logging.WARNING, message, *args, **kw)
 @patch
-def error_once(self: LazyLogger, message, *args, **kw): return self.log_once(logging.ERROR, message, *args, **kw)
+def error_once(
+    self: LazyLogger,
+    message,  # the message, %-formatted with `args`
+    *args,  # values for the message's placeholders
+    **kw,  # passed to `logging.Logger.log`
+):  # whether it was logged (False: already seen)
+    return self.log_once(logging.ERROR, message, *args, **kw)
 
 
 LazyLogger.warn_once = LazyLogger.warning_once  # eformer's spelling
 
-# %% ../nbs/01_loggings.ipynb #a57b5f7e
+# %% ../nbs/01_loggings.ipynb #72c91b68
 _LOGGERS: dict[str, LazyLogger] = {}
 _LOGGERS_LOCK = threading.Lock()
 
@@ -260,7 +324,7 @@ def get_logger(
         lg.setLevel(level)
     return lg
 
-# %% ../nbs/01_loggings.ipynb #6b34d1f8
+# %% ../nbs/01_loggings.ipynb #f28ca041
 def _is_interactive(stream) -> bool:
     "True in a Jupyter kernel or when `stream` is a terminal."
     if "ipykernel" in sys.modules and "IPython" in sys.modules:
@@ -305,7 +369,7 @@ class ProgressLogger:
             from tqdm.auto import tqdm
             self._bar = tqdm(total=total, desc=desc, unit=unit, file=self._stream, dynamic_ncols=True)
 
-# %% ../nbs/01_loggings.ipynb #d969aac1
+# %% ../nbs/01_loggings.ipynb #6e2db31b
 @patch
 def update(
     self: ProgressLogger,
@@ -340,7 +404,7 @@ def update(
         if postfix:
             self._bar.set_postfix(postfix, refresh=False)
 
-# %% ../nbs/01_loggings.ipynb #c08c11fb
+# %% ../nbs/01_loggings.ipynb #ecce9528
 @patch(as_prop=True)
 def elapsed(self: ProgressLogger) -> float:
     "Seconds since the bar was created."
@@ -367,7 +431,7 @@ def __enter__(self: ProgressLogger) -> ProgressLogger: return self
 @patch
 def __exit__(self: ProgressLogger, *exc) -> None: self.close()
 
-# %% ../nbs/01_loggings.ipynb #d9a848d0
+# %% ../nbs/01_loggings.ipynb #51b0fdc0
 def progress(
     iterable: tp.Iterable,  # what to iterate over
     desc: str = "",  # the bar's description
@@ -382,7 +446,7 @@ def progress(
             yield item
             bar.update()
 
-# %% ../nbs/01_loggings.ipynb #160296ff
+# %% ../nbs/01_loggings.ipynb #9e3ebad5
 @patch
 def clear_once_cache(self: LazyLogger) -> None:
     "Forget the `*_once` messages already logged, so each logs once more."
@@ -414,7 +478,7 @@ def complete(
     if message is not None and process_index() == 0:
         self.logger.info("%s (%.2fs)" % (message, self.elapsed) if show_time else "%s" % message)
 
-# %% ../nbs/01_loggings.ipynb #645e882f
+# %% ../nbs/01_loggings.ipynb #838f73c1
 def ignite_profiler(
     profile_path: str,  # the directory the trace is written to
     enable_perfetto: bool = False,  # also write a Perfetto trace file
