@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from eformer_nb.pytree.dataclasses import (
-    FrozenPyTree, PyTree, PyTreeFields, auto_pytree, field, is_pytree_dataclass, pytree_fields, xTree,
+    MAX_PRINT_LENGTH, FrozenPyTree, PyTree, PyTreeFields, auto_pytree, field, is_pytree_dataclass, pytree_fields, xTree,
 )
 from eformer_nb.pytree.serialization import (
     ALIGN, DTYPES, FORMAT_VERSION, MAGIC, PREFIX_SIZE, dtype_from_tag, dtype_to_tag, from_bytes, from_state_dict,
@@ -23,7 +23,7 @@ from eformer_nb.pytree.tree_util import (
 
 _all_ = [  # nbdev puts these in `__all__`, so `from eformer_nb.pytree import *` works too
     "FrozenPyTree", "PyTree", "PyTreeFields", "auto_pytree", "field", "is_pytree_dataclass", "xTree",
-    "register_serialization_state", "pytree_fields",
+    "register_serialization_state", "pytree_fields", "MAX_PRINT_LENGTH",
     "ALIGN", "DTYPES", "FORMAT_VERSION", "MAGIC", "PREFIX_SIZE", "dtype_from_tag", "dtype_to_tag", "from_bytes",
     "from_state_dict", "load_from_file", "msgpack_restore", "msgpack_serialize",
     "save_to_file", "to_bytes", "to_state_dict",
@@ -37,12 +37,12 @@ _all_ = [  # nbdev puts these in `__all__`, so `from eformer_nb.pytree import *`
 
 # %% auto #0
 __all__ = ['FrozenPyTree', 'PyTree', 'PyTreeFields', 'auto_pytree', 'field', 'is_pytree_dataclass', 'xTree',
-           'register_serialization_state', 'pytree_fields', 'ALIGN', 'DTYPES', 'FORMAT_VERSION', 'MAGIC', 'PREFIX_SIZE',
-           'dtype_from_tag', 'dtype_to_tag', 'from_bytes', 'from_state_dict', 'load_from_file', 'msgpack_restore',
-           'msgpack_serialize', 'save_to_file', 'to_bytes', 'to_state_dict', 'TreeDifference', 'empty_node',
-           'flatten_dict', 'flatten_tree', 'key_entry_name', 'named_tree_map', 'tree_add', 'tree_apply', 'tree_bytes',
-           'tree_cast', 'tree_combine', 'tree_concatenate', 'tree_diff', 'tree_divide', 'tree_dot', 'tree_equal',
-           'tree_filter', 'tree_mask', 'tree_multiply', 'tree_norm', 'tree_ones_like', 'tree_partition',
+           'register_serialization_state', 'pytree_fields', 'MAX_PRINT_LENGTH', 'ALIGN', 'DTYPES', 'FORMAT_VERSION',
+           'MAGIC', 'PREFIX_SIZE', 'dtype_from_tag', 'dtype_to_tag', 'from_bytes', 'from_state_dict', 'load_from_file',
+           'msgpack_restore', 'msgpack_serialize', 'save_to_file', 'to_bytes', 'to_state_dict', 'TreeDifference',
+           'empty_node', 'flatten_dict', 'flatten_tree', 'key_entry_name', 'named_tree_map', 'tree_add', 'tree_apply',
+           'tree_bytes', 'tree_cast', 'tree_combine', 'tree_concatenate', 'tree_diff', 'tree_divide', 'tree_dot',
+           'tree_equal', 'tree_filter', 'tree_mask', 'tree_multiply', 'tree_norm', 'tree_ones_like', 'tree_partition',
            'tree_path_to_string', 'tree_scale', 'tree_size', 'tree_stack', 'tree_subtract', 'tree_unstack',
            'tree_zeros_like', 'unflatten_dict', 'is_array', 'is_array_like', 'tree_clip', 'tree_max', 'tree_mean',
            'tree_min', 'tree_sum', 'tree_where', 'serialization', 'dataclass', 'compress_bytes', 'decompress_bytes',
