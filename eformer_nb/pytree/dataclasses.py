@@ -262,12 +262,12 @@ _PyTreeMethods.from_json = classmethod(_from_json)
 @tp.dataclass_transform(field_specifiers=(field, dataclasses.field))
 def auto_pytree(
     meta_fields: tp.Iterable[str] | None = None,  # fields kept static (the class itself for a bare `@auto_pytree`)
-    json_serializable: bool = True,
-    frozen: bool = False,
+    json_serializable: bool = True,  # add `to_dict`/`from_dict`/`to_json`/`from_json`
+    frozen: bool = False,  # make instances immutable
     max_print_length: int | None = MAX_PRINT_LENGTH,  # the repr is cut to this many characters (None: never)
     *,
-    cls: type[_T] | None = None,
-) -> tp.Any:
+    cls: type[_T] | None = None,  # the class to decorate now (None: return a decorator)
+) -> tp.Any:  # the class, or a decorator
     "Make `cls` a dataclass and register it as a JAX pytree (data fields = children, meta fields = static)."
     if isinstance(meta_fields, type):  # `@auto_pytree` without parentheses, or `auto_pytree(SomeClass)`
         cls, meta_fields = meta_fields, None
@@ -294,8 +294,14 @@ def auto_pytree(
 class PyTree(_PyTreeMethods):
     "Base class: every subclass is a (mutable) dataclass pytree. Class keywords go to `auto_pytree`."
 
-    def __init_subclass__(cls, *, frozen: bool = False, meta_fields: tp.Iterable[str] = (),
-                          json_serializable: bool = True, **kwargs: tp.Any):
+    def __init_subclass__(
+        cls,
+        *,
+        frozen: bool = False,  # make the subclass's instances immutable
+        meta_fields: tp.Iterable[str] = (),  # fields kept static
+        json_serializable: bool = True,  # add `to_dict`/`from_dict`/`to_json`/`from_json`
+        **kwargs: tp.Any,  # passed on to `object.__init_subclass__`
+    ):
         super().__init_subclass__(**kwargs)
         auto_pytree(meta_fields, json_serializable, frozen, cls=cls)
 
@@ -304,8 +310,13 @@ class PyTree(_PyTreeMethods):
 class FrozenPyTree(_PyTreeMethods):
     "Base class: every subclass is an immutable (frozen) dataclass pytree."
 
-    def __init_subclass__(cls, *, meta_fields: tp.Iterable[str] = (), json_serializable: bool = True,
-                          **kwargs: tp.Any):
+    def __init_subclass__(
+        cls,
+        *,
+        meta_fields: tp.Iterable[str] = (),  # fields kept static
+        json_serializable: bool = True,  # add `to_dict`/`from_dict`/`to_json`/`from_json`
+        **kwargs: tp.Any,  # passed on to `object.__init_subclass__`
+    ):
         super().__init_subclass__(**kwargs)
         auto_pytree(meta_fields, json_serializable, True, cls=cls)
 
