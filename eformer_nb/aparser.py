@@ -562,7 +562,8 @@ def parse_dict(
             key = sorted(remaining)[0]
             close = difflib.get_close_matches(key, sorted(all_keys), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise KeyError(f"unknown key(s) {sorted(remaining)}{hint}; valid keys are {sorted(all_keys)}; "
+            owners = ", ".join(d.__name__ for d in self.dataclass_types)
+            raise KeyError(f"unknown key(s) {sorted(remaining)}{hint}; valid keys of {owners} are {sorted(all_keys)}; "
                            "pass allow_extra_keys=True to accept and report them")
         self._report_extra(remaining)
     return tuple(outputs)
