@@ -166,7 +166,7 @@ def _build(self: LazyLogger) -> logging.Logger:
     logger.addHandler(handler)
     return logger
 
-# %% ../nbs/01_loggings.ipynb #8211db0e
+# %% ../nbs/01_loggings.ipynb #88f83825
 @patch
 def setLevel(
     self: LazyLogger,
@@ -190,6 +190,8 @@ def isEnabledFor(
     level: int,  # a `logging` level number
 ) -> bool:
     return self.logger.isEnabledFor(level)
+
+# %% ../nbs/01_loggings.ipynb #05edd069
 @patch
 def debug(
     self: LazyLogger,

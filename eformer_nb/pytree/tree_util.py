@@ -163,7 +163,7 @@ def unflatten_dict(
         cursor[path[-1]] = {} if value is empty_node else value
     return out
 
-# %% ../../nbs/03a_pytree.tree_util.ipynb #e16992db
+# %% ../../nbs/03a_pytree.tree_util.ipynb #19ceade7
 def _is_scalar(x: tp.Any) -> bool:
     return isinstance(x, (int, float, complex, np.number, np.bool_)) or (
         isinstance(x, (np.ndarray, jax.Array)) and x.ndim == 0)
@@ -209,7 +209,7 @@ def tree_scale(
     "`scalar * tree`, leafwise."
     return optax.tree.scale(scalar, tree)
 
-
+# %% ../../nbs/03a_pytree.tree_util.ipynb #c86f962d
 def tree_dot(
     tree1: PyTree,  # a pytree
     tree2: PyTree,  # a pytree of the same structure
@@ -253,7 +253,7 @@ def tree_cast(
         return optax.tree.cast(tree, dtype)
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
-# %% ../../nbs/03a_pytree.tree_util.ipynb #f6250c11
+# %% ../../nbs/03a_pytree.tree_util.ipynb #c04d3ba9
 def is_array(
     element: tp.Any,  # anything
 ) -> bool:
@@ -290,7 +290,7 @@ def tree_mean(
         raise ValueError("tree_mean of a tree with no elements")
     return optax.tree.sum(tree) / n
 
-
+# %% ../../nbs/03a_pytree.tree_util.ipynb #1b2da0c8
 def tree_min(
     tree: PyTree,  # a pytree
 ) -> jax.Array:
@@ -324,13 +324,13 @@ def tree_where(
         return optax.tree.where(condition, x, y)
     return jax.tree.map(jnp.where, condition, x, y)
 
-# %% ../../nbs/03a_pytree.tree_util.ipynb #b1755355
+# %% ../../nbs/03a_pytree.tree_util.ipynb #58db8dff
 Where = tp.Union[Callable[[tp.Any], bool], str, "re.Pattern[str]", PyTree]
 
 
 def tree_mask(
     tree: PyTree,  # a pytree
-    where: Where,  # a predicate on the leaf, a regex on its path, a tree of bools, or a list of these
+    where: Where,  # a predicate on each leaf, a regex searched in each leaf's path, or a tree of bools (a prefix)
     *,
     sep: str = "/",  # joins the names of a leaf's path
     is_leaf: Callable[[tp.Any], bool] | None = None,  # nodes for which this is True are treated as leaves
@@ -357,7 +357,7 @@ def tree_mask(
     except ValueError as e:
         raise ValueError(f"the mask tree must have the structure of the tree (or a prefix of it): {e}") from e
 
-
+# %% ../../nbs/03a_pytree.tree_util.ipynb #080325e5
 def tree_filter(
     tree: PyTree,  # a pytree
     predicate: Where,  # what to keep: as `where` in `tree_mask`
@@ -600,7 +600,7 @@ import copy
 import dataclasses
 import functools
 
-# %% ../../nbs/03a_pytree.tree_util.ipynb #021fb150
+# %% ../../nbs/03a_pytree.tree_util.ipynb #08719050
 def _leafwise(fn: Callable[[jax.Array], jax.Array], doc: str) -> Callable[[PyTree], PyTree]:
     def f(tree: PyTree) -> PyTree:
         return jax.tree.map(fn, tree)
@@ -621,7 +621,7 @@ for _f in ("tree_abs", "tree_exp", "tree_log", "tree_sqrt", "tree_sign", "tree_r
            "tree_isnan", "tree_isinf"):
     globals()[_f].__name__ = globals()[_f].__qualname__ = _f
 
-
+# %% ../../nbs/03a_pytree.tree_util.ipynb #00be2f49
 def tree_round(
     tree: PyTree,  # a pytree
     decimals: int = 0,  # decimal places to keep
@@ -669,7 +669,7 @@ def tree_reduce(
     leaves = jax.tree.leaves(tree)
     return functools.reduce(reducer, leaves) if initializer is None else functools.reduce(reducer, leaves, initializer)
 
-# %% ../../nbs/03a_pytree.tree_util.ipynb #e754b45e
+# %% ../../nbs/03a_pytree.tree_util.ipynb #e7938d55
 def tree_expand_dims(
     tree: PyTree,  # a pytree
     axis: int | tp.Sequence[int],  # where the new axis (or axes) go
@@ -713,7 +713,7 @@ def tree_structure_equal(
 _DISTRIBUTIONS = {"normal": jax.random.normal, "uniform": jax.random.uniform,
                   "truncated_normal": jax.random.truncated_normal, "bernoulli": jax.random.bernoulli}
 
-
+# %% ../../nbs/03a_pytree.tree_util.ipynb #832b01b2
 def tree_random_like(
     tree: PyTree,  # a pytree
     key: jax.Array,  # a PRNG key; split into one key per leaf
