@@ -166,7 +166,7 @@ def _build(self: LazyLogger) -> logging.Logger:
     logger.addHandler(handler)
     return logger
 
-# %% ../nbs/01_loggings.ipynb #88f83825
+# %% ../nbs/01_loggings.ipynb #f26ebeb8
 @patch
 def setLevel(
     self: LazyLogger,
@@ -191,7 +191,7 @@ def isEnabledFor(
 ) -> bool:
     return self.logger.isEnabledFor(level)
 
-# %% ../nbs/01_loggings.ipynb #05edd069
+# %% ../nbs/01_loggings.ipynb #5c5334ce
 @patch
 def debug(
     self: LazyLogger,

@@ -163,7 +163,7 @@ def unflatten_dict(
         cursor[path[-1]] = {} if value is empty_node else value
     return out
 
-# %% ../../nbs/03a_pytree.tree_util.ipynb #19ceade7
+# %% ../../nbs/03a_pytree.tree_util.ipynb #c45b7b2f
 def _is_scalar(x: tp.Any) -> bool:
     return isinstance(x, (int, float, complex, np.number, np.bool_)) or (
         isinstance(x, (np.ndarray, jax.Array)) and x.ndim == 0)
@@ -209,7 +209,7 @@ def tree_scale(
     "`scalar * tree`, leafwise."
     return optax.tree.scale(scalar, tree)
 
-# %% ../../nbs/03a_pytree.tree_util.ipynb #c86f962d
+# %% ../../nbs/03a_pytree.tree_util.ipynb #07543ac2
 def tree_dot(
     tree1: PyTree,  # a pytree
     tree2: PyTree,  # a pytree of the same structure
@@ -253,7 +253,7 @@ def tree_cast(
         return optax.tree.cast(tree, dtype)
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
-# %% ../../nbs/03a_pytree.tree_util.ipynb #c04d3ba9
+# %% ../../nbs/03a_pytree.tree_util.ipynb #a53e4150
 def is_array(
     element: tp.Any,  # anything
 ) -> bool:
@@ -290,7 +290,7 @@ def tree_mean(
         raise ValueError("tree_mean of a tree with no elements")
     return optax.tree.sum(tree) / n
 
-# %% ../../nbs/03a_pytree.tree_util.ipynb #1b2da0c8
+# %% ../../nbs/03a_pytree.tree_util.ipynb #b1f2983a
 def tree_min(
     tree: PyTree,  # a pytree
 ) -> jax.Array:
@@ -324,7 +324,7 @@ def tree_where(
         return optax.tree.where(condition, x, y)
     return jax.tree.map(jnp.where, condition, x, y)
 
-# %% ../../nbs/03a_pytree.tree_util.ipynb #58db8dff
+# %% ../../nbs/03a_pytree.tree_util.ipynb #61251fa0
 Where = tp.Union[Callable[[tp.Any], bool], str, "re.Pattern[str]", PyTree]
 
 
@@ -357,7 +357,7 @@ def tree_mask(
     except ValueError as e:
         raise ValueError(f"the mask tree must have the structure of the tree (or a prefix of it): {e}") from e
 
-# %% ../../nbs/03a_pytree.tree_util.ipynb #080325e5
+# %% ../../nbs/03a_pytree.tree_util.ipynb #398494cc
 def tree_filter(
     tree: PyTree,  # a pytree
     predicate: Where,  # what to keep: as `where` in `tree_mask`
@@ -600,7 +600,7 @@ import copy
 import dataclasses
 import functools
 
-# %% ../../nbs/03a_pytree.tree_util.ipynb #08719050
+# %% ../../nbs/03a_pytree.tree_util.ipynb #49de801a
 def _leafwise(fn: Callable[[jax.Array], jax.Array], doc: str) -> Callable[[PyTree], PyTree]:
     def f(tree: PyTree) -> PyTree:
         return jax.tree.map(fn, tree)
@@ -621,7 +621,7 @@ for _f in ("tree_abs", "tree_exp", "tree_log", "tree_sqrt", "tree_sign", "tree_r
            "tree_isnan", "tree_isinf"):
     globals()[_f].__name__ = globals()[_f].__qualname__ = _f
 
-# %% ../../nbs/03a_pytree.tree_util.ipynb #00be2f49
+# %% ../../nbs/03a_pytree.tree_util.ipynb #63dc46d7
 def tree_round(
     tree: PyTree,  # a pytree
     decimals: int = 0,  # decimal places to keep
@@ -669,7 +669,7 @@ def tree_reduce(
     leaves = jax.tree.leaves(tree)
     return functools.reduce(reducer, leaves) if initializer is None else functools.reduce(reducer, leaves, initializer)
 
-# %% ../../nbs/03a_pytree.tree_util.ipynb #e7938d55
+# %% ../../nbs/03a_pytree.tree_util.ipynb #485fd4e4
 def tree_expand_dims(
     tree: PyTree,  # a pytree
     axis: int | tp.Sequence[int],  # where the new axis (or axes) go
@@ -713,7 +713,7 @@ def tree_structure_equal(
 _DISTRIBUTIONS = {"normal": jax.random.normal, "uniform": jax.random.uniform,
                   "truncated_normal": jax.random.truncated_normal, "bernoulli": jax.random.bernoulli}
 
-# %% ../../nbs/03a_pytree.tree_util.ipynb #832b01b2
+# %% ../../nbs/03a_pytree.tree_util.ipynb #cc9921e2
 def tree_random_like(
     tree: PyTree,  # a pytree
     key: jax.Array,  # a PRNG key; split into one key per leaf
