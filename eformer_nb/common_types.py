@@ -13,9 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+_all_ = ["Mesh"]  # JAX's mesh, re-exported as eformer does
+
 # %% auto #0
-__all__ = ['Array', 'PRNGKey', 'DType', 'Shape', 'AxisNames', 'AxisIdxes', 'AxisType', 'BATCH', 'LENGTH', 'QUERY_LENGTH',
-           'KV_LENGTH', 'EMBED', 'HEAD', 'KV_HEAD', 'HEAD_DIM', 'KV_HEAD_DIM', 'MLP_INTERMEDIATE', 'VOCAB', 'EXPERT',
+__all__ = ['Array', 'PRNGKey', 'DType', 'Shape', 'AxisNames', 'AxisIdxes', 'AxisType', 'BATCH', 'LENGTH', 'KV_LENGTH',
+           'QUERY_LENGTH', 'EMBED', 'HEAD', 'KV_HEAD', 'HEAD_DIM', 'KV_HEAD_DIM', 'MLP_INTERMEDIATE', 'VOCAB', 'EXPERT',
            'EXPERT_GATE', 'BIAS_HEAD_SEQ', 'BIAS_KV_SEQ', 'EMPTY', 'DATA_PARALLEL', 'FULLY_SHARDED_DATA_PARALLEL',
            'TENSOR_PARALLEL', 'EXPERT_PARALLEL', 'SEQUENCE_PARALLEL', 'DP', 'FSDP', 'TP', 'EP', 'SP', 'SEMANTIC_AXES',
            'PARALLEL_AXES', 'MODE_TRAIN', 'MODE_PREFILL', 'MODE_DECODE', 'MODE_INSERT', 'RUNTIME_MODE_TYPES',
@@ -23,7 +25,7 @@ __all__ = ['Array', 'PRNGKey', 'DType', 'Shape', 'AxisNames', 'AxisIdxes', 'Axis
            'AttnQSharding', 'AttnKVSharding', 'ColumnWise', 'RowWise', 'SColumnWise', 'SRowWise', 'Replicated',
            'ExpertColumnWise', 'ExpertRowWise', 'ExpertColumnWiseAlt', 'ExpertRowWiseAlt', 'UnifiedExpertColumnWise',
            'UnifiedExpertRowWise', 'ExpertActivations', 'ExpertActivationsAlt', 'DYNAMIC_SHARDING_PRESETS',
-           'DynamicShardingAxes']
+           'DynamicShardingAxes', 'Mesh']
 
 # %% ../nbs/00_common_types.ipynb #dd866b57
 Array = jax.Array  # a JAX array (also the type of a new-style PRNG key)
@@ -37,8 +39,8 @@ AxisType = tp.Union[tuple[str, ...], str, tp.Any, None]  # one entry of a Partit
 # %% ../nbs/00_common_types.ipynb #5dba3beb
 BATCH = "__BATCH__"  # batch dimension
 LENGTH = "__LENGTH__"  # sequence length (general)
-QUERY_LENGTH = "__QUERY_LENGTH__"  # query sequence length
 KV_LENGTH = "__KV_LENGTH__"  # key/value sequence length
+QUERY_LENGTH = "__QUERY_LENGTH__"  # query sequence length
 EMBED = "__EMBED__"  # embedding / hidden-state dimension
 HEAD = "__HEAD__"  # attention query heads
 KV_HEAD = "__KV_HEAD__"  # attention key/value heads
@@ -100,8 +102,8 @@ DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # large negative lo
 # %% ../nbs/00_common_types.ipynb #85e164ba
 class DynamicShardingAxes(tp.NamedTuple):
     "Semantic axes for each tensor dimension, and the runtime mode (or the dimension that decides it)."
-    axes: Sequence[str | Sequence[str] | None]
-    mode: RUNTIME_MODE_TYPES | int
+    axes: Sequence[str | Sequence[str] | None]  # one entry per dimension: a semantic axis, a list of them, or None
+    mode: RUNTIME_MODE_TYPES | int  # a runtime mode, or the index of the dimension whose size 1 means decoding
 
     def validate(self) -> DynamicShardingAxes:
         "Check the mode and every axis name; return `self` so it can be chained."
@@ -110,6 +112,7 @@ class DynamicShardingAxes(tp.NamedTuple):
 
 
 def _validate_dynamic_axes(axes, mode, where: str):
+    "A `ValueError` naming `where` for a mode or an axis name that is not known."
     known = set(SEMANTIC_AXES) | set(PARALLEL_AXES) | {EMPTY}
     if not (isinstance(mode, int) and not isinstance(mode, bool)) and mode not in RUNTIME_MODES:
         raise ValueError(f"{where}: mode={mode!r} is neither a dimension index (int) nor a runtime mode; "

@@ -5,7 +5,6 @@
 # %% ../nbs/01_loggings.ipynb #65767e56
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import sys
@@ -13,12 +12,15 @@ import threading
 import time
 import typing as tp
 
+from fastcore.basics import patch
+
 # %% auto #0
 __all__ = ['LOG_LEVEL_ENV', 'process_index', 'ColorFormatter', 'LazyLogger', 'get_logger', 'ProgressLogger', 'progress',
            'ignite_profiler', 'extinguish_profiler', 'create_step_profiler']
 
 # %% ../nbs/01_loggings.ipynb #48948b48
-_PROCESS_ENV_VARS = ("JAX_PROCESS_ID", "SLURM_PROCID", "RANK", "TPU_WORKER_ID", "CLOUD_TPU_TASK_ID", "MEGASCALE_SLICE_ID")
+_PROCESS_ENV_VARS = ("JAX_PROCESS_ID", "SLURM_PROCID", "RANK", "TPU_WORKER_ID", "CLOUD_TPU_TASK_ID",
+                     "MEGASCALE_SLICE_ID")
 
 
 def _jax_process_index_if_ready() -> int | None:
@@ -26,15 +28,17 @@ def _jax_process_index_if_ready() -> int | None:
     if "jax" not in sys.modules:
         return None
     from jax._src import distributed, xla_bridge
-    if getattr(distributed.global_state, "process_id", None) is not None and distributed.global_state.client is not None:
-        return int(distributed.global_state.process_id)
+    state = distributed.global_state
+    if getattr(state, "process_id", None) is not None and state.client is not None:
+        return int(state.process_id)
     if xla_bridge._backends:
         import jax
         return int(jax.process_index())
     return None
 
 
-def process_index() -> int:
+def process_index(
+) -> int:  # this process's index, 0 for a lone process
     "Index of this process in a multi-host job, found without initialising an XLA backend."
     idx = _jax_process_index_if_ready()
     if idx is not None:
@@ -46,11 +50,13 @@ def process_index() -> int:
     return 0
 
 # %% ../nbs/01_loggings.ipynb #76067699
-_COLORS = {"DEBUG": "\033[36m", "INFO": "\033[32m", "WARNING": "\033[33m", "ERROR": "\033[31m", "CRITICAL": "\033[1;31m"}
+_COLORS = {"DEBUG": "\033[36m", "INFO": "\033[32m", "WARNING": "\033[33m", "ERROR": "\033[31m",
+           "CRITICAL": "\033[1;31m"}
 _RESET = "\033[0m"
 
 
 def _wants_color(stream) -> bool:
+    "Colour unless `NO_COLOR` is set; forced by `FORCE_COLOR`; else only on a terminal."
     if os.environ.get("NO_COLOR"):
         return False
     if os.environ.get("FORCE_COLOR"):
@@ -59,13 +65,19 @@ def _wants_color(stream) -> bool:
 
 
 class ColorFormatter(logging.Formatter):
-    "`HH:MM:SS LEVEL name: message`, the level coloured when `color` is on; `[pN]` added on processes other than 0."
+    "`HH:MM:SS LEVEL name: message`, the level coloured when `color` is on; `[pN]` on processes other than 0."
 
-    def __init__(self, color: bool = False):
+    def __init__(
+        self,
+        color: bool = False,  # wrap the level name in ANSI colour codes
+    ):
         super().__init__(datefmt="%H:%M:%S")
         self.color = color
 
-    def format(self, record: logging.LogRecord) -> str:
+    def format(
+        self,
+        record: logging.LogRecord,  # the record to format
+    ) -> str:  # one line (plus the traceback, if any)
         level = record.levelname
         if self.color and level in _COLORS:
             level = f"{_COLORS[level]}{level}{_RESET}"
@@ -76,13 +88,14 @@ class ColorFormatter(logging.Formatter):
             line += "\n" + self.formatException(record.exc_info)
         return line
 
-# %% ../nbs/01_loggings.ipynb #868e6178
+# %% ../nbs/01_loggings.ipynb #2edb1535
 _LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "WARN": logging.WARNING,
            "ERROR": logging.ERROR, "CRITICAL": logging.CRITICAL}
 LOG_LEVEL_ENV = "EFORMER_NB_LOG_LEVEL"
 
 
 def _parse_level(level: int | str) -> int:
+    "A level name (any case) or number as a `logging` level number; a clear error for anything else."
     if isinstance(level, bool) or not isinstance(level, (int, str)):
         raise TypeError(f"log level {level!r} must be an int or one of {sorted(_LEVELS)}")
     if isinstance(level, int):
@@ -94,17 +107,27 @@ def _parse_level(level: int | str) -> int:
         raise ValueError(f"unknown log level {level!r}; valid names are {sorted(_LEVELS)}")
     return _LEVELS[key]
 
-
+# %% ../nbs/01_loggings.ipynb #27d2df2f
 class LazyLogger:
     "A logger configured on first use: INFO on process 0, WARNING elsewhere; `*_once` variants log a message once."
 
-    def __init__(self, name: str, level: int | str | None = None, stream: tp.TextIO | None = None):
+    def __init__(
+        self,
+        name: str,  # the `logging` name, usually the module's `__name__`
+        level: int | str | None = None,  # a level name or number; None: INFO on process 0, WARNING elsewhere
+        stream: tp.TextIO | None = None,  # where lines go (default `sys.stderr`)
+    ):
         self._name = name
         self._level = None if level is None else _parse_level(level)
         self._stream = stream
         self._logger: logging.Logger | None = None
         self._seen: set[tuple[int, str]] = set()
         self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        "The logger's name."
+        return self._name
 
     @property
     def logger(self) -> logging.Logger:
@@ -115,80 +138,182 @@ class LazyLogger:
                     self._logger = self._build()
         return self._logger
 
-    def _default_level(self) -> int:
-        if self._level is not None:
-            return self._level
-        env = os.environ.get(LOG_LEVEL_ENV)
-        if env:
-            return _parse_level(env)
-        return logging.INFO if process_index() == 0 else logging.WARNING
-
-    def _build(self) -> logging.Logger:
-        logger = logging.getLogger(self.name)
-        logger.setLevel(self._default_level())
-        logger.propagate = False
-        for h in list(logger.handlers):
-            if getattr(h, "_eformer_nb", False):
-                logger.removeHandler(h)
-        stream = self._stream or sys.stderr
-        handler = logging.StreamHandler(stream)
-        handler._eformer_nb = True
-        handler.setFormatter(ColorFormatter(color=_wants_color(stream)))
-        logger.addHandler(handler)
-        return logger
-
-    def setLevel(self, level: int | str) -> None:
-        "Change the level (name or number)."
-        self._level = _parse_level(level)
-        if self._logger is not None:
-            self._logger.setLevel(self._level)
-
-    def isEnabledFor(self, level: int) -> bool: return self.logger.isEnabledFor(level)
-    def debug(self, msg, *args, **kw): self.logger.debug(msg, *args, stacklevel=2, **kw)
-    def info(self, msg, *args, **kw): self.logger.info(msg, *args, stacklevel=2, **kw)
-    def warning(self, msg, *args, **kw): self.logger.warning(msg, *args, stacklevel=2, **kw)
-    warn = warning
-    def error(self, msg, *args, **kw): self.logger.error(msg, *args, stacklevel=2, **kw)
-    def exception(self, msg, *args, **kw): self.logger.exception(msg, *args, stacklevel=2, **kw)
-    def critical(self, msg, *args, **kw): self.logger.critical(msg, *args, stacklevel=2, **kw)
-
-    def log_once(self, level: int, msg: str, *args, **kw) -> bool:
-        "Log `msg % args` at `level` the first time this exact message is seen; return whether it was logged."
-        text = msg % args if args else msg
-        key = (level, text)
-        with self._lock:
-            if key in self._seen:
-                return False
-            self._seen.add(key)
-        self.logger.log(level, text, stacklevel=3, **kw)
-        return True
-
-    def debug_once(self, message, *args, **kw): return self.log_once(logging.DEBUG, message, *args, **kw)
-    def info_once(self, message, *args, **kw): return self.log_once(logging.INFO, message, *args, **kw)
-    def warning_once(self, message, *args, **kw): return self.log_once(logging.WARNING, message, *args, **kw)
-    warn_once = warning_once  # eformer's spelling
-    def error_once(self, message, *args, **kw): return self.log_once(logging.ERROR, message, *args, **kw)
-
-    @property
-    def name(self) -> str:
-        "The logger's name."
-        return self._name
-
-    @property
-    def level(self) -> int:
-        "The effective level (builds the logger on first use)."
-        return self.logger.getEffectiveLevel()
-
-    def __repr__(self) -> str:
-        state = logging.getLevelName(self._logger.level) if self._logger else "unconfigured"
-        return f"LazyLogger({self.name!r}, {state})"
+# %% ../nbs/01_loggings.ipynb #5eb644ed
+@patch
+def _default_level(self: LazyLogger) -> int:
+    "The level asked for, else `EFORMER_NB_LOG_LEVEL`, else INFO on process 0 and WARNING elsewhere."
+    if self._level is not None:
+        return self._level
+    env = os.environ.get(LOG_LEVEL_ENV)
+    if env:
+        return _parse_level(env)
+    return logging.INFO if process_index() == 0 else logging.WARNING
 
 
+@patch
+def _build(self: LazyLogger) -> logging.Logger:
+    "The `logging.Logger` with one handler of ours (an older one of ours is replaced, others are left alone)."
+    logger = logging.getLogger(self.name)
+    logger.setLevel(self._default_level())
+    logger.propagate = False
+    for h in list(logger.handlers):
+        if getattr(h, "_eformer_nb", False):
+            logger.removeHandler(h)
+    stream = self._stream or sys.stderr
+    handler = logging.StreamHandler(stream)
+    handler._eformer_nb = True
+    handler.setFormatter(ColorFormatter(color=_wants_color(stream)))
+    logger.addHandler(handler)
+    return logger
+
+# %% ../nbs/01_loggings.ipynb #f26ebeb8
+@patch
+def setLevel(
+    self: LazyLogger,
+    level: int | str,  # a level name (any case) or number
+) -> None:
+    "Change the level."
+    self._level = _parse_level(level)
+    if self._logger is not None:
+        self._logger.setLevel(self._level)
+
+
+@patch(as_prop=True)
+def level(self: LazyLogger) -> int:
+    "The effective level (builds the logger on first use)."
+    return self.logger.getEffectiveLevel()
+
+
+@patch
+def isEnabledFor(
+    self: LazyLogger,
+    level: int,  # a `logging` level number
+) -> bool:
+    return self.logger.isEnabledFor(level)
+
+# %% ../nbs/01_loggings.ipynb #5c5334ce
+@patch
+def debug(
+    self: LazyLogger,
+    msg,  # the message, %-formatted with `args`
+    *args,  # values for the message's placeholders
+    **kw,  # passed to `logging.Logger` (`exc_info`, `extra`, ...)
+):
+    self.logger.debug(msg, *args, stacklevel=2, **kw)
+@patch
+def info(
+    self: LazyLogger,
+    msg,  # the message, %-formatted with `args`
+    *args,  # values for the message's placeholders
+    **kw,  # passed to `logging.Logger` (`exc_info`, `extra`, ...)
+):
+    self.logger.info(msg, *args, stacklevel=2, **kw)
+@patch
+def warning(
+    self: LazyLogger,
+    msg,  # the message, %-formatted with `args`
+    *args,  # values for the message's placeholders
+    **kw,  # passed to `logging.Logger` (`exc_info`, `extra`, ...)
+):
+    self.logger.warning(msg, *args, stacklevel=2, **kw)
+@patch
+def error(
+    self: LazyLogger,
+    msg,  # the message, %-formatted with `args`
+    *args,  # values for the message's placeholders
+    **kw,  # passed to `logging.Logger` (`exc_info`, `extra`, ...)
+):
+    self.logger.error(msg, *args, stacklevel=2, **kw)
+@patch
+def exception(
+    self: LazyLogger,
+    msg,  # the message, %-formatted with `args`
+    *args,  # values for the message's placeholders
+    **kw,  # passed to `logging.Logger` (`exc_info`, `extra`, ...)
+):
+    self.logger.exception(msg, *args, stacklevel=2, **kw)
+@patch
+def critical(
+    self: LazyLogger,
+    msg,  # the message, %-formatted with `args`
+    *args,  # values for the message's placeholders
+    **kw,  # passed to `logging.Logger` (`exc_info`, `extra`, ...)
+):
+    self.logger.critical(msg, *args, stacklevel=2, **kw)
+@patch
+def __repr__(self: LazyLogger) -> str:
+    state = logging.getLevelName(self._logger.level) if self._logger else "unconfigured"
+    return f"LazyLogger({self.name!r}, {state})"
+
+
+LazyLogger.warn = LazyLogger.warning
+
+# %% ../nbs/01_loggings.ipynb #14acd22d
+@patch
+def log_once(
+    self: LazyLogger,
+    level: int,  # the `logging` level number
+    msg: str,  # the message, %-formatted with `args`
+    *args,  # values for `msg`'s placeholders
+    **kw,  # passed to `logging.Logger.log` (e.g. `exc_info`)
+) -> bool:  # whether it was logged (False: already seen)
+    "Log `msg % args` at `level` the first time this exact message is seen."
+    text = msg % args if args else msg
+    key = (level, text)
+    with self._lock:
+        if key in self._seen:
+            return False
+        self._seen.add(key)
+    self.logger.log(level, text, stacklevel=3, **kw)
+    return True
+
+
+@patch
+def debug_once(
+    self: LazyLogger,
+    message,  # the message, %-formatted with `args`
+    *args,  # values for the message's placeholders
+    **kw,  # passed to `logging.Logger.log`
+):  # whether it was logged (False: already seen)
+    return self.log_once(logging.DEBUG, message, *args, **kw)
+@patch
+def info_once(
+    self: LazyLogger,
+    message,  # the message, %-formatted with `args`
+    *args,  # values for the message's placeholders
+    **kw,  # passed to `logging.Logger.log`
+):  # whether it was logged (False: already seen)
+    return self.log_once(logging.INFO, message, *args, **kw)
+@patch
+def warning_once(
+    self: LazyLogger,
+    message,  # the message, %-formatted with `args`
+    *args,  # values for the message's placeholders
+    **kw,  # passed to `logging.Logger.log`
+):  # whether it was logged (False: already seen)
+    return self.log_once(logging.WARNING, message, *args, **kw)
+@patch
+def error_once(
+    self: LazyLogger,
+    message,  # the message, %-formatted with `args`
+    *args,  # values for the message's placeholders
+    **kw,  # passed to `logging.Logger.log`
+):  # whether it was logged (False: already seen)
+    return self.log_once(logging.ERROR, message, *args, **kw)
+
+
+LazyLogger.warn_once = LazyLogger.warning_once  # eformer's spelling
+
+# %% ../nbs/01_loggings.ipynb #72c91b68
 _LOGGERS: dict[str, LazyLogger] = {}
 _LOGGERS_LOCK = threading.Lock()
 
 
-def get_logger(name: str, level: int | str | None = None, stream: tp.TextIO | None = None) -> LazyLogger:
+def get_logger(
+    name: str,  # the logger's name, usually `__name__`
+    level: int | str | None = None,  # a level to set (None: keep the current one, or the default)
+    stream: tp.TextIO | None = None,  # a new stream to write to (the logger is rebuilt on next use)
+) -> LazyLogger:  # the one `LazyLogger` for `name`
     "The `LazyLogger` for `name` (one per name); `level`/`stream` apply when given."
     with _LOGGERS_LOCK:
         lg = _LOGGERS.get(name)
@@ -201,8 +326,9 @@ def get_logger(name: str, level: int | str | None = None, stream: tp.TextIO | No
         lg.setLevel(level)
     return lg
 
-# %% ../nbs/01_loggings.ipynb #4026fb1a
+# %% ../nbs/01_loggings.ipynb #f28ca041
 def _is_interactive(stream) -> bool:
+    "True in a Jupyter kernel or when `stream` is a terminal."
     if "ipykernel" in sys.modules and "IPython" in sys.modules:
         from IPython import get_ipython
         ip = get_ipython()
@@ -214,9 +340,18 @@ def _is_interactive(stream) -> bool:
 class ProgressLogger:
     "A `tqdm.auto` bar on process 0 in a terminal/notebook; quiet elsewhere, with one summary line in non-TTY logs."
 
-    def __init__(self, name: str | int | None = "Progress", logger_instance: LazyLogger | None = None, *,
-                 total: int | None = None, desc: str = "", unit: str = "it",
-                 logger: LazyLogger | None = None, stream: tp.TextIO | None = None, enabled: bool | None = None):
+    def __init__(
+        self,
+        name: str | int | None = "Progress",  # eformer's name (used as `desc`); an int here is the older `total`
+        logger_instance: LazyLogger | None = None,  # eformer's logger argument (same as `logger`)
+        *,
+        total: int | None = None,  # the number of steps, if known
+        desc: str = "",  # the bar's description and the summary's label
+        unit: str = "it",  # what one step is called
+        logger: LazyLogger | None = None,  # where the summary line goes (default the `eformer_nb.progress` logger)
+        stream: tp.TextIO | None = None,  # where the bar is drawn (default `sys.stderr`)
+        enabled: bool | None = None,  # force the bar on/off; None: on in a terminal or notebook on process 0
+    ):
         if isinstance(name, int) and not isinstance(name, bool) and total is None:  # the older (total, desc) order
             total, name = name, None
             if isinstance(logger_instance, str):
@@ -225,70 +360,87 @@ class ProgressLogger:
         logger = logger or logger_instance
         if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 0):
             raise ValueError(f"total={total!r} must be a non-negative int or None")
-        self.total, self.desc, self.unit = total, desc, unit
-        self.n = 0
+        self.total, self.desc, self.unit, self.n = total, desc, unit, 0
         self.logger = logger or get_logger("eformer_nb.progress")
         self._stream = stream or sys.stderr
-        self._start = time.perf_counter()
-        self._closed = False
+        self._start, self._closed, self._bar = time.perf_counter(), False, None
         main = process_index() == 0
         self.show_bar = main and (_is_interactive(self._stream) if enabled is None else bool(enabled))
         self.summarize = main and not self.show_bar and enabled is None
-        self._bar = None
         if self.show_bar:
             from tqdm.auto import tqdm
             self._bar = tqdm(total=total, desc=desc, unit=unit, file=self._stream, dynamic_ncols=True)
 
-    def update(self, current: int = 1, total: int | None = None, message: str = "", bar_width: int = 20,
-               show_eta: bool = True, extra_info: str = "", **postfix) -> None:
-        """Advance by `current`; keyword arguments are shown beside the bar (e.g. `loss=0.3`).
-
-        eformer's form, with `total`: `current` is the absolute position out of `total`; `message` becomes
-        the description, `extra_info` is shown beside the bar, `bar_width`/`show_eta` shape the bar."""
-        if self._closed:
-            raise RuntimeError(f"ProgressLogger({self.desc!r}) is closed; create a new one")
-        n = current
-        if total is not None:
-            n = current - self.n
-            self.total = total
-            if self._bar is not None:
-                self._bar.total = total
-                self._bar.bar_format = ("{l_bar}{bar:%d}{r_bar}" % bar_width if show_eta
-                                        else "{l_bar}{bar:%d}| {n_fmt}/{total_fmt} [{elapsed}]" % bar_width)
-                if message:
-                    self._bar.set_description(message, refresh=False)
-                if extra_info:
-                    self._bar.set_postfix_str(extra_info, refresh=False)
+# %% ../nbs/01_loggings.ipynb #6e2db31b
+@patch
+def update(
+    self: ProgressLogger,
+    current: int = 1,  # steps done since the last call; with `total`, the absolute position (eformer's form)
+    total: int | None = None,  # eformer's form: the new total, and `current` is absolute
+    message: str = "",  # eformer's form: the new description
+    bar_width: int = 20,  # eformer's form: the bar's width in characters
+    show_eta: bool = True,  # eformer's form: show the remaining time
+    extra_info: str = "",  # eformer's form: text shown beside the bar
+    **postfix,  # values shown beside the bar (e.g. `loss=0.3`)
+) -> None:
+    "Advance the bar by `current` steps (or to position `current` of `total`)."
+    if self._closed:
+        raise RuntimeError(f"ProgressLogger({self.desc!r}) is closed; create a new one")
+    n = current
+    if total is not None:
+        n = current - self.n
+        self.total = total
+        if self._bar is not None:
+            self._bar.total = total
+            self._bar.bar_format = ("{l_bar}{bar:%d}{r_bar}" % bar_width if show_eta
+                                    else "{l_bar}{bar:%d}| {n_fmt}/{total_fmt} [{elapsed}]" % bar_width)
             if message:
-                self.desc = message
-        self.n += n
-        if self._bar is not None:
-            self._bar.update(n)
-            if postfix:
-                self._bar.set_postfix(postfix, refresh=False)
+                self._bar.set_description(message, refresh=False)
+            if extra_info:
+                self._bar.set_postfix_str(extra_info, refresh=False)
+        if message:
+            self.desc = message
+    self.n += n
+    if self._bar is not None:
+        self._bar.update(n)
+        if postfix:
+            self._bar.set_postfix(postfix, refresh=False)
 
-    @property
-    def elapsed(self) -> float: return time.perf_counter() - self._start
-
-    def close(self) -> None:
-        "Finish: close the bar, or log the summary line in a non-TTY log."
-        if self._closed:
-            return
-        self._closed = True
-        if self._bar is not None:
-            self._bar.close()
-        elif self.summarize:
-            total = f"/{self.total}" if self.total is not None else ""
-            rate = self.n / self.elapsed if self.elapsed > 0 else float("inf")
-            self.logger.info("%s: %d%s %s in %.2fs (%.1f %s/s)", self.desc or "progress", self.n, total,
-                             self.unit, self.elapsed, rate, self.unit)
-
-    def __enter__(self) -> ProgressLogger: return self
-    def __exit__(self, *exc) -> None: self.close()
+# %% ../nbs/01_loggings.ipynb #ecce9528
+@patch(as_prop=True)
+def elapsed(self: ProgressLogger) -> float:
+    "Seconds since the bar was created."
+    return time.perf_counter() - self._start
 
 
-def progress(iterable: tp.Iterable, desc: str = "", total: int | None = None, **kw) -> tp.Iterator:
-    "Iterate `iterable` with a `ProgressLogger` (total taken from `len()` when it has one)."
+@patch
+def close(self: ProgressLogger) -> None:
+    "Finish: close the bar, or log the summary line in a non-TTY log (once; later calls do nothing)."
+    if self._closed:
+        return
+    self._closed = True
+    if self._bar is not None:
+        self._bar.close()
+    elif self.summarize:
+        total = f"/{self.total}" if self.total is not None else ""
+        rate = self.n / self.elapsed if self.elapsed > 0 else float("inf")
+        self.logger.info("%s: %d%s %s in %.2fs (%.1f %s/s)", self.desc or "progress", self.n, total,
+                         self.unit, self.elapsed, rate, self.unit)
+
+
+@patch
+def __enter__(self: ProgressLogger) -> ProgressLogger: return self
+@patch
+def __exit__(self: ProgressLogger, *exc) -> None: self.close()
+
+# %% ../nbs/01_loggings.ipynb #51b0fdc0
+def progress(
+    iterable: tp.Iterable,  # what to iterate over
+    desc: str = "",  # the bar's description
+    total: int | None = None,  # the number of items (default `len(iterable)` when it has one)
+    **kw,  # more `ProgressLogger` options (`unit`, `logger`, `stream`, `enabled`)
+) -> tp.Iterator:  # the items of `iterable`, in order
+    "Iterate `iterable` with a `ProgressLogger`."
     if total is None and hasattr(iterable, "__len__"):
         total = len(iterable)
     with ProgressLogger(total=total, desc=desc, **kw) as bar:
@@ -296,14 +448,19 @@ def progress(iterable: tp.Iterable, desc: str = "", total: int | None = None, **
             yield item
             bar.update()
 
-# %% ../nbs/01_loggings.ipynb #b0f12fcb
-def _clear_once_cache(self) -> None:
+# %% ../nbs/01_loggings.ipynb #9e3ebad5
+@patch
+def clear_once_cache(self: LazyLogger) -> None:
     "Forget the `*_once` messages already logged, so each logs once more."
     with self._lock:
         self._seen.clear()
 
 
-def _update_simple(self, message: str) -> None:
+@patch
+def update_simple(
+    self: ProgressLogger,
+    message: str,  # the new description
+) -> None:
     "Show `message` as the bar's description (or log it when there is no bar)."
     self.desc = message
     if self._bar is not None:
@@ -312,33 +469,42 @@ def _update_simple(self, message: str) -> None:
         self.logger.info("%s", message)
 
 
-def _complete(self, message: str | None = None, show_time: bool = True) -> None:
-    "Close the bar and log `message` (with the elapsed time when `show_time`)."
+@patch
+def complete(
+    self: ProgressLogger,
+    message: str | None = None,  # logged after closing (None: nothing)
+    show_time: bool = True,  # add the elapsed time to `message`
+) -> None:
+    "Close the bar and log `message`."
     self.close()
     if message is not None and process_index() == 0:
         self.logger.info("%s (%.2fs)" % (message, self.elapsed) if show_time else "%s" % message)
 
-
-LazyLogger.clear_once_cache = _clear_once_cache
-ProgressLogger.update_simple = _update_simple
-ProgressLogger.complete = _complete
-
-# %% ../nbs/01_loggings.ipynb #94da25de
-def ignite_profiler(profile_path: str, enable_perfetto: bool = False) -> None:
-    "Start a JAX profiler trace into `profile_path` (a Perfetto trace file too with `enable_perfetto`)."
+# %% ../nbs/01_loggings.ipynb #838f73c1
+def ignite_profiler(
+    profile_path: str,  # the directory the trace is written to
+    enable_perfetto: bool = False,  # also write a Perfetto trace file
+) -> None:
+    "Start a JAX profiler trace into `profile_path`."
     import jax  # here, not at module import: importing `loggings` stays free of JAX
     jax.profiler.start_trace(str(profile_path), create_perfetto_trace=bool(enable_perfetto))
 
 
-def extinguish_profiler(enable_perfetto: bool) -> None:
-    "Stop the trace `ignite_profiler` started (`enable_perfetto` as given to it; the trace files are written now)."
+def extinguish_profiler(
+    enable_perfetto: bool,  # as given to `ignite_profiler` (kept for eformer's signature)
+) -> None:
+    "Stop the trace `ignite_profiler` started; the trace files are written now."
     import jax
     jax.profiler.stop_trace()
 
 
-def create_step_profiler(profile_path: str, start_step: int, duration_steps: int, enable_perfetto: bool
-                         ) -> tp.Callable[[int], None]:
-    "A function `on_step(step)` for a training loop: tracing starts at `start_step` and stops after `duration_steps` steps."
+def create_step_profiler(
+    profile_path: str,  # the directory the trace is written to
+    start_step: int,  # the step at which tracing starts (>= 0)
+    duration_steps: int,  # how many steps are traced (>= 1)
+    enable_perfetto: bool,  # also write a Perfetto trace file
+) -> tp.Callable[[int], None]:  # `on_step(step)`, to call once per training step
+    "A function for a training loop that traces steps `start_step` to `start_step + duration_steps - 1`."
     for name, v, lo in (("start_step", start_step, 0), ("duration_steps", duration_steps, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")

@@ -28,8 +28,12 @@ from pathlib import Path
 import pytest
 
 MEMORY_LIMIT = 4 << 30  # bytes of address space per target process (JAX on CPU peaks at ~1.6 GB of it here)
-WALL_LIMIT = 120  # seconds per target process: a hang fails the test instead of stalling CI
-DEADLINE_MS = 2000  # hypothesis' per-example deadline
+# seconds per group process: a hang fails the test instead of stalling CI (120 s was exceeded by healthy runs at
+# load 35-40 on 2 cores: the config group's five targets took ~80 s of work there)
+WALL_LIMIT = 300
+# hypothesis' per-example deadline: catches pathological slowness, not machine load (a 1419-deep YAML list takes
+# ~0.9 s at load 28 on 2 cores; 2 s failed there)
+DEADLINE_MS = 5000
 MESSAGE_LIMIT = 4000  # characters an error message may have beyond twice the input's size
 
 
@@ -56,7 +60,9 @@ class Outcomes:
             assert msg.strip(), f"{type(e).__name__} with an empty message"
             assert len(msg) <= 2 * size + MESSAGE_LIMIT, f"{type(e).__name__} message of {len(msg)} characters"
             if names:
-                assert any(n in msg for n in names), f"{type(e).__name__}: {msg[:500]!r} names none of {list(names)[:5]}"
+                assert any(n in msg for n in names), (
+                    f"{type(e).__name__}: {msg[:500]!r} names none of {list(names)[:5]}"
+                )
             self.kinds[type(e).__name__] += 1
             return None
         self.kinds["ok"] += 1
@@ -70,9 +76,14 @@ class Outcomes:
 
 def _settings(max_examples: int, deadline_ms: int = DEADLINE_MS):
     from hypothesis import HealthCheck, settings
-    return settings(max_examples=max_examples, derandomize=True, database=None, print_blob=True,
-                    deadline=datetime.timedelta(milliseconds=deadline_ms),
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
+    return settings(
+        max_examples=max_examples,
+        derandomize=True,
+        database=None,
+        print_blob=True,
+        deadline=datetime.timedelta(milliseconds=deadline_ms),
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -123,18 +134,32 @@ def _json_values(st):
     leaves = (st.none() | st.booleans() | st.integers() | st.integers(min_value=2**62, max_value=2**70)
               | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8)
               | st.sampled_from(["1e-3", "12", "nan", "inf", "true", "bf16", "f32", "", "1_000", "0x10"]))
-    return st.recursive(leaves, lambda kids: st.lists(kids, max_size=4)
-                        | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=6) | st.integers(0, 3), kids, max_size=4),
-                        max_leaves=12)
+    return st.recursive(
+        leaves,
+        lambda kids: (
+            st.lists(kids, max_size=4)
+            | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=6) | st.integers(0, 3), kids, max_size=4)
+        ),
+        max_leaves=12,
+    )
 
 
 def _config_dicts(st):
     "Dicts that are mostly valid configs, with a junk value, key or type mixed in now and then."
     junk = _json_values(st)
-    good = {"steps": st.integers(-5, 10**6), "lr": st.floats(1e-8, 1.0), "name": st.text(max_size=5),
-            "compile": st.booleans(), "seed": st.none() | st.integers(0, 99), "layers": st.lists(st.integers(0, 9), max_size=3),
-            "ratios": st.tuples(st.floats(0, 1), st.floats(0, 1)).map(list), "tags": st.dictionaries(st.text(max_size=3), st.integers(0, 9), max_size=2),
-            "model": st.fixed_dictionaries({}, optional={"hidden": st.integers(1, 64), "dtype": st.sampled_from(["bf16", "f32"])})}
+    good = {
+        "steps": st.integers(-5, 10**6),
+        "lr": st.floats(1e-8, 1.0),
+        "name": st.text(max_size=5),
+        "compile": st.booleans(),
+        "seed": st.none() | st.integers(0, 99),
+        "layers": st.lists(st.integers(0, 9), max_size=3),
+        "ratios": st.tuples(st.floats(0, 1), st.floats(0, 1)).map(list),
+        "tags": st.dictionaries(st.text(max_size=3), st.integers(0, 9), max_size=2),
+        "model": st.fixed_dictionaries(
+            {}, optional={"hidden": st.integers(1, 64), "dtype": st.sampled_from(["bf16", "f32"])}
+        ),
+    }
     valid = st.fixed_dictionaries({}, optional={k: v | junk if k in ("lr", "model") else v for k, v in good.items()})
     mixed = st.fixed_dictionaries({}, optional={k: v | junk for k, v in good.items()})
     return valid | mixed
@@ -207,9 +232,36 @@ def fuzz_aparser_cli(target_dir: Path, n: int) -> Outcomes:
 
 
 def _yaml_text(st):
-    scalar = st.sampled_from(["1", "1e-3", "1.0e-3", ".nan", ".inf", "-.inf", "true", "~", "bf16", "'12'", "[1, 2]",
-                              "{a: 1}", "1" + "0" * 400, "0x1F", "[", "]", "{", ":", "&a [1, 1]", "*a", "*b", "!!python/name:os.system",
-                              "!!binary aGk=", "|", "- 1", '"\\x00"'])
+    scalar = st.sampled_from(
+        [
+            "1",
+            "1e-3",
+            "1.0e-3",
+            ".nan",
+            ".inf",
+            "-.inf",
+            "true",
+            "~",
+            "bf16",
+            "'12'",
+            "[1, 2]",
+            "{a: 1}",
+            "1" + "0" * 400,
+            "0x1F",
+            "[",
+            "]",
+            "{",
+            ":",
+            "&a [1, 1]",
+            "*a",
+            "*b",
+            "!!python/name:os.system",
+            "!!binary aGk=",
+            "|",
+            "- 1",
+            '"\\x00"',
+        ]
+    )
     key = st.sampled_from(FIELDS + ["1", "null", "? x", "<<", "a b", "steps"])
     line = st.tuples(st.integers(0, 2), key, scalar).map(lambda t: "  " * t[0] + f"{t[1]}: {t[2]}")
     bomb = st.integers(2, 9).map(lambda k: "x0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + "".join(
@@ -235,8 +287,15 @@ def fuzz_aparser_files(target_dir: Path, n: int) -> Outcomes:
         if mode == 2:  # a (mostly) valid config, dumped as YAML
             yaml_text, junk = yaml.safe_dump(cfg), b""
         if as_json:
-            text = (json.dumps(cfg, allow_nan=True) if mode == 3 else json.dumps({"layers": value, "lr": value}, allow_nan=True)) \
-                if not junk else junk.decode("latin-1")
+            text = (
+                (
+                    json.dumps(cfg, allow_nan=True)
+                    if mode == 3
+                    else json.dumps({"layers": value, "lr": value}, allow_nan=True)
+                )
+                if not junk
+                else junk.decode("latin-1")
+            )
             j.write_text(text, encoding="utf-8")
             o.check(lambda: parser.parse_json_file(j), allowed, names=[str(j), "Run"], size=len(text), on_ok=_check_run)
         else:
@@ -267,7 +326,13 @@ def fuzz_policy(target_dir: Path, n: int) -> Outcomes:
     @_settings(n)
     @given(policy | st.none() | st.integers())
     def run(s):
-        o.check(lambda: get_policy(s), (ValueError, TypeError), names=["policy", "dtype"], size=min(len(repr(s)), 1000), on_ok=ok)
+        o.check(
+            lambda: get_policy(s),
+            (ValueError, TypeError),
+            names=["policy", "dtype"],
+            size=min(len(repr(s)), 1000),
+            on_ok=ok,
+        )
 
     run()
     return o
@@ -279,27 +344,33 @@ def fuzz_mesh(target_dir: Path, n: int) -> Outcomes:
     o = Outcomes()
     token = st.sampled_from(["dp", "tp", "fsdp", "sp", "ep", ":", ",", "-1", "2", "4", "0", " ", "x", "99999999999",
                              "1e3", "dp:2", "tp:-1", ":4"])
-    item = st.tuples(st.sampled_from(["dp", "tp", "fsdp", "sp", "ep", "x1", "1a", ""]), st.integers(-2, 16)).map(lambda t: f"{t[0]}:{t[1]}")
-    well_formed = st.lists(item, min_size=1, max_size=4).map(",".join) | st.lists(st.integers(-1, 8), min_size=1, max_size=3).map(
-        lambda ds: ",".join(map(str, ds)))
+    item = st.tuples(st.sampled_from(["dp", "tp", "fsdp", "sp", "ep", "x1", "1a", ""]), st.integers(-2, 16)).map(
+        lambda t: f"{t[0]}:{t[1]}"
+    )
+    well_formed = st.lists(item, min_size=1, max_size=4).map(",".join) | st.lists(
+        st.integers(-1, 8), min_size=1, max_size=3
+    ).map(lambda ds: ",".join(map(str, ds)))
     spec = well_formed | st.lists(token, max_size=8).map("".join) | st.text(max_size=16)
 
     def ok(out):
         dims, names = out
         assert len(dims) == len(names) and len(set(names)) == len(names) and all(type(d) is int for d in dims)
-        o.check(lambda: resolve_axis_dims(dims, names, 8), (ValueError, TypeError), names=["axis", "devices", "-1", "dims"])
+        o.check(
+            lambda: resolve_axis_dims(dims, names, 8), (ValueError, TypeError), names=["axis", "devices", "-1", "dims"]
+        )
 
     @_settings(n)
     @given(spec, st.none() | st.lists(st.sampled_from(["dp", "tp", "sp", "", "dp"]), max_size=4))
     def run(s, names):
-        o.check(lambda: parse_mesh_spec(s, names), (ValueError, TypeError), names=[repr(s), "names"], size=len(s), on_ok=ok)
+        o.check(
+            lambda: parse_mesh_spec(s, names), (ValueError, TypeError), names=[repr(s), "names"], size=len(s), on_ok=ok
+        )
 
     run()
     return o
 
 
 def fuzz_msgpack(target_dir: Path, n: int) -> Outcomes:
-    import struct
     import zlib
     import msgpack
     import numpy as np
@@ -311,15 +382,32 @@ def fuzz_msgpack(target_dir: Path, n: int) -> Outcomes:
     def with_header(header: bytes, data: bytes = b"") -> bytes:
         "A payload whose prefix and header checksum are right, so the header itself is what is parsed."
         pad = b"\0" * ser._pad(ser.PREFIX_SIZE + len(header))
-        prefix = ser._PREFIX.pack(ser.MAGIC, ser.FORMAT_VERSION, len(header), len(data), zlib.crc32(data), ser._FLAG_DATA_CRC)
+        prefix = ser._PREFIX.pack(
+            ser.MAGIC, ser.FORMAT_VERSION, len(header), len(data), zlib.crc32(data), ser._FLAG_DATA_CRC
+        )
         return prefix + ser._HCRC.pack(zlib.crc32(header, zlib.crc32(prefix))) + header + pad + data
 
-    leaf = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=4) | st.binary(max_size=4) \
+    leaf = (
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**70), 2**70)
+        | st.floats()
+        | st.text(max_size=4)
+        | st.binary(max_size=4)
         | st.builds(msgpack.ExtType, st.integers(0, 8), st.binary(max_size=12))
-    tree = st.recursive(leaf, lambda k: st.lists(k, max_size=3) | st.dictionaries(st.text(max_size=3) | st.integers(), k, max_size=3),
-                        max_leaves=10)
-    entry = st.lists(st.sampled_from(["float32", "int8", "bfloat16", "nope"]) | st.integers() | st.lists(st.integers(-1, 10**12), max_size=3),
-                     min_size=0, max_size=5)
+    )
+    tree = st.recursive(
+        leaf,
+        lambda k: st.lists(k, max_size=3) | st.dictionaries(st.text(max_size=3) | st.integers(), k, max_size=3),
+        max_leaves=10,
+    )
+    entry = st.lists(
+        st.sampled_from(["float32", "int8", "bfloat16", "nope"])
+        | st.integers()
+        | st.lists(st.integers(-1, 10**12), max_size=3),
+        min_size=0,
+        max_size=5,
+    )
     header = st.builds(lambda arrays, t: {"arrays": arrays, "tree": t}, st.lists(entry, max_size=3), tree) | tree
 
     def payload(kind, blob, at, head, data):
@@ -332,10 +420,14 @@ def fuzz_msgpack(target_dir: Path, n: int) -> Outcomes:
         return with_header(msgpack.packb(head, use_bin_type=True, strict_types=False), data)
 
     def ok(out):
-        assert out is None or isinstance(out, (dict, list, tuple, int, float, str, bytes, bool, np.ndarray, np.generic, complex))
+        assert out is None or isinstance(
+            out, (dict, list, tuple, int, float, str, bytes, bool, np.ndarray, np.generic, complex)
+        )
 
     @_settings(n)
-    @given(st.integers(0, 3), st.binary(max_size=64), st.integers(0, 10**6), header, st.binary(max_size=96), st.booleans())
+    @given(
+        st.integers(0, 3), st.binary(max_size=64), st.integers(0, 10**6), header, st.binary(max_size=96), st.booleans()
+    )
     def run(kind, blob, at, head, data, verify):
         try:
             p = payload(kind, blob, at, head, data)
@@ -362,7 +454,11 @@ def fuzz_files(target_dir: Path, n: int) -> Outcomes:
 
     def npy_bytes(kind, shape, descr, blob, at):
         if kind == 0:  # a header written by hand: any shape, dtype string and order against 48 data bytes
-            h = "{'descr': %r, 'fortran_order': %s, 'shape': %r, }" % (descr, "True" if at % 2 else "False", tuple(shape))
+            h = "{'descr': %r, 'fortran_order': %s, 'shape': %r, }" % (
+                descr,
+                "True" if at % 2 else "False",
+                tuple(shape),
+            )
             h = h.ljust(118) + "\n"
             return b"\x93NUMPY\x01\x00" + len(h).to_bytes(2, "little") + h.encode("latin-1") + good[128:]
         if kind == 1:
@@ -375,8 +471,16 @@ def fuzz_files(target_dir: Path, n: int) -> Outcomes:
         assert a.size * a.dtype.itemsize <= 48
 
     @_settings(n)
-    @given(st.integers(0, 3), st.lists(st.integers(-2, 2**40), max_size=4), st.sampled_from(["<f4", "<i2", "|u1", "|O", "<f8", "x", "|V4", "<U1", "|b1"]),
-           st.binary(max_size=64), st.integers(0, 10**6), _json_values(st), st.text(max_size=30), st.booleans())
+    @given(
+        st.integers(0, 3),
+        st.lists(st.integers(-2, 2**40), max_size=4),
+        st.sampled_from(["<f4", "<i2", "|u1", "|O", "<f8", "x", "|V4", "<U1", "|b1"]),
+        st.binary(max_size=64),
+        st.integers(0, 10**6),
+        _json_values(st),
+        st.text(max_size=30),
+        st.booleans(),
+    )
     def run(kind, shape, descr, blob, at, value, text, which):
         npy.write_bytes(npy_bytes(kind, shape, descr, blob, at))
         o.check(lambda: load_jax_array(npy), (ValueError,), names=[str(npy)], size=0, on_ok=ok_arr)
@@ -423,10 +527,15 @@ def fuzz_quantization(target_dir: Path, n: int) -> Outcomes:
         return ok
 
     @_settings(n, deadline_ms=20_000)  # the first call of each shape compiles
-    @given(st.sampled_from(fmts), st.sampled_from([(4, 8), (3, 7), (2, 0), ()]),
-           st.sampled_from(["float32", "bfloat16", "int32"]),
-           st.none() | st.sampled_from([8, 64, 128, 3, 0, -8, 1 << 30, 2**63]),
-           st.lists(st.sampled_from(specials), max_size=3), st.integers(0, 2**32 - 1), st.sampled_from(["raise", "keep", "zero"]))
+    @given(
+        st.sampled_from(fmts),
+        st.sampled_from([(4, 8), (3, 7), (2, 0), ()]),
+        st.sampled_from(["float32", "bfloat16", "int32"]),
+        st.none() | st.sampled_from([8, 64, 128, 3, 0, -8, 1 << 30, 2**63]),
+        st.lists(st.sampled_from(specials), max_size=3),
+        st.integers(0, 2**32 - 1),
+        st.sampled_from(["raise", "keep", "zero"]),
+    )
     def run(fmt, shape, dtype, block, special, seed, nonfinite):
         x = np.random.default_rng(seed).normal(size=shape).astype(np.float32)
         for i, v in enumerate(special):
@@ -484,7 +593,12 @@ def _snapshot(root: Path, skip: Path) -> dict[str, tuple]:
         if p == skip or skip in p.parents:
             continue
         st = p.lstat()
-        out[str(p.relative_to(root))] = (st.st_mode, st.st_size, st.st_mtime_ns, p.read_bytes() if p.is_file() else None)
+        out[str(p.relative_to(root))] = (
+            st.st_mode,
+            st.st_size,
+            st.st_mtime_ns,
+            p.read_bytes() if p.is_file() else None,
+        )
     return out
 
 

@@ -6,11 +6,12 @@
 from __future__ import annotations
 
 from eformer_nb.pytree.dataclasses import (
-    FrozenPyTree, PyTree, PyTreeFields, auto_pytree, field, is_pytree_dataclass, pytree_fields, xTree,
+    MAX_PRINT_LENGTH, FrozenPyTree, PyTree, PyTreeFields, auto_pytree, field, is_pytree_dataclass, pytree_fields, xTree,
 )
 from eformer_nb.pytree.serialization import (
-    ALIGN, DTYPES, FORMAT_VERSION, MAGIC, PREFIX_SIZE, dtype_from_tag, dtype_to_tag, from_bytes, from_state_dict, load_from_file,
-    msgpack_restore, msgpack_serialize, register_serialization_state, save_to_file, to_bytes, to_state_dict,
+    ALIGN, DTYPES, FORMAT_VERSION, MAGIC, PREFIX_SIZE, dtype_from_tag, dtype_to_tag, from_bytes, from_state_dict,
+    load_from_file, msgpack_restore, msgpack_serialize, register_serialization_state, save_to_file, to_bytes,
+    to_state_dict,
 )
 from eformer_nb.pytree.tree_util import (
     TreeDifference, empty_node, flatten_dict, flatten_tree, key_entry_name, named_tree_map, tree_add, tree_apply,
@@ -21,9 +22,10 @@ from eformer_nb.pytree.tree_util import (
 )
 
 _all_ = [  # nbdev puts these in `__all__`, so `from eformer_nb.pytree import *` works too
-    "FrozenPyTree", "PyTree", "PyTreeFields", "auto_pytree", "field", "is_pytree_dataclass", "pytree_fields", "xTree",
+    "FrozenPyTree", "PyTree", "PyTreeFields", "auto_pytree", "field", "is_pytree_dataclass", "xTree",
+    "register_serialization_state", "pytree_fields", "MAX_PRINT_LENGTH",
     "ALIGN", "DTYPES", "FORMAT_VERSION", "MAGIC", "PREFIX_SIZE", "dtype_from_tag", "dtype_to_tag", "from_bytes",
-    "from_state_dict", "load_from_file", "msgpack_restore", "msgpack_serialize", "register_serialization_state",
+    "from_state_dict", "load_from_file", "msgpack_restore", "msgpack_serialize",
     "save_to_file", "to_bytes", "to_state_dict",
     "TreeDifference", "empty_node", "flatten_dict", "flatten_tree", "key_entry_name", "named_tree_map", "tree_add",
     "tree_apply", "tree_bytes", "tree_cast", "tree_combine", "tree_concatenate", "tree_diff", "tree_divide", "tree_dot",
@@ -34,25 +36,25 @@ _all_ = [  # nbdev puts these in `__all__`, so `from eformer_nb.pytree import *`
 ]
 
 # %% auto #0
-__all__ = ['FrozenPyTree', 'PyTree', 'PyTreeFields', 'auto_pytree', 'field', 'is_pytree_dataclass', 'pytree_fields', 'xTree',
-           'ALIGN', 'DTYPES', 'FORMAT_VERSION', 'MAGIC', 'PREFIX_SIZE', 'dtype_from_tag', 'dtype_to_tag', 'from_bytes',
-           'from_state_dict', 'load_from_file', 'msgpack_restore', 'msgpack_serialize', 'register_serialization_state',
-           'save_to_file', 'to_bytes', 'to_state_dict', 'TreeDifference', 'empty_node', 'flatten_dict', 'flatten_tree',
-           'key_entry_name', 'named_tree_map', 'tree_add', 'tree_apply', 'tree_bytes', 'tree_cast', 'tree_combine',
-           'tree_concatenate', 'tree_diff', 'tree_divide', 'tree_dot', 'tree_equal', 'tree_filter', 'tree_mask',
-           'tree_multiply', 'tree_norm', 'tree_ones_like', 'tree_partition', 'tree_path_to_string', 'tree_scale',
-           'tree_size', 'tree_stack', 'tree_subtract', 'tree_unstack', 'tree_zeros_like', 'unflatten_dict', 'is_array',
-           'is_array_like', 'tree_clip', 'tree_max', 'tree_mean', 'tree_min', 'tree_sum', 'tree_where', 'serialization',
-           'dataclass', 'compress_bytes', 'decompress_bytes', 'to_compressed_bytes', 'from_compressed_bytes',
-           'current_path', 'validate_serializable', 'is_serializable', 'get_serialization_info', 'tree_abs', 'tree_exp',
-           'tree_log', 'tree_sqrt', 'tree_sign', 'tree_reciprocal', 'tree_isfinite', 'tree_isnan', 'tree_isinf',
-           'tree_round', 'tree_replace_nans', 'tree_replace_infs', 'tree_all', 'tree_any', 'tree_reduce',
-           'tree_expand_dims', 'tree_squeeze', 'tree_reshape', 'tree_transpose', 'tree_structure_equal',
-           'tree_random_like', 'key_path_to_str', 'tree_flatten_with_paths', 'tree_leaves_with_paths',
-           'tree_map_with_path', 'tree_flatten_one_level_with_keys', 'leaf_key_paths', 'flatten_mapping',
-           'unflatten_mapping', 'flatten_to_sequence', 'is_flatten', 'is_iterable', 'int_key_to_string',
-           'string_key_to_int', 'recursive_merge', 'split', 'merge', 'deepcopy_tree', 'pack_pytree', 'unpack_pytree',
-           'specs_to_name_sharding']
+__all__ = ['FrozenPyTree', 'PyTree', 'PyTreeFields', 'auto_pytree', 'field', 'is_pytree_dataclass', 'xTree',
+           'register_serialization_state', 'pytree_fields', 'MAX_PRINT_LENGTH', 'ALIGN', 'DTYPES', 'FORMAT_VERSION',
+           'MAGIC', 'PREFIX_SIZE', 'dtype_from_tag', 'dtype_to_tag', 'from_bytes', 'from_state_dict', 'load_from_file',
+           'msgpack_restore', 'msgpack_serialize', 'save_to_file', 'to_bytes', 'to_state_dict', 'TreeDifference',
+           'empty_node', 'flatten_dict', 'flatten_tree', 'key_entry_name', 'named_tree_map', 'tree_add', 'tree_apply',
+           'tree_bytes', 'tree_cast', 'tree_combine', 'tree_concatenate', 'tree_diff', 'tree_divide', 'tree_dot',
+           'tree_equal', 'tree_filter', 'tree_mask', 'tree_multiply', 'tree_norm', 'tree_ones_like', 'tree_partition',
+           'tree_path_to_string', 'tree_scale', 'tree_size', 'tree_stack', 'tree_subtract', 'tree_unstack',
+           'tree_zeros_like', 'unflatten_dict', 'is_array', 'is_array_like', 'tree_clip', 'tree_max', 'tree_mean',
+           'tree_min', 'tree_sum', 'tree_where', 'serialization', 'dataclass', 'compress_bytes', 'decompress_bytes',
+           'to_compressed_bytes', 'from_compressed_bytes', 'current_path', 'validate_serializable', 'is_serializable',
+           'get_serialization_info', 'tree_abs', 'tree_exp', 'tree_log', 'tree_sqrt', 'tree_sign', 'tree_reciprocal',
+           'tree_isfinite', 'tree_isnan', 'tree_isinf', 'tree_round', 'tree_replace_nans', 'tree_replace_infs',
+           'tree_all', 'tree_any', 'tree_reduce', 'tree_expand_dims', 'tree_squeeze', 'tree_reshape', 'tree_transpose',
+           'tree_structure_equal', 'tree_random_like', 'key_path_to_str', 'tree_flatten_with_paths',
+           'tree_leaves_with_paths', 'tree_map_with_path', 'tree_flatten_one_level_with_keys', 'leaf_key_paths',
+           'flatten_mapping', 'unflatten_mapping', 'flatten_to_sequence', 'is_flatten', 'is_iterable',
+           'int_key_to_string', 'string_key_to_int', 'recursive_merge', 'split', 'merge', 'deepcopy_tree',
+           'pack_pytree', 'unpack_pytree', 'specs_to_name_sharding']
 
 # %% ../../nbs/03d_pytree.ipynb #9ef1f5f5
 from . import serialization
