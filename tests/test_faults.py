@@ -85,10 +85,8 @@ def check_old_file_loads(kind: str, path) -> None:
         assert load_from_file(path)["step"] == 1
 
 
-NOT_ATOMIC = pytest.mark.xfail(strict=True, reason="LocalPath.write_bytes/write_text write in place (ePath.open('wb'));"
-                               " only save_dict/save_jax_array/atomic_write_local/save_to_file are atomic (issue 17)")
 KINDS = ["atomic_write_local", "save_dict_json", "save_dict_msgpack", "save_jax_array", "save_to_file",
-         pytest.param("write_bytes", marks=NOT_ATOMIC), pytest.param("write_text", marks=NOT_ATOMIC)]
+         "write_bytes", "write_text"]
 SUFFIX = {"save_dict_json": ".json", "save_dict_msgpack": ".msgpack", "save_jax_array": ".npy",
           "save_to_file": ".msgpack"}
 
