@@ -253,6 +253,7 @@ def _check_after_kill(root: Path) -> str | None:
 SIGKILL_TRIALS = 20
 
 
+@pytest.mark.timeout(600)  # ~40 s on an idle 2-core machine; 20 JAX start-ups take minutes on a loaded one
 def test_sigkill_loop(tmp_path):
     """SIGKILL a process that saves (and deletes) checkpoints in a loop, at seeded random moments: every listed
     checkpoint stays whole. A failing trial is recorded and its directory reset, so the count of failing trials is

@@ -55,16 +55,16 @@ class _EformerAsyncAPI:
 @patch
 def save_tree(
     self: _EformerAsyncAPI,
-    tree: tp.Any,
-    path: str | ePath,
-    mesh: tp.Any = None,
-    gather_fns: tp.Any = None,
-    float_dtype: tp.Any = None,
-    metadata: Mapping | None = None,
-    callback: Callable | None = None,
-    prefix: str | None = None,
-    do_all_gather: bool = False,
-    cpu_offload: bool = False,
+    tree: tp.Any,  # the tree to save
+    path: str | ePath,  # the checkpoint or tree directory
+    mesh: tp.Any = None,  # mesh for partition rules / PartitionSpecs
+    gather_fns: tp.Any = None,  # a tree of functions applied to each leaf first
+    float_dtype: tp.Any = None,  # cast floating arrays
+    metadata: Mapping | None = None,  # user metadata for metadata.json
+    callback: Callable | None = None,  # called after the commit (save) / callback(leaf, key) (load)
+    prefix: str | None = None,  # the tree's prefix
+    do_all_gather: bool = False,  # must stay False
+    cpu_offload: bool = False,  # unused: the host copy always happens
 ) -> ePath | None:
     "Start saving `tree` at `path`; `callback(path)` runs after the commit."
     if gather_fns is not None:
@@ -86,18 +86,18 @@ def save_tree(
 @patch
 def load(
     self: _EformerAsyncAPI,
-    path: str | ePath,
-    mesh: tp.Any = None,
-    shardings: tp.Any = None,
-    mismatch_allowed: bool = True,
-    callback: Callable | None = None,
-    partition_rules: tp.Any = None,
-    dtype: tp.Any = None,
-    validate: bool | None = None,
-    prefix_filter: str | None = None,
-    prefix: str | None = None,
-    use_async: bool = True,
-    chunk_size: int | None = None,
+    path: str | ePath,  # the checkpoint or tree directory
+    mesh: tp.Any = None,  # mesh for partition rules / PartitionSpecs
+    shardings: tp.Any = None,  # see `tree_deserialize_leaves`
+    mismatch_allowed: bool = True,  # False: shardings must name every leaf
+    callback: Callable | None = None,  # called after the commit (save) / callback(leaf, key) (load)
+    partition_rules: tp.Any = None,  # see `tree_deserialize_leaves`
+    dtype: tp.Any = None,  # cast floating arrays
+    validate: bool | None = None,  # check every array against index.json first
+    prefix_filter: str | None = None,  # keep only the leaves under this key prefix
+    prefix: str | None = None,  # the tree's prefix
+    use_async: bool = True,  # unused: reads are synchronous
+    chunk_size: int | None = None,  # array leaves read at a time
 ) -> tp.Any:
     """Restore the tree at `path` (or of step `path` when an int); `prefix_filter` keeps leaves whose key path
     starts with it."""
@@ -128,13 +128,13 @@ def load(
 @patch
 def load_tree_parallel(
     self: _EformerAsyncAPI,
-    path: str | ePath,
-    shardings: tp.Any = None,
-    mismatch_allowed: bool = True,
-    callback: Callable | None = None,
-    dtype: tp.Any = None,
-    validate: bool | None = None,
-    prefix_filter: str | None = None,
+    path: str | ePath,  # the checkpoint or tree directory
+    shardings: tp.Any = None,  # see `tree_deserialize_leaves`
+    mismatch_allowed: bool = True,  # False: shardings must name every leaf
+    callback: Callable | None = None,  # called after the commit (save) / callback(leaf, key) (load)
+    dtype: tp.Any = None,  # cast floating arrays
+    validate: bool | None = None,  # check every array against index.json first
+    prefix_filter: str | None = None,  # keep only the leaves under this key prefix
 ) -> tp.Any:
     "`load` without a mesh (every array is read concurrently anyway)."
     return self.load(path, None, shardings, mismatch_allowed, callback, None, dtype, validate, prefix_filter)

@@ -42,11 +42,11 @@ class LlamaConfig(EasyDeLBaseConfig):
         mlp_bias: bool = False,  # biases on the MLP projections
         pretraining_tp: int = 1,  # kept for compatibility (transformers' tensor-parallel hint)
         rope_parameters: dict | None = None,  # transformers >= 5: rope_theta and the scaling in one dict
-        bos_token_id: int | None = 1,
-        eos_token_id: int | list[int] | None = 2,
-        pad_token_id: int | None = None,
-        tie_word_embeddings: bool = False,
-        **kwargs,
+        bos_token_id: int | None = 1,  # begin-of-sequence id
+        eos_token_id: int | list[int] | None = 2,  # end-of-sequence id (or ids)
+        pad_token_id: int | None = None,  # padding id (None: none)
+        tie_word_embeddings: bool = False,  # the LM head reuses the embedding
+        **kwargs,  # more fields (`EasyDeLBaseConfig`)
     ):
         self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
         self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads

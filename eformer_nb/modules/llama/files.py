@@ -300,21 +300,21 @@ def _upload_folder(
 
 # %% ../../../nbs/12e_modules.llama.files.ipynb #baef787a
 def push_to_hub(
-    model,
-    repo_id: str,
-    use_temp_dir: bool | None = None,
-    commit_message: str | None = None,
-    private: bool | None = None,
-    token=None,
-    create_pr: bool = False,
-    gather_fns=None,
-    float_dtype=None,
-    verbose: bool = True,
-    mismatch_allowed: bool = True,
-    revision: str | None = None,
-    commit_description: str | None = None,
-    max_shard_size: int | str = "5GB",
-    endpoint: str | None = None,
+    model,  # the model
+    repo_id: str,  # the Hugging Face repo
+    use_temp_dir: bool | None = None,  # unused (transformers' argument)
+    commit_message: str | None = None,  # the upload's commit message
+    private: bool | None = None,  # create the repo private
+    token=None,  # Hugging Face token
+    create_pr: bool = False,  # open a pull request
+    gather_fns=None,  # a tree of functions applied to each parameter first
+    float_dtype=None,  # cast floating parameters
+    verbose: bool = True,  # log what is done
+    mismatch_allowed: bool = True,  # False: gather_fns must name every parameter
+    revision: str | None = None,  # the branch to upload to
+    commit_description: str | None = None,  # the upload's longer description
+    max_shard_size: int | str = "5GB",  # largest safetensors file, e.g. '5GB'
+    endpoint: str | None = None,  # the Hub's URL (None: the default)
 ) -> str:
     "Save `model` to a temporary folder and upload it to the Hub repository `repo_id` (at `endpoint`, default the Hub)."
     if not isinstance(repo_id, str) or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", repo_id):

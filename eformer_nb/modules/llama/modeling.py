@@ -36,8 +36,18 @@ def _normal(key, shape, std, dtype):
 class Linear(nnx.Module):
     "`y = x @ kernel (+ bias) (+ scale * x @ lora_a @ lora_b)`; the kernel may be a quantized implicit array."
 
-    def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False, std: float = 0.02,
-                 dtype=jnp.float32, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        in_features: int,  # input width
+        out_features: int,  # output width
+        *,
+        use_bias: bool = False,  # add a bias
+        std: float = 0.02,  # standard deviation of the initial weights
+        dtype=jnp.float32,  # compute dtype of activations
+        param_dtype=jnp.float32,  # storage dtype of parameters
+        precision=None,  # `jax.lax.Precision` of the matmuls
+        rngs: nnx.Rngs,  # initialisation randomness
+    ):
         self.in_features, self.out_features = in_features, out_features
         self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
         self.kernel = nnx.Param(_normal(rngs.params(), (in_features, out_features), std, param_dtype))
@@ -67,8 +77,16 @@ class Linear(nnx.Module):
 class Embed(nnx.Module):
     "Token embedding `(vocab, hidden)`; `attend` is its transpose, the tied LM head."
 
-    def __init__(self, num_embeddings: int, features: int, *, std: float = 0.02, dtype=jnp.float32,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        num_embeddings: int,  # vocabulary size
+        features: int,  # embedding width
+        *,
+        std: float = 0.02,  # standard deviation of the initial weights
+        dtype=jnp.float32,  # compute dtype of activations
+        param_dtype=jnp.float32,  # storage dtype of parameters
+        rngs: nnx.Rngs,  # initialisation randomness
+    ):
         self.dtype = dtype
         self.embedding = nnx.Param(_normal(rngs.params(), (num_embeddings, features), std, param_dtype))
 
@@ -86,7 +104,14 @@ class Embed(nnx.Module):
 class RMSNorm(nnx.Module):
     "`x / sqrt(mean(x**2) + eps) * weight`, computed in float32 and cast back to `dtype`."
 
-    def __init__(self, dim: int, eps: float = 1e-6, *, dtype=jnp.float32, param_dtype=jnp.float32):
+    def __init__(
+        self,
+        dim: int,  # width normalised
+        eps: float = 1e-6,  # added to the mean square
+        *,
+        dtype=jnp.float32,  # compute dtype of activations
+        param_dtype=jnp.float32,  # storage dtype of parameters
+    ):
         self.eps, self.dtype = eps, dtype
         self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
 
@@ -205,8 +230,15 @@ def _shard(config, x, preset):
 class LlamaAttention(nnx.Module):
     "Grouped-query self-attention with rotary embeddings; reads and writes a layer's KV cache when given one."
 
-    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, precision=None,
-                 rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: LlamaConfig,  # the model's `LlamaConfig`
+        *,
+        dtype=jnp.float32,  # compute dtype of activations
+        param_dtype=jnp.float32,  # storage dtype of parameters
+        precision=None,  # `jax.lax.Precision` of the matmuls
+        rngs: nnx.Rngs,  # initialisation randomness
+    ):
         self.config, self.dtype = config, dtype
         c, kw = config, dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs,
                              use_bias=config.attention_bias, std=config.initializer_range)
@@ -236,7 +268,7 @@ class LlamaAttention(nnx.Module):
         out = grouped_attention(q, k, v, mask, self.dtype)
         return self.o_proj(out), layer_cache
 
-# %% ../../../nbs/12b_modules.llama.modeling.ipynb #30495f04
+# %% ../../../nbs/12b_modules.llama.modeling.ipynb
 _ACT = {
     "silu": jax.nn.silu,
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -250,7 +282,13 @@ class LlamaMLP(nnx.Module):
     "SwiGLU: `down(act(gate(x)) * up(x))`."
 
     def __init__(
-        self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs
+        self,
+        config: LlamaConfig,  # the model's `LlamaConfig`
+        *,
+        dtype=jnp.float32,  # compute dtype of activations
+        param_dtype=jnp.float32,  # storage dtype of parameters
+        precision=None,  # `jax.lax.Precision` of the matmuls
+        rngs: nnx.Rngs,  # initialisation randomness
     ):
         kw = dict(
             dtype=dtype,
@@ -269,11 +307,18 @@ class LlamaMLP(nnx.Module):
         return self.down_proj(_ACT[self.act](self.gate_proj(x)) * self.up_proj(x))
 
 
+# %% ../../../nbs/12b_modules.llama.modeling.ipynb
 class LlamaDecoderLayer(nnx.Module):
     "Pre-norm residual block: attention, then the MLP."
 
     def __init__(
-        self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, precision=None, rngs: nnx.Rngs
+        self,
+        config: LlamaConfig,  # the model's `LlamaConfig`
+        *,
+        dtype=jnp.float32,  # compute dtype of activations
+        param_dtype=jnp.float32,  # storage dtype of parameters
+        precision=None,  # `jax.lax.Precision` of the matmuls
+        rngs: nnx.Rngs,  # initialisation randomness
     ):
         kw = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
         self.config = config
@@ -291,6 +336,7 @@ class LlamaDecoderLayer(nnx.Module):
         h = _shard(self.config, h + attn, HiddenStateSharding)
         h = _shard(self.config, h + self.mlp(self.post_attention_layernorm(h)), HiddenStateSharding)
         return h, layer_cache
+
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #9c08c611
 def _check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids, segment_ids, cache):
@@ -334,8 +380,15 @@ def _check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids
 class LlamaModel(nnx.Module):
     "The Llama decoder stack: embeddings, `num_hidden_layers` decoder layers, the final RMSNorm."
 
-    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, precision=None,
-                 rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: LlamaConfig,  # the model's `LlamaConfig`
+        *,
+        dtype=jnp.float32,  # compute dtype of activations
+        param_dtype=jnp.float32,  # storage dtype of parameters
+        precision=None,  # `jax.lax.Precision` of the matmuls
+        rngs: nnx.Rngs,  # initialisation randomness
+    ):
         self.config, self.dtype = config, dtype
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, std=config.initializer_range, dtype=dtype,
                                   param_dtype=param_dtype, rngs=rngs)
