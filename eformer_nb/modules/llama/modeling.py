@@ -268,7 +268,7 @@ class LlamaAttention(nnx.Module):
         out = grouped_attention(q, k, v, mask, self.dtype)
         return self.o_proj(out), layer_cache
 
-# %% ../../../nbs/12b_modules.llama.modeling.ipynb
+# %% ../../../nbs/12b_modules.llama.modeling.ipynb #887e9b67
 _ACT = {
     "silu": jax.nn.silu,
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -307,7 +307,7 @@ class LlamaMLP(nnx.Module):
         return self.down_proj(_ACT[self.act](self.gate_proj(x)) * self.up_proj(x))
 
 
-# %% ../../../nbs/12b_modules.llama.modeling.ipynb
+# %% ../../../nbs/12b_modules.llama.modeling.ipynb #93932923
 class LlamaDecoderLayer(nnx.Module):
     "Pre-norm residual block: attention, then the MLP."
 
