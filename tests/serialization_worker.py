@@ -3,10 +3,11 @@
 `multiprocess PORT PID DIR`: one of two JAX processes (4 host CPU devices each) on 127.0.0.1: together they save one
 sharded array as a step checkpoint and restore it onto another sharding; each checks the shards it holds.
 `crashloop DIR`: saves step checkpoints 1, 2, 3, ... forever (the test SIGKILLs it); prints "ready" after the first.
+`fsize DIR LIMIT`: under RLIMIT_FSIZE=LIMIT bytes (SIGXFSZ ignored, so a write past it fails with EFBIG) tries to save
+step 2 and to re-save step 1 under DIR; prints a JSON object step -> "saved" or the error raised.
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import numpy as np
@@ -15,8 +16,8 @@ import numpy as np
 def expected(step: int) -> dict:
     "The deterministic content of the crash-loop checkpoint of `step`."
     rng = np.random.default_rng(step)
-    return {"a": rng.standard_normal((256, 256)).astype(np.float32), "b": rng.integers(0, 2**31, (128, 512), dtype=np.int64),
-            "step": step}
+    return {"a": rng.standard_normal((256, 256)).astype(np.float32),
+            "b": rng.integers(0, 2**31, (128, 512), dtype=np.int64), "step": step}
 
 
 def multiprocess(port: int, pid: int, root: str) -> None:
@@ -91,11 +92,35 @@ def crashloop(root: str) -> None:
         print("ready", step, flush=True)
 
 
+def fsize(root: str, limit: int) -> None:
+    import json
+    import resource
+    import signal
+
+    import tensorstore  # noqa: F401  (imported before the limit: nothing but the checkpoint's files is written after it)
+
+    from eformer_nb.serialization import CheckpointManager
+
+    mgr = CheckpointManager(root, clean=False)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    out = {}
+    for step in (2, 1):  # a new step, then the committed one again
+        try:
+            mgr.save(expected(step), step)
+            out[step] = "saved"
+        except (OSError, ValueError) as e:  # reported, and the parent test asserts on it
+            out[step] = f"{type(e).__name__}: {e}"
+    print(json.dumps(out), flush=True)
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "multiprocess":
         multiprocess(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
     elif mode == "crashloop":
         crashloop(sys.argv[2])
+    elif mode == "fsize":
+        fsize(sys.argv[2], int(sys.argv[3]))
     else:
-        sys.exit(f"unknown mode {mode!r}; expected multiprocess or crashloop")
+        sys.exit(f"unknown mode {mode!r}; expected multiprocess, crashloop or fsize")
