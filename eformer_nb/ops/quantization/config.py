@@ -20,7 +20,8 @@ from ...jaximus import ImplicitArray, materialize, register
 # %% auto #0
 __all__ = ['GRANULARITIES', 'NONFINITE_MODES', 'BLOCK_MULTIPLE', 'SMALL_ROW_BLOCK', 'QuantizationType', 'QuantizationConfig',
            'check_float_input', 'split_nonfinite', 'restore_nonfinite', 'check_block_size', 'pad_last',
-           'QuantizedArray', 'kernels_module', 'dot_out_dtype', 'plain_matmul_kind']
+           'QuantizedArray', 'kernels_module', 'dot_out_dtype', 'plain_matmul_kind', 'jaxpr_equations',
+           'check_matmul_program']
 
 # %% ../../../nbs/06a_ops.quantization.config.ipynb #d9500117
 class QuantizationType(str, enum.Enum):
@@ -235,3 +236,50 @@ def plain_matmul_kind(lhs, rhs, dimension_numbers) -> str | None:
     if not jnp.issubdtype(lhs.dtype, jnp.floating):
         return None
     return {(0,): "nn", (1,): "nt"}.get(tuple(rc))
+
+# %% ../../../nbs/06a_ops.quantization.config.ipynb #cfe0efe6
+def jaxpr_equations(
+    jaxpr: tp.Any,  # a `ClosedJaxpr` (as `jax.make_jaxpr` returns) or a `Jaxpr`
+) -> list:  # every equation, depth first
+    "The equations of `jaxpr` and of every jaxpr nested in their parameters (jit, custom_vjp, cond, scan, pallas_call...)."
+    from jax.extend import core as jcore
+
+    out, todo = [], [jaxpr]
+    while todo:
+        j = todo.pop()
+        for eqn in getattr(j, "jaxpr", j).eqns:
+            out.append(eqn)
+            for p in eqn.params.values():
+                todo += [s for s in (p if isinstance(p, (tuple, list)) else (p,)) if isinstance(s, (jcore.Jaxpr, jcore.ClosedJaxpr))]
+    return out
+
+
+def check_matmul_program(
+    w: QuantizedArray,  # a 2-D quantized weight (K, N), K != N
+    m: int,  # rows of the input `x` (M, K): 1 for a GEMV, more for a GEMM; not K or N
+    fused: tp.Sequence[str],  # names of the fused path: primitives ("pallas_call") or jitted functions
+) -> dict[str, int]:  # {"forward": n, "backward": n}: the fused calls found in each program
+    """Trace `x @ w` under `implicit` and its gradient w.r.t. `x`; raise `AssertionError` if a float array of the dense
+    shape `(K, N)` (or `(N, K)`) appears anywhere in either program, or if a program calls none of `fused`."""
+    from eformer_nb.jaximus import implicit
+
+    k, n = w.shape
+    if m in (k, n) or k == n:
+        raise ValueError(f"use K != N and m not in (K, N) so that only the weight has its shape; got K={k}, N={n}, m={m}")
+    x = jnp.ones((m, k), w.dtype)
+    mm = implicit(lambda x, w: x @ w)
+    programs = {"forward": jax.make_jaxpr(mm)(x, w),
+                "backward": jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(mm(x, w))))(x, w)}
+    found = {}
+    for name, jaxpr in programs.items():
+        eqns = jaxpr_equations(jaxpr)
+        for e in eqns:
+            for v in e.outvars:
+                if tuple(v.aval.shape) in ((k, n), (n, k)) and jnp.issubdtype(v.aval.dtype, jnp.floating):
+                    raise AssertionError(f"the {name} program of x @ w (M={m}) builds a {v.aval.str_short()} array, "
+                                         f"the dense weight's shape, in `{e.primitive.name}`")
+        found[name] = sum(e.primitive.name in fused or e.params.get("name") in fused for e in eqns)
+        if not found[name]:
+            raise AssertionError(f"the {name} program of x @ w (M={m}) calls none of the fused paths {list(fused)}; "
+                                 f"it calls {sorted({e.primitive.name for e in eqns})}")
+    return found

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from ...jaximus import aux_field, implicit, register
 from .config import (QuantizedArray, check_float_input, dot_out_dtype, kernels_module,
@@ -95,7 +96,9 @@ class Array8B(QuantizedArray):
                    dtype=jnp.dtype(x.dtype if dtype is None else dtype), nonfinite=keep)
 
 # %% ../../../nbs/06c_ops.quantization.int8.ipynb #5aa0f372
-def _scale_grad(dw: jax.Array, q: jax.Array) -> jax.Array:
+def _scale_grad(x, g, q: jax.Array) -> jax.Array:
+    "Cotangent of the per-channel scale (N,) for `y = x @ (q * scale)`: the dense `xᵀ g` (K, N) times `q`, summed over K."
+    dw = jnp.dot(x.T.astype(jnp.float32), g.astype(jnp.float32))
     return jnp.sum(dw * q.astype(jnp.float32), axis=0)
 
 
@@ -106,17 +109,19 @@ def int8_matmul(x, q, scale):
 
 
 def _mm_fwd(x, q, scale):
-    return int8_matmul(x, q, scale), (x, q, scale)
+    # keep x only when the scale is differentiated: then (and only then) the backward builds the dense `xᵀ g`
+    return int8_matmul(x.value, q.value, scale.value), (x.value if scale.perturbed else None, q.value, scale.value)
 
 
 def _mm_bwd(res, g):
     x, q, scale = res
-    dx = kernels_module().int8_matmul_t(g, q, scale).astype(x.dtype)
-    dw = jnp.dot(x.T.astype(jnp.float32), g.astype(jnp.float32))  # dead code unless scale's gradient is used
-    return dx, None, _scale_grad(dw, q)
+    if isinstance(g, SymbolicZero):
+        return None, None, None
+    dx = kernels_module().int8_matmul_t(g, q, scale)
+    return dx, None, None if x is None else _scale_grad(x, g, q)
 
 
-int8_matmul.defvjp(_mm_fwd, _mm_bwd)
+int8_matmul.defvjp(_mm_fwd, _mm_bwd, symbolic_zeros=True)
 
 
 @jax.custom_vjp
@@ -126,19 +131,20 @@ def int8_matmul_t(g, q, scale):
 
 
 def _mmt_fwd(g, q, scale):
-    return int8_matmul_t(g, q, scale), (g, q, scale)
+    return int8_matmul_t(g.value, q.value, scale.value), (g.value if scale.perturbed else None, q.value, scale.value)
 
 
 def _mmt_bwd(res, ct):
     g, q, scale = res
-    dg = kernels_module().int8_matmul(ct, q, scale).astype(g.dtype)
-    dw = jnp.dot(ct.T.astype(jnp.float32), g.astype(jnp.float32))
-    return dg, None, _scale_grad(dw, q)
+    if isinstance(ct, SymbolicZero):
+        return None, None, None
+    dg = kernels_module().int8_matmul(ct, q, scale)
+    return dg, None, None if g is None else _scale_grad(ct, g, q)
 
 
-int8_matmul_t.defvjp(_mmt_fwd, _mmt_bwd)
+int8_matmul_t.defvjp(_mmt_fwd, _mmt_bwd, symbolic_zeros=True)
 
-
+# %% ../../../nbs/06c_ops.quantization.int8.ipynb #de79cce6
 @register(lax.dot_general_p)
 def _int8_dot_general(lhs: jax.Array, rhs: Array8B, *, dimension_numbers, **params):
     if rhs.block_size is not None or rhs.ndim < 2 or rhs.nonfinite is not None:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import jax
@@ -13,26 +14,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...loggings import get_logger
+from .nf4 import NF4_CODEBOOK, nf4_decode, nf4_encode, nf4_pack, nf4_unpack
 
 logger = get_logger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'NF4_CODEBOOK', 'DEFAULT_BLOCK_SIZE', 'BACKENDS', 'BACKEND_ENV_VAR', 'GEMV_MAX_ROWS', 'VARIANTS',
-           'set_default_backend', 'default_backend', 'nf4_unpack_codes', 'nf4_dequantize', 'Tiles', 'default_tiles',
-           'nf4_matmul_pallas', 'nf4_matmul_t_pallas', 'int8_matmul_pallas', 'int8_matmul_t_pallas', 'nf4_matmul',
-           'nf4_matmul_t', 'int8_matmul', 'int8_matmul_t']
+__all__ = ['logger', 'DEFAULT_BLOCK_SIZE', 'BACKENDS', 'BACKEND_ENV_VAR', 'GEMV_MAX_ROWS', 'VARIANTS', 'set_default_backend',
+           'default_backend', 'nf4_unpack_codes', 'nf4_dequantize', 'Tiles', 'default_tiles', 'nf4_matmul_pallas',
+           'nf4_matmul_t_pallas', 'int8_matmul_pallas', 'int8_matmul_t_pallas', 'nf4_matmul', 'nf4_matmul_t',
+           'int8_matmul', 'int8_matmul_t', 'NF4_CODEBOOK']
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #80f76e04
-NF4_CODEBOOK = np.array(
-    [
-        -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-        -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-        0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-        0.44070982933044434, 0.5626170039176941, 0.7229568362236572, 1.0,
-    ],
-    dtype=np.float32,
-)  # code -> value, the QLoRA / bitsandbytes NF4 table
-NF4_CODEBOOK.setflags(write=False)
+_all_ = ["NF4_CODEBOOK"]  # re-exported from `ops.quantization.nf4`, the one home of the NF4 codec
 DEFAULT_BLOCK_SIZE = 64  # NF4 values per absmax scale along the last axis of W
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #033a01f8
@@ -122,37 +115,30 @@ def _dot_nt(a, b):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #fdc55297
-def nf4_unpack_codes(packed: jax.Array) -> jax.Array:
-    "The 4-bit codes of `packed` (K, Np//2) as uint8 (K, Np): high nibble first, as bitsandbytes."
-    hi = packed >> 4
-    lo = packed & 0xF
-    return jnp.stack([hi, lo], axis=-1).reshape(packed.shape[0], packed.shape[1] * 2)
+def nf4_unpack_codes(
+    packed: jax.Array,  # uint8 (K, Np // 2), two codes per byte
+) -> jax.Array:  # uint8 (K, Np)
+    "The 4-bit codes of `packed` (K, Np//2) as uint8 (K, Np): high nibble first, as bitsandbytes (`nf4.nf4_unpack`)."
+    return nf4_unpack(packed)
 
 
-def nf4_dequantize(packed: jax.Array, absmax: jax.Array, *, block_size: int = DEFAULT_BLOCK_SIZE,
-                   n: int | None = None, dtype=jnp.float32) -> jax.Array:
-    "Dense `W` (K, n) in `dtype` from NF4 `packed` (K, Np//2) and `absmax` (K, Np//block_size)."
-    K, Np = packed.shape[0], packed.shape[1] * 2
-    n = Np if n is None else n
-    codes = nf4_unpack_codes(packed)
-    vals = jnp.asarray(NF4_CODEBOOK)[codes].reshape(K, Np // block_size, block_size)
-    w = (vals * absmax[:, :, None].astype(jnp.float32)).reshape(K, Np)
-    return w[:, :n].astype(dtype)
+def nf4_dequantize(
+    packed: jax.Array,  # uint8 (K, Np // 2)
+    absmax: jax.Array,  # (K, Np // block_size), the scale of each block
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,  # NF4 values per absmax
+    n: int | None = None,  # true number of columns (None: Np)
+    dtype=jnp.float32,  # dtype of the result
+) -> jax.Array:  # dense W (K, n)
+    "Dense `W` (K, n) in `dtype` from NF4 `packed` (K, Np//2) and `absmax` (K, Np//block_size): `nf4.nf4_decode`."
+    n = packed.shape[1] * 2 if n is None else n
+    return nf4_decode(packed, absmax.astype(jnp.float32), block_size, n, dtype)
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #675dc40f
 def _nf4_quantize_ref(w: np.ndarray, block_size: int = DEFAULT_BLOCK_SIZE):
-    "numpy NF4 quantizer (test helper): returns (packed, absmax, n) in the layout above."
-    w = np.asarray(w, np.float32)
-    K, n = w.shape
-    Np = -(-n // block_size) * block_size
-    wp = np.zeros((K, Np), np.float32)
-    wp[:, :n] = w
-    blocks = wp.reshape(K, Np // block_size, block_size)
-    absmax = np.abs(blocks).max(-1)
-    normed = blocks / np.where(absmax == 0, 1, absmax)[..., None]
-    codes = np.abs(normed[..., None] - NF4_CODEBOOK).argmin(-1).astype(np.uint8).reshape(K, Np)
-    packed = (codes[:, 0::2] << 4) | codes[:, 1::2]
-    return packed.astype(np.uint8), absmax.astype(np.float32), n
+    "NF4 operands for tests, from the real codec (`nf4.nf4_encode`): returns numpy (packed, absmax) and n."
+    codes, absmax = nf4_encode(jnp.asarray(w, jnp.float32), block_size)
+    return np.asarray(nf4_pack(codes)), np.asarray(absmax), np.shape(w)[-1]
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #299866c3
 GEMV_MAX_ROWS = 64  # up to this many rows the XLA path streams W in K-chunks instead of materializing it
@@ -174,7 +160,8 @@ def _k_chunk(K: int, Np: int) -> int:
     best = max((d for d in range(1, min(K, target) + 1) if K % d == 0), default=1)
     return best if best >= min(K, 16) else 0
 
-
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #4c129f1e
+@functools.partial(jax.jit, static_argnums=(3, 4))  # a named call: the fused path is visible in a jaxpr
 def _nf4_matmul_xla(x, packed, absmax, block_size: int, n: int):
     M, K, hn = x.shape[0], packed.shape[0], packed.shape[1]
     kc = _k_chunk(K, 2 * hn)
@@ -194,6 +181,7 @@ def _nf4_matmul_xla(x, packed, absmax, block_size: int, n: int):
     return jnp.stack([even, odd], axis=-1).reshape(M, 2 * hn)[:, :n].astype(x.dtype)
 
 
+@functools.partial(jax.jit, static_argnums=(3, 4))
 def _nf4_matmul_t_xla(g, packed, absmax, block_size: int, n: int):
     M, K, hn = g.shape[0], packed.shape[0], packed.shape[1]
     kc = _k_chunk(K, 2 * hn)
@@ -212,7 +200,8 @@ def _nf4_matmul_t_xla(g, packed, absmax, block_size: int, n: int):
     _, ys = jax.lax.scan(step, None, (packed.reshape(steps, kc, hn), absmax.reshape(steps, kc, -1)))
     return ys.transpose(1, 0, 2).reshape(M, K).astype(g.dtype)
 
-
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #e39630c0
+@jax.jit
 def _int8_matmul_xla(x, q, scale):
     M, K, N = x.shape[0], *q.shape
     kc = _k_chunk(K, N)
@@ -226,6 +215,7 @@ def _int8_matmul_xla(x, q, scale):
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
+@jax.jit
 def _int8_matmul_t_xla(g, q, scale):
     M, K, N = g.shape[0], *q.shape
     gs = (g.astype(jnp.float32) * scale.astype(jnp.float32)).astype(g.dtype)
@@ -506,7 +496,7 @@ def int8_matmul_pallas(x, q, scale, *, variant: str | None = None, tiles: Tiles 
                        out_shape=jax.ShapeDtypeStruct((Mp, N), out_dtype), **opts)(xp, q, s2)
     return y[:M].astype(x.dtype)
 
-
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #f3a8a9b3
 def int8_matmul_t_pallas(g, q, scale, *, variant: str | None = None, tiles: Tiles | None = None,
                          interpret: bool | None = None):
     "`g @ (q * scale)ᵀ` with the Pallas kernel: `(g * scale) @ qᵀ`; `bn` is the contracted chunk of N, `bk` the output tile."

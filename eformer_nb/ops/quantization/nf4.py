@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from ...jaximus import aux_field, implicit, register
 from .config import QuantizedArray, check_float_input, dot_out_dtype, kernels_module, pad_last, plain_matmul_kind
@@ -274,12 +275,17 @@ class ArrayNF4(QuantizedArray):
         return cls(nf4_pack(codes), absmax, **kw)
 
 # %% ../../../nbs/06b_ops.quantization.nf4.ipynb #c55c8f7d
-def _nf4_absmax_grad(dw: jax.Array, packed: jax.Array, block_size: int) -> jax.Array:
-    "Cotangent of absmax from the cotangent `dw` (K, n) of the dense weight."
+def _nf4_absmax_grad(x, g, packed: jax.Array, block_size: int) -> jax.Array:
+    "Cotangent of absmax (K, Np // block_size) for `y = x @ W`: the dense `xᵀ g` (K, n) times the codebook values, per block."
+    dw = pad_last(jnp.dot(x.T.astype(jnp.float32), g.astype(jnp.float32)), block_size)
     vals = jnp.asarray(NF4_CODEBOOK)[nf4_unpack(packed)]
-    dw = pad_last(dw.astype(jnp.float32), block_size)
     k, np_ = vals.shape
     return jnp.sum((dw * vals).reshape(k, np_ // block_size, block_size), axis=-1)
+
+
+def _perturbed(*args):
+    "Values of `custom_vjp` primals (`symbolic_zeros=True`) and whether the last one (the scales) is differentiated."
+    return [a.value for a in args], args[-1].perturbed
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -289,19 +295,22 @@ def nf4_matmul(x, packed, absmax, block_size: int, n: int):
 
 
 def _mm_fwd(x, packed, absmax, block_size, n):
-    return nf4_matmul(x, packed, absmax, block_size, n), (x, packed, absmax)
+    (x, packed, absmax), scales = _perturbed(x, packed, absmax)
+    # keep x only when absmax is differentiated: then (and only then) the backward builds the dense `xᵀ g`
+    return nf4_matmul(x, packed, absmax, block_size, n), (x if scales else None, packed, absmax)
 
 
 def _mm_bwd(block_size, n, res, g):
     x, packed, absmax = res
-    dx = kernels_module().nf4_matmul_t(g, packed, absmax, block_size=block_size, n=n).astype(x.dtype)
-    dw = jnp.dot(x.T.astype(jnp.float32), g.astype(jnp.float32))  # dead code unless absmax's gradient is used
-    return dx, None, _nf4_absmax_grad(dw, packed, block_size)
+    if isinstance(g, SymbolicZero):
+        return None, None, None
+    dx = kernels_module().nf4_matmul_t(g, packed, absmax, block_size=block_size, n=n)
+    return dx, None, None if x is None else _nf4_absmax_grad(x, g, packed, block_size)
 
 
-nf4_matmul.defvjp(_mm_fwd, _mm_bwd)
+nf4_matmul.defvjp(_mm_fwd, _mm_bwd, symbolic_zeros=True)
 
-
+# %% ../../../nbs/06b_ops.quantization.nf4.ipynb #f98fc33f
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def nf4_matmul_t(g, packed, absmax, block_size: int, n: int):
     "`g @ Wᵀ` for 2-D `g` (M, n) and NF4 `W` (K, n) through `kernels.nf4_matmul_t`, differentiable in `g` and `absmax`."
@@ -309,19 +318,21 @@ def nf4_matmul_t(g, packed, absmax, block_size: int, n: int):
 
 
 def _mmt_fwd(g, packed, absmax, block_size, n):
-    return nf4_matmul_t(g, packed, absmax, block_size, n), (g, packed, absmax)
+    (g, packed, absmax), scales = _perturbed(g, packed, absmax)
+    return nf4_matmul_t(g, packed, absmax, block_size, n), (g if scales else None, packed, absmax)
 
 
 def _mmt_bwd(block_size, n, res, ct):
     g, packed, absmax = res
-    dg = kernels_module().nf4_matmul(ct, packed, absmax, block_size=block_size, n=n).astype(g.dtype)
-    dw = jnp.dot(ct.T.astype(jnp.float32), g.astype(jnp.float32))  # (K, n)
-    return dg, None, _nf4_absmax_grad(dw, packed, block_size)
+    if isinstance(ct, SymbolicZero):
+        return None, None, None
+    dg = kernels_module().nf4_matmul(ct, packed, absmax, block_size=block_size, n=n)
+    return dg, None, None if g is None else _nf4_absmax_grad(ct, g, packed, block_size)
 
 
-nf4_matmul_t.defvjp(_mmt_fwd, _mmt_bwd)
+nf4_matmul_t.defvjp(_mmt_fwd, _mmt_bwd, symbolic_zeros=True)
 
-
+# %% ../../../nbs/06b_ops.quantization.nf4.ipynb #0f3d278b
 @register(lax.dot_general_p)
 def _nf4_dot_general(lhs: jax.Array, rhs: ArrayNF4, *, dimension_numbers, **params):
     kind = plain_matmul_kind(lhs, rhs, dimension_numbers)
