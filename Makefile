@@ -10,7 +10,7 @@ NBDEV_TEST_FLAGS ?= multidevice
 NBDEV_WORKERS ?= 2
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: help install test lint check-sync check-notebooks check-readme nbtest pytest docs readme bench demo clean
+.PHONY: help install test lint check-sync check-notebooks check-readme nbtest pytest docs readme bench demo mutate clean
 
 help:
 	@echo "make install  - create $(VENV) and install eformer-nb with its dev extras"
@@ -19,6 +19,7 @@ help:
 	@echo "make docs     - build the docs site (Quarto when installed, otherwise an offline HTML preview in _docs/)"
 	@echo "make readme   - regenerate README.md from nbs/index.ipynb"
 	@echo "make bench    - run the benchmark notebooks in nbs/benchmarks/ and save their outputs"
+	@echo "make mutate   - apply each mutation in tests/mutations/*.yaml in a scratch copy; fails if one survives (MUTATE_ARGS=\"-j 2 --only NAME\")"
 	@echo "make demo     - QLoRA fine-tuning through a local Ray cluster: checkpoint, SIGKILL, bit-identical resume, sample"
 
 install: $(STAMP)
@@ -67,8 +68,12 @@ bench: install
 	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/nbdev-test nbs/benchmarks --flags "bench multidevice hf" --n-workers 0 --save --timing
 	$(BIN)/nbdev-clean
 
+# Not part of `make test` (one notebook/test run per mutation). Report: _mutate/report.md.
+mutate: install
+	$(BIN)/python .ci/mutate.py --bin $(BIN) $(MUTATE_ARGS)
+
 demo: install
 	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python -m eformer_nb.demo --mesh dp:2,fsdp:2,tp:2 $(DEMO_ARGS)
 
 clean:
-	rm -rf _proc _docs build dist *.egg-info .pytest_cache
+	rm -rf _proc _docs _mutate build dist *.egg-info .pytest_cache

@@ -5,18 +5,20 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
+import signal
 import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from eformer_nb.paths import (FsspecPath, GCSPath, LocalPath, PathStat, ePath, is_remote_path, load_dict, load_jax_array,
-                              make_gcs_filesystem, path_protocol, save_dict, save_jax_array)
+from eformer_nb.paths import (FsspecPath, GCSPath, LocalPath, PathStat, ePath, is_remote_path, load_dict,
+                              load_jax_array, make_gcs_filesystem, path_protocol, save_dict, save_jax_array)
 from gcs_emulator import GCSEmulator
 
 pytestmark = pytest.mark.timeout(300)
@@ -41,10 +43,13 @@ def make_tree(root) -> None:
     (root / "empty").mkdir()
 
 
-def test_kinds(any_root):
+def test_kinds(any_root, request):
+    local = request.node.callspec.params["any_root"] == "local"  # the fixture's own parameter, not the class's answer
     assert isinstance(any_root, ePath)
-    assert isinstance(any_root, GCSPath if is_remote_path(any_root) else LocalPath)
-    assert path_protocol(any_root) in ("file", "gs")
+    assert type(any_root) is (LocalPath if local else GCSPath)
+    assert is_remote_path(any_root) is (not local)
+    assert path_protocol(any_root) == ("file" if local else "gs")
+    assert str(any_root).startswith("/" if local else "gs://")
     assert ePath(str(any_root)) == any_root
     assert hash(ePath(str(any_root))) == hash(any_root)
 
@@ -79,7 +84,7 @@ def test_text_bytes_open_stat(any_root):
     assert f.is_file() and not f.is_dir() and f.exists()
     st = f.stat()
     assert isinstance(st, PathStat) and st.st_size == 12 and f.size() == 12
-    assert st.st_mtime is not None and abs(st.st_mtime - time.time()) < 3600
+    assert abs(st.st_mtime - time.time()) < 3600  # the time of the write above (a None mtime fails here too)
     with f.open("w") as fh:
         fh.write("line1\nline2\n")
     with f.open("r") as fh:
@@ -263,10 +268,11 @@ def test_glob_matches_pathlib(tmp_path):
     from hypothesis import strategies as st
 
     paths = st.lists(st.sampled_from(NAMES), min_size=1, max_size=3).map("/".join)
-    patterns = st.lists(st.sampled_from(SEGMENTS), min_size=1, max_size=3).filter(
-        lambda segs: segs[-1] != "**" and segs.count("**") <= 1).map("/".join)  # trailing ** changed meaning in Python 3.13
+    patterns = st.lists(st.sampled_from(SEGMENTS), min_size=1, max_size=3).filter(  # trailing ** changed in 3.13
+        lambda segs: segs[-1] != "**" and segs.count("**") <= 1).map("/".join)
 
-    @settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @settings(max_examples=60, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(files=st.lists(paths, min_size=1, max_size=8), empty_dirs=st.lists(paths, max_size=2),
            pats=st.lists(patterns, min_size=1, max_size=4))
     def check(files, empty_dirs, pats):
@@ -294,6 +300,51 @@ def test_glob_matches_pathlib(tmp_path):
         mem.rmtree()
 
     check()
+
+
+# --- a writer SIGKILLed in the middle of atomic_write_local ---
+
+# Deterministic: before buffer `k` of the second write the child says "ready" and sleeps, so the SIGKILL always lands
+# after the writer opened its file and wrote buffers [:k]. An in-place writer has truncated the old file by then.
+KILLED_WRITER = textwrap.dedent("""
+    import sys, time
+    from eformer_nb.paths import atomic_write_local
+    path, ready, k = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    atomic_write_local(path, [b"old contents\\n"])
+
+    def parts():
+        for i in range(8):
+            if i == k:
+                open(ready, "w").write(str(i))
+                time.sleep(600)  # SIGKILLed here
+            yield bytes([65 + i]) * 100_000
+
+    atomic_write_local(path, parts())
+    sys.exit("the second write was not killed")
+""")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("k", [0, 4])
+def test_sigkill_mid_write_leaves_the_old_file_and_one_swept_temporary(tmp_path, k):
+    path, ready = tmp_path / "f.bin", tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(path), str(ready), str(k)])
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() or not ready.read_text():
+            assert proc.poll() is None, f"the writer exited ({proc.returncode}) before it was ready"
+            assert time.monotonic() < deadline, "the writer was not ready in 30 s"
+            time.sleep(0.01)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert path.read_bytes() == b"old contents\n"
+    left = [p.name for p in tmp_path.iterdir() if p.name not in ("f.bin", "ready")]
+    assert len(left) == 1 and re.fullmatch(rf"\.f\.bin\.[A-Za-z0-9-]+\.{proc.pid}\.\w+\.enb-tmp", left[0]), left
+    assert os.path.getsize(tmp_path / left[0]) <= k * 100_000  # the killed writer's partial new content
+    save_dict(tmp_path / "next.json", {"ok": True})  # the next save into the directory removes the dead one's temporary
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.bin", "next.json", "ready"]
 
 
 # --- GCS specifics ---
@@ -441,7 +492,8 @@ def test_emulator_stopped_when_a_test_fails(tmp_path):
         """))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 1 and "1 failed" in proc.stdout and "deliberate failure" in proc.stdout, proc.stdout[-3000:]
+    assert proc.returncode == 1 and "1 failed" in proc.stdout and "deliberate failure" in proc.stdout, \
+        proc.stdout[-3000:]
     pid = int(pidfile.read_text())
     assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower(), \
         f"fake-gcs-server (pid {pid}) outlived the failing test run"
