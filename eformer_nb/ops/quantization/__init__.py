@@ -60,9 +60,9 @@ def quantize(array: jax.Array, config: QuantizationConfig | QuantizationType | s
     if c.dtype is QuantizationType.NF4:
         return ArrayNF4.quantize(x, c.block_size, double_quant=c.double_quant, nonfinite=c.nonfinite)
     if c.dtype is QuantizationType.INT8:
-        return Array8B.quantize(x, None if c.granularity == "channel" else c.block_size, nonfinite=c.nonfinite)
+        return Array8B.quantize(x, block_size=None if c.granularity == "channel" else c.block_size, nonfinite=c.nonfinite)
     cls = Array1B if c.dtype is QuantizationType.BINARY else ArrayTernary
-    return cls.quantize(x, None if c.granularity == "row" else c.block_size, nonfinite=c.nonfinite)
+    return cls.quantize(x, block_size=None if c.granularity == "row" else c.block_size, nonfinite=c.nonfinite)
 
 
 def straight_through(array: jax.Array, config: QuantizationConfig | QuantizationType | str | None = None,

@@ -16,7 +16,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from ...jaximus import aux_field, register
 from .config import QuantizedArray, check_float_input, dot_out_dtype, pad_last, plain_matmul_kind
-from .config import check_block_size, restore_nonfinite, split_nonfinite
+from .config import check_block_size, eformer_quantize_args, restore_nonfinite, split_nonfinite
 
 # %% auto #0
 __all__ = ['TERNARY_THRESHOLD', 'STREAM_WEIGHTS', 'binary_quantize', 'binary_dequantize', 'Array1B', 'ternary_quantize',
@@ -94,9 +94,17 @@ class Array1B(QuantizedArray):
         return restore_nonfinite(binary_dequantize(self.bits, self.scale, self.block, self.n, self.dtype), self.nonfinite)
 
     @classmethod
-    def quantize(cls, x: jax.Array, block_size: int | None = 64, dtype=None, nonfinite: str = "raise") -> Array1B:
-        "Binarize `x` with a scale per block of `block_size` values along the last axis (`None`: per row); NaN/Inf as `nonfinite` says."
-        x, keep = split_nonfinite(x, "binary", nonfinite)
+    def quantize(
+        cls,
+        array: jax.Array,  # the float array
+        dtype=None,  # logical dtype (what materialize() returns); None: array.dtype
+        axis=None,  # eformer's argument: None only (scales run along the last axis)
+        block_size: int | None = 64,  # values per scale along the last axis; None: one scale per row
+        nonfinite: str = "raise",  # NaN/Inf in `array`: "raise" or "keep" (exactly where they were)
+    ) -> Array1B:
+        "Binarize `array` (eformer's `quantize(array, dtype, axis)`; our older `quantize(x, block_size, dtype)` too)."
+        block_size, dtype = eformer_quantize_args("binary", dtype, axis, block_size, 64)
+        x, keep = split_nonfinite(array, "binary", nonfinite)
         bits, scale, block = binary_quantize(x, block_size)
         return cls(bits, scale, n=x.shape[-1], block=block, dtype=jnp.dtype(x.dtype if dtype is None else dtype),
                    nonfinite=keep)

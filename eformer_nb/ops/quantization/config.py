@@ -14,14 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ...jaximus import ImplicitArray, materialize, register
 
 # %% auto #0
 __all__ = ['GRANULARITIES', 'NONFINITE_MODES', 'BLOCK_MULTIPLE', 'SMALL_ROW_BLOCK', 'QuantizationType', 'QuantizationConfig',
            'check_float_input', 'split_nonfinite', 'restore_nonfinite', 'check_block_size', 'pad_last',
-           'QuantizedArray', 'kernels_module', 'dot_out_dtype', 'plain_matmul_kind', 'jaxpr_equations',
-           'check_matmul_program']
+           'QuantizedArray', 'leaf_shardings', 'with_sharding', 'with_mesh_and_axis', 'delete', 'eformer_quantize_args',
+           'kernels_module', 'dot_out_dtype', 'plain_matmul_kind', 'jaxpr_equations', 'check_matmul_program']
 
 # %% ../../../nbs/06a_ops.quantization.config.ipynb #d9500117
 class QuantizationType(str, enum.Enum):
@@ -214,6 +215,81 @@ def _convert_quantized(x: QuantizedArray, *, new_dtype, **params):
     if not jnp.issubdtype(new_dtype, jnp.floating):
         return NotImplemented  # e.g. to int: materialize, then convert
     return x.astype(new_dtype)
+
+# %% ../../../nbs/06a_ops.quantization.config.ipynb #cb8edf8f
+def _leaf_spec(self, name: str, leaf: jax.Array, spec: tuple) -> tuple:
+    "The PartitionSpec entries of leaf `name` for the logical array's `spec`: its axes if it has the array's rank, else replicated."
+    return spec if leaf.ndim == len(spec) else ()
+
+
+def leaf_shardings(
+    self: QuantizedArray,
+    sharding: NamedSharding,  # a sharding of the logical array (its spec names at most `ndim` axes)
+) -> dict[str, NamedSharding]:  # leaf field name -> its sharding
+    "The sharding of each (non-None) leaf when the logical array is sharded as `sharding`."
+    if not isinstance(sharding, NamedSharding):
+        raise TypeError(f"{type(self).__name__}: expected a jax.sharding.NamedSharding of the logical array, got "
+                        f"{sharding!r}; for a mesh and a spec use with_mesh_and_axis((mesh, spec))")
+    if len(sharding.spec) > self.ndim:
+        raise ValueError(f"{type(self).__name__}: spec {sharding.spec} has more entries than the array has axes ({self.ndim})")
+    spec = (*sharding.spec, *(None,) * (self.ndim - len(sharding.spec)))
+    leaves = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.metadata.get("static")}
+    return {k: NamedSharding(sharding.mesh, PartitionSpec(*self._leaf_spec(k, v, spec))) for k, v in leaves.items() if v is not None}
+
+
+def with_sharding(self: QuantizedArray, sharding: NamedSharding) -> QuantizedArray:
+    "A copy with every leaf placed as `leaf_shardings(sharding)` says (recorded in the `sharding` field where there is one)."
+    placed = {k: jax.device_put(getattr(self, k), s) for k, s in self.leaf_shardings(sharding).items()}
+    if "sharding" in {f.name for f in dataclasses.fields(self)}:
+        placed["sharding"] = sharding
+    return dataclasses.replace(self, **placed)
+
+
+def with_mesh_and_axis(self: QuantizedArray, mesh_and_axis: tuple) -> QuantizedArray:
+    "`with_sharding(NamedSharding(mesh, spec))` for `(mesh, spec)`; `spec` a PartitionSpec or one axis name (or None) per axis."
+    mesh, spec = mesh_and_axis
+    spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec(*(spec if isinstance(spec, (tuple, list)) else (spec,)))
+    return self.with_sharding(NamedSharding(mesh, spec))
+
+
+def _is_sharded(self: QuantizedArray) -> bool:
+    "True when a leaf is split over devices (for traced leaves: when the recorded `sharding` splits the array)."
+    leaves = [v for v in jax.tree_util.tree_leaves(self) if isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer)]
+    if leaves:
+        return any(not v.sharding.is_fully_replicated for v in leaves)
+    recorded = getattr(self, "sharding", None)
+    return recorded is not None and not recorded.is_fully_replicated
+
+
+def delete(self: QuantizedArray) -> None:
+    "Free the device buffers of every leaf (using the array afterwards is an error, as for a deleted `jax.Array`)."
+    for v in jax.tree_util.tree_leaves(self):
+        if isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer):
+            v.delete()
+
+
+QuantizedArray._leaf_spec, QuantizedArray.leaf_shardings, QuantizedArray.with_sharding = _leaf_spec, leaf_shardings, with_sharding
+QuantizedArray.with_mesh_and_axis, QuantizedArray.reshard, QuantizedArray.delete = with_mesh_and_axis, with_sharding, delete
+QuantizedArray.is_sharded = property(_is_sharded)
+
+# %% ../../../nbs/06a_ops.quantization.config.ipynb #b5184990
+def eformer_quantize_args(
+    fmt: str,  # the format's name, for messages
+    dtype: tp.Any,  # eformer's second positional argument (a dtype), or our older block size (an int)
+    axis: tp.Any,  # eformer's third (None only), or our older dtype when `dtype` held a block size
+    block_size: int | None,  # the `block_size` keyword
+    default_block: int | None,  # the format's default block size
+) -> tuple[int | None, tp.Any]:  # (block_size, dtype)
+    """`(block_size, dtype)` for `Cls.quantize(array, dtype, axis, block_size=...)`, eformer's order, keeping our older
+    `Cls.quantize(x, block_size, dtype)` working: an int where eformer has the dtype is a block size (a dtype never is)."""
+    if isinstance(dtype, (int, np.integer)) and not isinstance(dtype, bool):
+        if block_size != default_block:
+            raise TypeError(f"{fmt} quantize: block size given twice ({dtype} in dtype's place and block_size={block_size})")
+        return int(dtype), axis
+    if axis is not None:
+        raise ValueError(f"{fmt} quantize: axis={axis!r} is not supported; scales run along the last axis (axis=None), "
+                         "their layout is chosen with block_size")
+    return block_size, dtype
 
 # %% ../../../nbs/06a_ops.quantization.config.ipynb #8ec77a11
 def kernels_module():

@@ -17,7 +17,7 @@ from jax.custom_derivatives import SymbolicZero
 from ...jaximus import aux_field, implicit, register
 from .config import (QuantizedArray, check_float_input, dot_out_dtype, kernels_module,
                                                 plain_matmul_kind)
-from .config import check_block_size, restore_nonfinite, split_nonfinite
+from .config import check_block_size, eformer_quantize_args, restore_nonfinite, split_nonfinite
 
 # %% auto #0
 __all__ = ['int8_quantize', 'int8_dequantize', 'Array8B', 'int8_matmul', 'int8_matmul_t']
@@ -59,6 +59,17 @@ class Array8B(QuantizedArray):
     block_size: int | None = aux_field()  # None: per last-axis channel
     dtype: tp.Any = aux_field()
     nonfinite: jax.Array | None = None  # uint8 NaN/Inf codes (shape of the array) when quantized with nonfinite="keep"
+    sharding: tp.Any = aux_field(default=None)  # the NamedSharding of the logical array, recorded by `with_sharding`
+
+    @property
+    def weight(self) -> jax.Array:
+        "The int8 codes (`q`), under eformer's name."
+        return self.q
+
+    def _leaf_spec(self, name: str, leaf: jax.Array, spec: tuple) -> tuple:
+        if name == "scale" and self.block_size is None:
+            return spec[-1:]  # one scale per channel of the last axis: it follows that axis
+        return super()._leaf_spec(name, leaf, spec)
 
     def _check_leaves(self) -> None:
         q = tuple(self.q.shape)
@@ -87,13 +98,24 @@ class Array8B(QuantizedArray):
     def materialize(self) -> jax.Array:
         return restore_nonfinite(int8_dequantize(self.q, self.scale, self.block_size, self.dtype), self.nonfinite)
 
-    @classmethod
-    def quantize(cls, x: jax.Array, block_size: int | None = None, dtype=None, nonfinite: str = "raise") -> Array8B:
-        "INT8-quantize `x`: per channel (`block_size=None`) or per block of the last axis; NaN/Inf as `nonfinite` says."
-        x, keep = split_nonfinite(x, "int8", nonfinite)
-        q, scale = int8_quantize(x, block_size)
-        return cls(q, scale, block_size=None if block_size is None else int(block_size),
-                   dtype=jnp.dtype(x.dtype if dtype is None else dtype), nonfinite=keep)
+# %% ../../../nbs/06c_ops.quantization.int8.ipynb #2b2818c9
+def _int8_quantize(
+    cls,
+    array: jax.Array,  # the float array
+    dtype=None,  # logical dtype (what materialize() returns); None: array.dtype
+    axis=None,  # eformer's argument: None only (scales run along the last axis)
+    block_size: int | None = None,  # None: one scale per channel of the last axis; else per block of it
+    nonfinite: str = "raise",  # NaN/Inf in `array`: "raise" or "keep" (exactly where they were)
+) -> Array8B:
+    "INT8-quantize `array` (eformer's `quantize(array, dtype, axis)`; our older `quantize(x, block_size, dtype)` works too)."
+    block_size, dtype = eformer_quantize_args("int8", dtype, axis, block_size, None)
+    x, keep = split_nonfinite(array, "int8", nonfinite)
+    q, scale = int8_quantize(x, block_size)
+    return cls(q, scale, block_size=None if block_size is None else int(block_size),
+               dtype=jnp.dtype(x.dtype if dtype is None else dtype), nonfinite=keep)
+
+
+Array8B.quantize = classmethod(_int8_quantize)
 
 # %% ../../../nbs/06c_ops.quantization.int8.ipynb #5aa0f372
 def _scale_grad(x, g, q: jax.Array) -> jax.Array:

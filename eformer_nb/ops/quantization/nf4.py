@@ -219,13 +219,19 @@ class ArrayNF4(QuantizedArray):
     "An NF4-quantized array: `packed` codes and per-block `absmax` (or its double-quantized form)."
     packed: jax.Array  # uint8 (..., Np // 2)
     absmax: jax.Array | None  # float32 (..., Np // block_size); None when double-quantized
-    n: int = aux_field()  # true length of the last axis
-    block_size: int = aux_field()
-    dtype: tp.Any = aux_field()  # logical dtype
+    block_size: int = aux_field()  # values per absmax along the last axis
+    sharding: tp.Any = aux_field(default=None)  # the NamedSharding of the logical array, recorded by `with_sharding`
+    n: int | None = aux_field(default=None)  # true length of the last axis; None: 2 * packed.shape[-1]
+    dtype: tp.Any = aux_field(default=jnp.float32)  # logical dtype
     qabsmax: jax.Array | None = None  # uint8 codes of DYNAMIC_MAP (..., Np // block_size) when double-quantized
     absmax_scale: jax.Array | None = None  # float32 second-level absmax, (ceil(num_blocks / 256),)
     absmax_offset: jax.Array | None = None  # float32 (): the mean of absmax, subtracted before quantizing
     nonfinite: jax.Array | None = None  # uint8 NaN/Inf codes (shape of the array) when quantized with nonfinite="keep"
+
+    def __post_init__(self):
+        if self.n is None and hasattr(self.packed, "shape"):
+            object.__setattr__(self, "n", 2 * self.packed.shape[-1])
+        super().__post_init__()
 
     def _check_leaves(self) -> None:
         _check_block(self.block_size)
@@ -261,18 +267,27 @@ class ArrayNF4(QuantizedArray):
     def materialize(self) -> jax.Array:
         return restore_nonfinite(nf4_decode(self.packed, self.absmax_f32(), self.block_size, self.n, self.dtype), self.nonfinite)
 
-    @classmethod
-    def quantize(cls, x: jax.Array, block_size: int = 64, double_quant: bool = False, dtype=None,
-                 nonfinite: str = "raise") -> ArrayNF4:
-        "NF4-quantize the float array `x` (logical dtype `dtype`, default `x.dtype`); NaN/Inf as `nonfinite` says."
-        x, keep = split_nonfinite(x, "nf4", nonfinite)
-        codes, absmax = nf4_encode(x, block_size)
-        dtype = jnp.dtype(x.dtype if dtype is None else dtype)
-        kw = dict(n=x.shape[-1], block_size=int(block_size), dtype=dtype, nonfinite=keep)
-        if double_quant:
-            q, s, o = quantize_absmax(absmax)
-            return cls(nf4_pack(codes), None, qabsmax=q, absmax_scale=s, absmax_offset=o, **kw)
-        return cls(nf4_pack(codes), absmax, **kw)
+# %% ../../../nbs/06b_ops.quantization.nf4.ipynb #fa6fe4a2
+def _nf4_quantize(
+    cls,
+    array: jax.Array,  # the float array; blocks run along its last axis
+    block_size: int = 64,  # values per absmax (even)
+    double_quant: bool = False,  # also quantize the absmax values (QLoRA double quantization)
+    dtype=None,  # logical dtype (what materialize() returns); None: array.dtype
+    nonfinite: str = "raise",  # NaN/Inf in `array`: "raise" or "keep" (exactly where they were)
+) -> ArrayNF4:
+    "NF4-quantize the float `array` (eformer's `ArrayNF4.quantize(array, block_size)`, plus our options)."
+    x, keep = split_nonfinite(array, "nf4", nonfinite)
+    codes, absmax = nf4_encode(x, block_size)
+    dtype = jnp.dtype(x.dtype if dtype is None else dtype)
+    kw = dict(n=x.shape[-1], block_size=int(block_size), dtype=dtype, nonfinite=keep)
+    if double_quant:
+        q, s, o = quantize_absmax(absmax)
+        return cls(nf4_pack(codes), None, qabsmax=q, absmax_scale=s, absmax_offset=o, **kw)
+    return cls(nf4_pack(codes), absmax, **kw)
+
+
+ArrayNF4.quantize = classmethod(_nf4_quantize)
 
 # %% ../../../nbs/06b_ops.quantization.nf4.ipynb #c55c8f7d
 def _nf4_absmax_grad(x, g, packed: jax.Array, block_size: int) -> jax.Array:
