@@ -15,8 +15,10 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from ...jaximus import aux_field, register
-from .config import QuantizedArray, check_float_input, dot_out_dtype, pad_last, plain_matmul_kind
-from .config import check_block_size, eformer_quantize_args, restore_nonfinite, split_nonfinite
+from .config import QuantizedArray, check_float_input, dot_out_dtype
+from .config import pad_last, plain_matmul_kind
+from .config import check_block_size, eformer_quantize_args
+from .config import restore_nonfinite, split_nonfinite
 
 # %% auto #0
 __all__ = ['TERNARY_THRESHOLD', 'STREAM_WEIGHTS', 'binary_quantize', 'binary_dequantize', 'Array1B', 'ternary_quantize',
@@ -91,7 +93,8 @@ class Array1B(QuantizedArray):
         _check_scaled(self, self.bits, 8)
 
     def materialize(self) -> jax.Array:
-        return restore_nonfinite(binary_dequantize(self.bits, self.scale, self.block, self.n, self.dtype), self.nonfinite)
+        dense = binary_dequantize(self.bits, self.scale, self.block, self.n, self.dtype)
+        return restore_nonfinite(dense, self.nonfinite)
 
     @classmethod
     def quantize(
@@ -150,11 +153,13 @@ class ArrayTernary(QuantizedArray):
         _check_scaled(self, self.packed, 4)
 
     def materialize(self) -> jax.Array:
-        return restore_nonfinite(ternary_dequantize(self.packed, self.scale, self.block, self.n, self.dtype), self.nonfinite)
+        dense = ternary_dequantize(self.packed, self.scale, self.block, self.n, self.dtype)
+        return restore_nonfinite(dense, self.nonfinite)
 
     @classmethod
     def quantize(cls, x: jax.Array, block_size: int | None = 64, dtype=None, nonfinite: str = "raise") -> ArrayTernary:
-        "Ternarize `x` with a scale per block of `block_size` values along the last axis (`None`: per row); NaN/Inf as `nonfinite` says."
+        """Ternarize `x` with a scale per block of `block_size` values along the last axis (`None`: per row); NaN/Inf
+        as `nonfinite` says."""
         x, keep = split_nonfinite(x, "ternary", nonfinite)
         packed, scale, block = ternary_quantize(x, block_size)
         return cls(packed, scale, n=x.shape[-1], block=block, dtype=jnp.dtype(x.dtype if dtype is None else dtype),

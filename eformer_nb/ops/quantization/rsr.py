@@ -59,7 +59,8 @@ class RSROperatorBinary(ImplicitArray):
     def quantize(cls, A, k: int = 8) -> RSROperatorBinary:
         "Binarize a real matrix (`A > 0` -> 1, else 0) and encode it."
         A = jnp.asarray(A)
-        return cls.from_matrix((A > 0).astype(jnp.int8), k, A.dtype if jnp.issubdtype(A.dtype, jnp.floating) else jnp.float32)
+        org = A.dtype if jnp.issubdtype(A.dtype, jnp.floating) else jnp.float32
+        return cls.from_matrix((A > 0).astype(jnp.int8), k, org)
 
     def dot(self, v: jax.Array) -> jax.Array:
         "`v @ A` for `v` of shape `(..., n)`: segment sums of `v` per pattern, times the pattern table."
