@@ -46,9 +46,14 @@ def resolve_config(
                     f"got {config!r} of type {type(config).__name__}")
 
 
-def quantize(array: jax.Array, config: QuantizationConfig | QuantizationType | str | None = None,
-             dtype: QuantizationType | str | None = None, block_size: int | None = None, simulate: bool | None = None,
-             **overrides) -> QuantizedArray | jax.Array:
+def quantize(
+    array: jax.Array,  # the float array to quantize
+    config: QuantizationConfig | QuantizationType | str | None = None,  # a config, a type name, or None (NF4)
+    dtype: QuantizationType | str | None = None,  # the format, replacing config's (eformer's argument)
+    block_size: int | None = None,  # values per scale, replacing config's
+    simulate: bool | None = None,  # True: return the dequantized dense array (fake quantization)
+    **overrides,  # other QuantizationConfig fields (granularity, double_quant, nonfinite, use_kernel)
+) -> QuantizedArray | jax.Array:  # ArrayNF4, Array8B, Array1B or ArrayTernary (a jax.Array with simulate)
     """Quantize the float `array` as `config` says; returns an implicit array (`ArrayNF4`, `Array8B`, `Array1B`,
     `ArrayTernary`), or its dequantized dense form with `simulate=True`. `dtype`, `block_size`, `simulate`
     (eformer's arguments) and `overrides` replace fields of `config`."""
@@ -68,9 +73,13 @@ def quantize(array: jax.Array, config: QuantizationConfig | QuantizationType | s
     return cls.quantize(x, block_size=None if c.granularity == "row" else c.block_size, nonfinite=c.nonfinite)
 
 
-def straight_through(array: jax.Array, config: QuantizationConfig | QuantizationType | str | None = None,
-                     dtype: QuantizationType | str | None = None, block_size: int | None = None,
-                     **overrides) -> jax.Array:
+def straight_through(
+    array: jax.Array,  # the float (master) weight
+    config: QuantizationConfig | QuantizationType | str | None = None,  # a config, a type name, or None (NF4)
+    dtype: QuantizationType | str | None = None,  # the format, replacing config's
+    block_size: int | None = None,  # values per scale, replacing config's
+    **overrides,  # other QuantizationConfig fields
+) -> jax.Array:  # the dequantized quantization of `array`; its gradient passes straight through
     "The dequantized quantization of `array` in the forward pass, the identity in the backward pass (STE, for QAT)."
     given = {k: v for k, v in (("dtype", dtype), ("block_size", block_size)) if v is not None}
     c = resolve_config(config, **given, **overrides)

@@ -59,7 +59,10 @@ def _mean(v: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(mask, v, 0.0) / count, axis=-1)
 
 # %% ../../../nbs/06d_ops.quantization.binary_ternary.ipynb #6b049a28
-def binary_quantize(x: jax.Array, block_size: int | None = 64) -> tuple[jax.Array, jax.Array, int]:
+def binary_quantize(
+    x: jax.Array,  # a float array
+    block_size: int | None = 64,  # values per scale along the last axis (multiple of 8); None: per row
+) -> tuple[jax.Array, jax.Array, int]:  # (uint8 bits, float32 scale, block length)
     "`(bits, scale, block)`: sign bits packed 8 per byte and mean |x| per block (`None`: per row)."
     x = check_float_input(x, "binary")
     blocks, mask, block = _blocked(x, _check_block(block_size, 8, "binary", x.shape[-1]), 8)
@@ -113,7 +116,10 @@ class Array1B(QuantizedArray):
                    nonfinite=keep)
 
 # %% ../../../nbs/06d_ops.quantization.binary_ternary.ipynb #23e17b52
-def ternary_quantize(x: jax.Array, block_size: int | None = 64) -> tuple[jax.Array, jax.Array, int]:
+def ternary_quantize(
+    x: jax.Array,  # a float array
+    block_size: int | None = 64,  # values per scale along the last axis (multiple of 4); None: per row
+) -> tuple[jax.Array, jax.Array, int]:  # (uint8 packed codes, float32 scale, block length)
     "`(packed, scale, block)`: 2-bit codes (0: 0, 1: +1, 2: -1) 4 per byte and the TWN scale per block."
     x = check_float_input(x, "ternary")
     blocks, mask, block = _blocked(x, _check_block(block_size, 4, "ternary", x.shape[-1]), 4)

@@ -263,7 +263,7 @@ def with_mesh_and_axis(self: QuantizedArray, mesh_and_axis: tuple) -> QuantizedA
         spec = PartitionSpec(*(spec if isinstance(spec, (tuple, list)) else (spec,)))
     return self.with_sharding(NamedSharding(mesh, spec))
 
-
+# %% ../../../nbs/06a_ops.quantization.config.ipynb #2e79d629
 def _is_sharded(self: QuantizedArray) -> bool:
     "True when a leaf is split over devices (for traced leaves: when the recorded `sharding` splits the array)."
     leaves = [v for v in jax.tree_util.tree_leaves(self)

@@ -22,7 +22,10 @@ from .config import restore_nonfinite, split_nonfinite
 __all__ = ['int8_quantize', 'int8_dequantize', 'Array8B', 'int8_matmul', 'int8_matmul_t']
 
 # %% ../../../nbs/06c_ops.quantization.int8.ipynb #e1ca3d58
-def int8_quantize(x: jax.Array, block_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+def int8_quantize(
+    x: jax.Array,  # a float array
+    block_size: int | None = None,  # None: one scale per channel of the last axis; else per block of it
+) -> tuple[jax.Array, jax.Array]:  # (int8 q with x's shape, float32 scale)
     "`(q, scale)` for `x`: per last-axis channel when `block_size` is None, else per block of the last axis."
     x = check_float_input(x, "int8")
     xf = x.astype(jnp.float32)

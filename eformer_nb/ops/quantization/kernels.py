@@ -567,9 +567,16 @@ def _resolve(backend: str, fits: bool) -> str:
         return "pallas" if fits and accel else "xla"
     return backend
 
-
-def nf4_matmul(x: jax.Array, packed: jax.Array, absmax: jax.Array, *, block_size: int = DEFAULT_BLOCK_SIZE,
-               n: int, backend: str = "auto") -> jax.Array:
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #8580d42b
+def nf4_matmul(
+    x: jax.Array,  # (M, K) float activations
+    packed: jax.Array,  # uint8 (K, Np // 2), two NF4 codes per byte, high nibble first
+    absmax: jax.Array,  # (K, Np // block_size) scale of each block
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,  # NF4 values per absmax
+    n: int,  # true number of columns of W (<= Np)
+    backend: str = "auto",  # "auto", "pallas" or "xla" (see `set_default_backend`)
+) -> jax.Array:  # x @ W, (M, n) in x's dtype
     "`x @ W` for `x` (M, K) and an NF4 weight `W` (K, n) given as `packed` (K, Np//2) and `absmax` (K, Np//block_size)."
     _check_nf4(x, packed, absmax, block_size, n, 0, "x")
     be = _resolve(backend, _nf4_fits(x.shape[0], packed.shape[0], packed.shape[1] * 2, block_size))
@@ -578,8 +585,15 @@ def nf4_matmul(x: jax.Array, packed: jax.Array, absmax: jax.Array, *, block_size
     return nf4_matmul_pallas(x, packed, absmax, block_size=block_size, n=n)
 
 
-def nf4_matmul_t(g: jax.Array, packed: jax.Array, absmax: jax.Array, *, block_size: int = DEFAULT_BLOCK_SIZE,
-                 n: int, backend: str = "auto") -> jax.Array:
+def nf4_matmul_t(
+    g: jax.Array,  # (M, n) float, e.g. the output gradient
+    packed: jax.Array,  # uint8 (K, Np // 2)
+    absmax: jax.Array,  # (K, Np // block_size)
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,  # NF4 values per absmax
+    n: int,  # true number of columns of W
+    backend: str = "auto",  # "auto", "pallas" or "xla"
+) -> jax.Array:  # g @ Wᵀ, (M, K) in g's dtype
     "`g @ Wᵀ` for `g` (M, n) and an NF4 weight `W` (K, n): the input gradient of `x @ W`."
     _check_nf4(g, packed, absmax, block_size, n, 1, "g")
     be = _resolve(backend, _nf4_fits(g.shape[0], packed.shape[0], packed.shape[1] * 2, block_size, transposed=True))
@@ -587,8 +601,13 @@ def nf4_matmul_t(g: jax.Array, packed: jax.Array, absmax: jax.Array, *, block_si
         return _nf4_matmul_t_xla(g, packed, absmax, block_size, n)
     return nf4_matmul_t_pallas(g, packed, absmax, block_size=block_size, n=n)
 
-
-def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, backend: str = "auto") -> jax.Array:
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #fb475b87
+def int8_matmul(
+    x: jax.Array,  # (M, K) float activations
+    q: jax.Array,  # int8 (K, N) codes
+    scale: jax.Array,  # (N,) per-channel scales
+    backend: str = "auto",  # "auto", "pallas" or "xla"
+) -> jax.Array:  # x @ (q * scale), (M, N) in x's dtype
     "`x @ W` for `x` (M, K) and a per-channel INT8 weight `W = q * scale` (`q` int8 (K, N), `scale` (N,))."
     _check_int8(x, q, scale, 0, "x")
     be = _resolve(backend, _int8_fits(x.shape[0], *q.shape))
@@ -597,7 +616,12 @@ def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, backend: str = "au
     return int8_matmul_pallas(x, q, scale)
 
 
-def int8_matmul_t(g: jax.Array, q: jax.Array, scale: jax.Array, backend: str = "auto") -> jax.Array:
+def int8_matmul_t(
+    g: jax.Array,  # (M, N) float, e.g. the output gradient
+    q: jax.Array,  # int8 (K, N) codes
+    scale: jax.Array,  # (N,) per-channel scales
+    backend: str = "auto",  # "auto", "pallas" or "xla"
+) -> jax.Array:  # g @ (q * scale)ᵀ, (M, K) in g's dtype
     "`g @ Wᵀ` for `g` (M, N) and a per-channel INT8 weight `W = q * scale`."
     _check_int8(g, q, scale, 1, "g")
     be = _resolve(backend, _int8_fits(g.shape[0], *q.shape, transposed=True))

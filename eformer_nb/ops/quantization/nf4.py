@@ -42,7 +42,10 @@ def _check_block(block_size: int, n: int | None = None) -> int:
     return check_block_size(block_size, n, 2, "nf4")  # even: two codes per byte
 
 # %% ../../../nbs/06b_ops.quantization.nf4.ipynb #e568920a
-def nf4_encode(x: jax.Array, block_size: int = 64) -> tuple[jax.Array, jax.Array]:
+def nf4_encode(
+    x: jax.Array,  # a float array; blocks run along its last axis
+    block_size: int = 64,  # values per absmax (even)
+) -> tuple[jax.Array, jax.Array]:  # (uint8 codes (..., Np), float32 absmax (..., Np // block_size))
     "NF4 codes of `x` (uint8, one per value, last axis padded to the block) and the float32 absmax per block."
     x = check_float_input(x, "nf4")
     block_size = _check_block(block_size, x.shape[-1])
@@ -74,7 +77,13 @@ def nf4_unpack(packed: jax.Array) -> jax.Array:
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def nf4_decode(packed: jax.Array, absmax: jax.Array, block_size: int, n: int, dtype=jnp.float32) -> jax.Array:
+def nf4_decode(
+    packed: jax.Array,  # uint8 (..., Np // 2)
+    absmax: jax.Array,  # float32 (..., Np // block_size)
+    block_size: int,  # values per absmax
+    n: int,  # true length of the last axis
+    dtype=jnp.float32,  # dtype of the result
+) -> jax.Array:  # dense (..., n)
     "Dense values `(..., n)` from `packed` and `absmax`: table lookup times absmax in float32, then `dtype`."
     codes = nf4_unpack(packed)
     vals = jnp.asarray(NF4_CODEBOOK)[codes]
