@@ -8,12 +8,16 @@ from __future__ import annotations
 from . import quantization
 from eformer_nb.ops.quantization import (
     Array1B, Array8B, ArrayNF4, QuantizationConfig, QuantizationType, RSROperatorBinary, RSROperatorTernary,
-    is_kernel_available, nf4_use_kernel, quantize, straight_through, straight_through_1bit, straight_through_8bit, straight_through_nf4,
+    is_kernel_available, nf4_use_kernel, quantize, straight_through, straight_through_1bit, straight_through_8bit,
+    straight_through_nf4,
 )
 
-_all_ = ['Array1B', 'Array8B', 'ArrayNF4', 'QuantizationConfig', 'QuantizationType', 'RSROperatorBinary', 'RSROperatorTernary', 'is_kernel_available', 'nf4_use_kernel', 'quantize', 'straight_through', 'straight_through_1bit', 'straight_through_8bit', 'straight_through_nf4']
+_all_ = ['quantization', 'Array1B', 'Array8B', 'ArrayNF4', 'QuantizationConfig', 'QuantizationType',
+         'RSROperatorBinary',
+         'RSROperatorTernary', 'is_kernel_available', 'nf4_use_kernel', 'quantize', 'straight_through',
+         'straight_through_1bit', 'straight_through_8bit', 'straight_through_nf4']
 
 # %% auto #0
-__all__ = ['Array1B', 'Array8B', 'ArrayNF4', 'QuantizationConfig', 'QuantizationType', 'RSROperatorBinary', 'RSROperatorTernary',
-           'is_kernel_available', 'nf4_use_kernel', 'quantize', 'straight_through', 'straight_through_1bit',
-           'straight_through_8bit', 'straight_through_nf4']
+__all__ = ['quantization', 'Array1B', 'Array8B', 'ArrayNF4', 'QuantizationConfig', 'QuantizationType', 'RSROperatorBinary',
+           'RSROperatorTernary', 'is_kernel_available', 'nf4_use_kernel', 'quantize', 'straight_through',
+           'straight_through_1bit', 'straight_through_8bit', 'straight_through_nf4']

@@ -5,19 +5,24 @@
 # %% ../../../nbs/06d_ops.quantization.binary_ternary.ipynb #dc9945bf
 from __future__ import annotations
 
+import functools
 import typing as tp
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
-from ...jaximus import aux_field
-from .config import QuantizedArray, check_float_input, pad_last
-from .config import check_block_size, restore_nonfinite, split_nonfinite
+from ...jaximus import aux_field, register
+from .config import QuantizedArray, check_float_input, dot_out_dtype
+from .config import pad_last, plain_matmul_kind
+from .config import check_block_size, eformer_quantize_args
+from .config import restore_nonfinite, split_nonfinite
 
 # %% auto #0
-__all__ = ['TERNARY_THRESHOLD', 'binary_quantize', 'binary_dequantize', 'Array1B', 'ternary_quantize', 'ternary_dequantize',
-           'ArrayTernary']
+__all__ = ['TERNARY_THRESHOLD', 'STREAM_WEIGHTS', 'binary_quantize', 'binary_dequantize', 'Array1B', 'ternary_quantize',
+           'ternary_dequantize', 'ArrayTernary', 'packed_matmul']
 
 # %% ../../../nbs/06d_ops.quantization.binary_ternary.ipynb #e65120c8
 TERNARY_THRESHOLD = 0.7  # zero a value when |x| <= TERNARY_THRESHOLD * mean(|x|) of its block (TWN)
@@ -54,7 +59,10 @@ def _mean(v: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(mask, v, 0.0) / count, axis=-1)
 
 # %% ../../../nbs/06d_ops.quantization.binary_ternary.ipynb #6b049a28
-def binary_quantize(x: jax.Array, block_size: int | None = 64) -> tuple[jax.Array, jax.Array, int]:
+def binary_quantize(
+    x: jax.Array,  # a float array
+    block_size: int | None = 64,  # values per scale along the last axis (multiple of 8); None: per row
+) -> tuple[jax.Array, jax.Array, int]:  # (uint8 bits, float32 scale, block length)
     "`(bits, scale, block)`: sign bits packed 8 per byte and mean |x| per block (`None`: per row)."
     x = check_float_input(x, "binary")
     blocks, mask, block = _blocked(x, _check_block(block_size, 8, "binary", x.shape[-1]), 8)
@@ -88,18 +96,30 @@ class Array1B(QuantizedArray):
         _check_scaled(self, self.bits, 8)
 
     def materialize(self) -> jax.Array:
-        return restore_nonfinite(binary_dequantize(self.bits, self.scale, self.block, self.n, self.dtype), self.nonfinite)
+        dense = binary_dequantize(self.bits, self.scale, self.block, self.n, self.dtype)
+        return restore_nonfinite(dense, self.nonfinite)
 
     @classmethod
-    def quantize(cls, x: jax.Array, block_size: int | None = 64, dtype=None, nonfinite: str = "raise") -> Array1B:
-        "Binarize `x` with a scale per block of `block_size` values along the last axis (`None`: per row); NaN/Inf as `nonfinite` says."
-        x, keep = split_nonfinite(x, "binary", nonfinite)
+    def quantize(
+        cls,
+        array: jax.Array,  # the float array
+        dtype=None,  # logical dtype (what materialize() returns); None: array.dtype
+        axis=None,  # eformer's argument: None only (scales run along the last axis)
+        block_size: int | None = 64,  # values per scale along the last axis; None: one scale per row
+        nonfinite: str = "raise",  # NaN/Inf in `array`: "raise" or "keep" (exactly where they were)
+    ) -> Array1B:
+        "Binarize `array` (eformer's `quantize(array, dtype, axis)`; our older `quantize(x, block_size, dtype)` too)."
+        block_size, dtype = eformer_quantize_args("binary", dtype, axis, block_size, 64)
+        x, keep = split_nonfinite(array, "binary", nonfinite)
         bits, scale, block = binary_quantize(x, block_size)
         return cls(bits, scale, n=x.shape[-1], block=block, dtype=jnp.dtype(x.dtype if dtype is None else dtype),
                    nonfinite=keep)
 
 # %% ../../../nbs/06d_ops.quantization.binary_ternary.ipynb #23e17b52
-def ternary_quantize(x: jax.Array, block_size: int | None = 64) -> tuple[jax.Array, jax.Array, int]:
+def ternary_quantize(
+    x: jax.Array,  # a float array
+    block_size: int | None = 64,  # values per scale along the last axis (multiple of 4); None: per row
+) -> tuple[jax.Array, jax.Array, int]:  # (uint8 packed codes, float32 scale, block length)
     "`(packed, scale, block)`: 2-bit codes (0: 0, 1: +1, 2: -1) 4 per byte and the TWN scale per block."
     x = check_float_input(x, "ternary")
     blocks, mask, block = _blocked(x, _check_block(block_size, 4, "ternary", x.shape[-1]), 4)
@@ -139,12 +159,90 @@ class ArrayTernary(QuantizedArray):
         _check_scaled(self, self.packed, 4)
 
     def materialize(self) -> jax.Array:
-        return restore_nonfinite(ternary_dequantize(self.packed, self.scale, self.block, self.n, self.dtype), self.nonfinite)
+        dense = ternary_dequantize(self.packed, self.scale, self.block, self.n, self.dtype)
+        return restore_nonfinite(dense, self.nonfinite)
 
     @classmethod
     def quantize(cls, x: jax.Array, block_size: int | None = 64, dtype=None, nonfinite: str = "raise") -> ArrayTernary:
-        "Ternarize `x` with a scale per block of `block_size` values along the last axis (`None`: per row); NaN/Inf as `nonfinite` says."
+        """Ternarize `x` with a scale per block of `block_size` values along the last axis (`None`: per row); NaN/Inf
+        as `nonfinite` says."""
         x, keep = split_nonfinite(x, "ternary", nonfinite)
         packed, scale, block = ternary_quantize(x, block_size)
         return cls(packed, scale, n=x.shape[-1], block=block, dtype=jnp.dtype(x.dtype if dtype is None else dtype),
                    nonfinite=keep)
+
+# %% ../../../nbs/06d_ops.quantization.binary_ternary.ipynb #27485e88
+STREAM_WEIGHTS = 1 << 20  # weights decoded per scan step in the streamed 1-bit/ternary matmuls
+_DECODERS = {"binary": binary_dequantize, "ternary": ternary_dequantize}
+
+
+def _row_chunks(a: jax.Array, kc: int) -> jax.Array:
+    "`a` (K, ...) zero-padded along axis 0 to a multiple of `kc`, as (steps, kc, ...)."
+    pad = -a.shape[0] % kc
+    a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) if pad else a
+    return a.reshape(-1, kc, *a.shape[1:])
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))  # a named call: the fused path is visible in a jaxpr
+def _packed_matmul_xla(x, codes, scale, fmt: str, block: int, n: int, transpose: bool):
+    "`x @ W` (`x` (M, K)) or, with `transpose`, `x @ Wᵀ` (`x` (M, n)), decoding W a chunk of rows at a time."
+    decode, K = _DECODERS[fmt], codes.shape[0]
+    kc = max(1, min(K, STREAM_WEIGHTS // n))
+    cs, ss = _row_chunks(codes, kc), _row_chunks(scale, kc)  # padded rows decode to 0 (their scale is 0)
+    w = lambda c, s: decode(c, s, block, n, x.dtype)
+    if transpose:
+        _, ys = lax.scan(lambda _, c: (None, jnp.dot(x, w(*c).T, preferred_element_type=jnp.float32)), None, (cs, ss))
+        return ys.transpose(1, 0, 2).reshape(x.shape[0], -1)[:, :K].astype(x.dtype)
+    step = lambda acc, c: (acc + jnp.dot(c[0].T, w(c[1], c[2]), preferred_element_type=jnp.float32), None)
+    y, _ = lax.scan(step, jnp.zeros((x.shape[0], n), jnp.float32), (_row_chunks(x.T, kc), cs, ss))
+    return y.astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def packed_matmul(
+    x: jax.Array,  # (M, K) float
+    codes: jax.Array,  # uint8 (K, Np // per_byte): `Array1B.bits` or `ArrayTernary.packed`
+    scale: jax.Array,  # float32 (K, Np // block)
+    fmt: str,  # "binary" or "ternary"
+    block: int,  # values per scale
+    n: int,  # true number of columns of W
+) -> jax.Array:  # x @ W, (M, n) in x's dtype
+    "`x @ W` for a 1-bit or ternary `W` (K, n), streamed; differentiable in `x` and `scale`."
+    return _packed_matmul_xla(x, codes, scale, fmt, block, n, False)
+
+
+def _pm_fwd(x, codes, scale, fmt, block, n):
+    keep = x.value if scale.perturbed else None  # x is needed only for the scales' gradient
+    return packed_matmul(x.value, codes.value, scale.value, fmt, block, n), (keep, codes.value, scale.value)
+
+
+def _pm_bwd(fmt, block, n, res, g):
+    x, codes, scale = res
+    if isinstance(g, SymbolicZero):
+        return None, None, None
+    dx = _packed_matmul_xla(g, codes, scale, fmt, block, n, True)
+    if x is None:
+        return dx, None, None
+    signs = _DECODERS[fmt](codes, jnp.ones_like(scale), block, n)  # W / scale: +-1 (and 0)
+    dw = pad_last(jnp.dot(x.T.astype(jnp.float32), g.astype(jnp.float32)) * signs, block)
+    return dx, None, dw.reshape(*scale.shape, block).sum(-1)
+
+
+packed_matmul.defvjp(_pm_fwd, _pm_bwd, symbolic_zeros=True)
+
+# %% ../../../nbs/06d_ops.quantization.binary_ternary.ipynb #29a0e5a2
+def _packed_dot_general(lhs, rhs, codes, fmt: str, params: dict):
+    if plain_matmul_kind(lhs, rhs, params["dimension_numbers"]) != "nn" or rhs.nonfinite is not None:
+        return NotImplemented  # x @ Wᵀ, batch dims, kept NaN/Inf: the general path
+    y = packed_matmul(lhs.reshape(-1, lhs.shape[-1]), codes, rhs.scale, fmt, rhs.block, rhs.n)
+    return y.reshape(*lhs.shape[:-1], rhs.n).astype(dot_out_dtype(lhs, rhs, params))
+
+
+@register(lax.dot_general_p)
+def _binary_dot_general(lhs: jax.Array, rhs: Array1B, **params):
+    return _packed_dot_general(lhs, rhs, rhs.bits, "binary", params)
+
+
+@register(lax.dot_general_p)
+def _ternary_dot_general(lhs: jax.Array, rhs: ArrayTernary, **params):
+    return _packed_dot_general(lhs, rhs, rhs.packed, "ternary", params)

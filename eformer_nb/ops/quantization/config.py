@@ -14,13 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ...jaximus import ImplicitArray, materialize, register
 
 # %% auto #0
 __all__ = ['GRANULARITIES', 'NONFINITE_MODES', 'BLOCK_MULTIPLE', 'SMALL_ROW_BLOCK', 'QuantizationType', 'QuantizationConfig',
            'check_float_input', 'split_nonfinite', 'restore_nonfinite', 'check_block_size', 'pad_last',
-           'QuantizedArray', 'kernels_module', 'dot_out_dtype', 'plain_matmul_kind']
+           'QuantizedArray', 'leaf_shardings', 'with_sharding', 'with_mesh_and_axis', 'delete', 'eformer_quantize_args',
+           'kernels_module', 'dot_out_dtype', 'plain_matmul_kind', 'jaxpr_equations', 'check_matmul_program']
 
 # %% ../../../nbs/06a_ops.quantization.config.ipynb #d9500117
 class QuantizationType(str, enum.Enum):
@@ -62,7 +64,7 @@ class QuantizationConfig:
     dtype: QuantizationType | str = QuantizationType.NF4
     block_size: int = 64
     simulate: bool = False  # `quantize` returns the dequantized (fake-quantized) dense array instead of an implicit one
-    use_kernel: bool = True  # False: `quantize` switches the quantized matmuls to the XLA path process-wide (as `nf4_use_kernel(False)`)
+    use_kernel: bool = True  # False: `quantize` sends quantized matmuls to XLA process-wide (`nf4_use_kernel(False)`)
     granularity: str | None = None  # None: the type's default (see `GRANULARITIES`)
     double_quant: bool = False
     nonfinite: str = "raise"  # NaN/Inf in the input: "raise" (a clear error) or "keep" (exactly where they were)
@@ -70,12 +72,14 @@ class QuantizationConfig:
     def __post_init__(self):
         qt = QuantizationType.parse(self.dtype)
         object.__setattr__(self, "dtype", qt)
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, (int, np.integer)) or self.block_size <= 0:
+        bs = self.block_size
+        if isinstance(bs, bool) or not isinstance(bs, (int, np.integer)) or bs <= 0:
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
         object.__setattr__(self, "block_size", int(self.block_size))
         mult = BLOCK_MULTIPLE[qt]
         if self.block_size % mult:
-            raise ValueError(f"block_size={self.block_size} is not valid for {qt.value}: it must be a multiple of {mult} "
+            raise ValueError(f"block_size={self.block_size} is not valid for {qt.value}: it must be a multiple of "
+                             f"{mult} "
                              f"(whole bytes per block), e.g. {max(mult, 64)}")
         gran = GRANULARITIES[qt][0] if self.granularity is None else self.granularity
         if gran not in GRANULARITIES[qt]:
@@ -111,7 +115,8 @@ def check_float_input(x: tp.Any, fmt: str, nonfinite: str = "raise") -> jax.Arra
             where = [tuple(int(i) for i in ix) for ix in np.argwhere(np.asarray(bad))[:3]]
             shown = ", ".join(f"{ix}: {float(x[ix])}" for ix in where)
             raise ValueError(f"{fmt} quantization: {count} of {x.size} values are not finite (at {shown}"
-                             f"{', ...' if count > 3 else ''}); they would quantize to plausible numbers. Fix the input, "
+                             f"{', ...' if count > 3 else ''}); they would quantize to plausible numbers. Fix the "
+                             f"input, "
                              "or pass nonfinite='keep' to keep them exactly where they are")
     return x
 
@@ -134,7 +139,7 @@ def restore_nonfinite(out: jax.Array, codes: jax.Array | None) -> jax.Array:
     table = jnp.asarray([0.0, jnp.nan, jnp.inf, -jnp.inf], out.dtype)
     return jnp.where(codes == 0, out, table[codes])
 
-
+# %% ../../../nbs/06a_ops.quantization.config.ipynb #9825407d
 SMALL_ROW_BLOCK = 64  # a block may pad a shorter row up to this many values (the default block size)
 
 
@@ -143,8 +148,10 @@ def check_block_size(block_size: tp.Any, n: int | None, multiple: int, fmt: str)
     the row only pads it, and a mistyped `1 << 30` would allocate gigabytes. The row may be padded up to the default
     block (`SMALL_ROW_BLOCK`, so that one config quantizes small layers too) or up to the next multiple; anything
     larger is refused, before anything is allocated."""
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0 or block_size % multiple:
-        raise ValueError(f"{fmt} block_size must be a positive multiple of {multiple} (whole bytes per block), got {block_size!r}")
+    not_int = isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer))
+    if not_int or block_size <= 0 or block_size % multiple:
+        raise ValueError(f"{fmt} block_size must be a positive multiple of {multiple} (whole bytes per block), "
+                         f"got {block_size!r}")
     limit = None if n is None else max(-(-n // multiple) * multiple, SMALL_ROW_BLOCK)
     if limit is not None and block_size > limit:
         raise ValueError(f"{fmt} block_size={int(block_size)} is larger than the last axis ({n} values); use at most "
@@ -214,6 +221,92 @@ def _convert_quantized(x: QuantizedArray, *, new_dtype, **params):
         return NotImplemented  # e.g. to int: materialize, then convert
     return x.astype(new_dtype)
 
+# %% ../../../nbs/06a_ops.quantization.config.ipynb #cb8edf8f
+def _leaf_spec(self, name: str, leaf: jax.Array, spec: tuple) -> tuple:
+    """The PartitionSpec entries of leaf `name` for the logical array's `spec`: its axes if it has the array's rank,
+    else replicated."""
+    return spec if leaf.ndim == len(spec) else ()
+
+
+def leaf_shardings(
+    self: QuantizedArray,
+    sharding: NamedSharding,  # a sharding of the logical array (its spec names at most `ndim` axes)
+) -> dict[str, NamedSharding]:  # leaf field name -> its sharding
+    "The sharding of each (non-None) leaf when the logical array is sharded as `sharding`."
+    if not isinstance(sharding, NamedSharding):
+        raise TypeError(f"{type(self).__name__}: expected a jax.sharding.NamedSharding of the logical array, got "
+                        f"{sharding!r}; for a mesh and a spec use with_mesh_and_axis((mesh, spec))")
+    if len(sharding.spec) > self.ndim:
+        raise ValueError(f"{type(self).__name__}: spec {sharding.spec} has more entries than the array has axes "
+                         f"({self.ndim})")
+    spec = (*sharding.spec, *(None,) * (self.ndim - len(sharding.spec)))
+    leaves = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.metadata.get("static")}
+    mesh = sharding.mesh
+    return {k: NamedSharding(mesh, PartitionSpec(*self._leaf_spec(k, v, spec)))
+            for k, v in leaves.items() if v is not None}
+
+
+def with_sharding(self: QuantizedArray, sharding: NamedSharding) -> QuantizedArray:
+    """A copy with every leaf placed as `leaf_shardings(sharding)` says (recorded in the `sharding` field where there
+    is one)."""
+    placed = {k: jax.device_put(getattr(self, k), s) for k, s in self.leaf_shardings(sharding).items()}
+    if "sharding" in {f.name for f in dataclasses.fields(self)}:
+        placed["sharding"] = sharding
+    return dataclasses.replace(self, **placed)
+
+
+def with_mesh_and_axis(self: QuantizedArray, mesh_and_axis: tuple) -> QuantizedArray:
+    """`with_sharding(NamedSharding(mesh, spec))` for `(mesh, spec)`; `spec` a PartitionSpec or one axis name (or None)
+    per axis."""
+    mesh, spec = mesh_and_axis
+    if not isinstance(spec, PartitionSpec):
+        spec = PartitionSpec(*(spec if isinstance(spec, (tuple, list)) else (spec,)))
+    return self.with_sharding(NamedSharding(mesh, spec))
+
+# %% ../../../nbs/06a_ops.quantization.config.ipynb #2e79d629
+def _is_sharded(self: QuantizedArray) -> bool:
+    "True when a leaf is split over devices (for traced leaves: when the recorded `sharding` splits the array)."
+    leaves = [v for v in jax.tree_util.tree_leaves(self)
+              if isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer)]
+    if leaves:
+        return any(not v.sharding.is_fully_replicated for v in leaves)
+    recorded = getattr(self, "sharding", None)
+    return recorded is not None and not recorded.is_fully_replicated
+
+
+def delete(self: QuantizedArray) -> None:
+    "Free the device buffers of every leaf (using the array afterwards is an error, as for a deleted `jax.Array`)."
+    for v in jax.tree_util.tree_leaves(self):
+        if isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer):
+            v.delete()
+
+
+QuantizedArray._leaf_spec, QuantizedArray.leaf_shardings = _leaf_spec, leaf_shardings
+QuantizedArray.with_sharding = QuantizedArray.reshard = with_sharding
+QuantizedArray.with_mesh_and_axis, QuantizedArray.delete = with_mesh_and_axis, delete
+QuantizedArray.is_sharded = property(_is_sharded)
+
+# %% ../../../nbs/06a_ops.quantization.config.ipynb #b5184990
+def eformer_quantize_args(
+    fmt: str,  # the format's name, for messages
+    dtype: tp.Any,  # eformer's second positional argument (a dtype), or our older block size (an int)
+    axis: tp.Any,  # eformer's third (None only), or our older dtype when `dtype` held a block size
+    block_size: int | None,  # the `block_size` keyword
+    default_block: int | None,  # the format's default block size
+) -> tuple[int | None, tp.Any]:  # (block_size, dtype)
+    """`(block_size, dtype)` for `Cls.quantize(array, dtype, axis, block_size=...)`, eformer's order, keeping our older
+    `Cls.quantize(x, block_size, dtype)` working: an int where eformer has the dtype is a block size (a dtype never
+    is)."""
+    if isinstance(dtype, (int, np.integer)) and not isinstance(dtype, bool):
+        if block_size != default_block:
+            raise TypeError(f"{fmt} quantize: block size given twice ({dtype} in dtype's place and "
+                            f"block_size={block_size})")
+        return int(dtype), axis
+    if axis is not None:
+        raise ValueError(f"{fmt} quantize: axis={axis!r} is not supported; scales run along the last axis (axis=None), "
+                         "their layout is chosen with block_size")
+    return block_size, dtype
+
 # %% ../../../nbs/06a_ops.quantization.config.ipynb #8ec77a11
 def kernels_module():
     "The `ops.quantization.kernels` module (fused NF4/INT8 matmuls), imported on first use."
@@ -235,3 +328,53 @@ def plain_matmul_kind(lhs, rhs, dimension_numbers) -> str | None:
     if not jnp.issubdtype(lhs.dtype, jnp.floating):
         return None
     return {(0,): "nn", (1,): "nt"}.get(tuple(rc))
+
+# %% ../../../nbs/06a_ops.quantization.config.ipynb #cfe0efe6
+def jaxpr_equations(
+    jaxpr: tp.Any,  # a `ClosedJaxpr` (as `jax.make_jaxpr` returns) or a `Jaxpr`
+) -> list:  # every equation, depth first
+    """The equations of `jaxpr` and of every jaxpr nested in their parameters (jit, custom_vjp, cond, scan,
+    pallas_call...)."""
+    from jax.extend import core as jcore
+
+    out, todo = [], [jaxpr]
+    while todo:
+        j = todo.pop()
+        for eqn in getattr(j, "jaxpr", j).eqns:
+            out.append(eqn)
+            for p in eqn.params.values():
+                subs = p if isinstance(p, (tuple, list)) else (p,)
+                todo += [s for s in subs if isinstance(s, (jcore.Jaxpr, jcore.ClosedJaxpr))]
+    return out
+
+
+def check_matmul_program(
+    w: QuantizedArray,  # a 2-D quantized weight (K, N), K != N
+    m: int,  # rows of the input `x` (M, K): 1 for a GEMV, more for a GEMM; not K or N
+    fused: tp.Sequence[str],  # names of the fused path: primitives ("pallas_call") or jitted functions
+) -> dict[str, int]:  # {"forward": n, "backward": n}: the fused calls found in each program
+    """Trace `x @ w` under `implicit` and its gradient w.r.t. `x`; raise `AssertionError` if a float array of the dense
+    shape `(K, N)` (or `(N, K)`) appears anywhere in either program, or if a program calls none of `fused`."""
+    from eformer_nb.jaximus import implicit
+
+    k, n = w.shape
+    if m in (k, n) or k == n:
+        raise ValueError(f"use K != N and m not in (K, N) so that only the weight has its shape; got K={k}, "
+                         f"N={n}, m={m}")
+    x = jnp.ones((m, k), w.dtype)
+    mm = implicit(lambda x, w: x @ w)
+    programs = {"forward": jax.make_jaxpr(mm)(x, w),
+                "backward": jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(mm(x, w))))(x, w)}
+    found = {}
+    for name, jaxpr in programs.items():
+        eqns = jaxpr_equations(jaxpr)
+        for e in eqns:
+            for v in e.outvars:
+                if tuple(v.aval.shape) in ((k, n), (n, k)) and jnp.issubdtype(v.aval.dtype, jnp.floating):
+                    raise AssertionError(f"the {name} program of x @ w (M={m}) builds a {v.aval.str_short()} array, "
+                                         f"the dense weight's shape, in `{e.primitive.name}`")
+        found[name] = sum(e.primitive.name in fused or e.params.get("name") in fused for e in eqns)
+        if not found[name]:
+            raise AssertionError(f"the {name} program of x @ w (M={m}) calls none of the fused paths {list(fused)}; "
+                                 f"it calls {sorted({e.primitive.name for e in eqns})}")
+    return found

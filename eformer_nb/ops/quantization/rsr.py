@@ -22,7 +22,7 @@ def _patterns(k: int, dtype) -> jax.Array:
     c = jnp.arange(2 ** k, dtype=jnp.int32)[:, None]
     return ((c >> jnp.arange(k - 1, -1, -1, dtype=jnp.int32)) & 1).astype(dtype)
 
-
+# %% ../../../nbs/06f_ops.quantization.rsr.ipynb #535eb984
 class RSROperatorBinary(ImplicitArray):
     "A 0/1 matrix (`n x m`) as RSR codes: `dot(v)` computes `v @ A` by segment sums."
     one_hot_maps: jax.Array  # int32 (m_blocks, n): each row's k-bit pattern in each block of k columns
@@ -59,7 +59,8 @@ class RSROperatorBinary(ImplicitArray):
     def quantize(cls, A, k: int = 8) -> RSROperatorBinary:
         "Binarize a real matrix (`A > 0` -> 1, else 0) and encode it."
         A = jnp.asarray(A)
-        return cls.from_matrix((A > 0).astype(jnp.int8), k, A.dtype if jnp.issubdtype(A.dtype, jnp.floating) else jnp.float32)
+        org = A.dtype if jnp.issubdtype(A.dtype, jnp.floating) else jnp.float32
+        return cls.from_matrix((A > 0).astype(jnp.int8), k, org)
 
     def dot(self, v: jax.Array) -> jax.Array:
         "`v @ A` for `v` of shape `(..., n)`: segment sums of `v` per pattern, times the pattern table."
