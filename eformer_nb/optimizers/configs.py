@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import json
 import typing as tp
 
 import numpy as np
 
 # %% auto #0
-__all__ = ['BUILTIN_SCHEDULERS', 'KRON_MEMORY_SAVE_MODES', 'WHITE_KRON_STYLES', 'OPTIMIZER_CONFIGS', 'check_range', 'check_int',
-           'check_choice', 'check_dtype', 'ConfigMixin', 'SchedulerConfig', 'AdamWConfig', 'AdafactorConfig',
-           'LionConfig', 'RMSPropConfig', 'MuonConfig', 'MarsConfig', 'SoapConfig', 'KronConfig', 'WhiteKronConfig',
-           'ScionConfig']
+__all__ = ['BUILTIN_SCHEDULERS', 'KRON_MEMORY_SAVE_MODES', 'KRON_PRECISIONS', 'WHITE_KRON_STYLES', 'OPTIMIZER_CONFIGS',
+           'check_range', 'check_int', 'check_choice', 'check_dtype', 'ConfigMixin', 'SchedulerConfig', 'AdamWConfig',
+           'AdafactorConfig', 'LionConfig', 'RMSPropConfig', 'MuonConfig', 'MarsConfig', 'SoapConfig', 'KronConfig',
+           'WhiteKronConfig', 'ScionConfig']
 
 # %% ../../nbs/08a_optimizers.configs.ipynb #1046b739
 def _fail(owner: str, name: str, value, expected: str) -> tp.NoReturn:
@@ -78,7 +79,7 @@ class ConfigMixin:
         "Build a config from a mapping; unknown keys raise `ValueError` listing the valid fields."
         if not isinstance(data, tp.Mapping):
             raise TypeError(f"{cls.__name__}.from_dict expected a mapping, got {type(data).__name__}: {data!r}")
-        valid = [f.name for f in dataclasses.fields(cls)]
+        valid = list(inspect.signature(cls).parameters)  # the fields and any InitVar aliases (e.g. KronConfig.b1)
         unknown = [k for k in data if k not in valid]
         if unknown:
             hints = {k: difflib.get_close_matches(k, valid, n=1) for k in unknown}
@@ -206,6 +207,7 @@ class AdafactorConfig(ConfigMixin):
         check_range(o, "eps", self.eps, 0)
 
 
+# %% ../../nbs/08a_optimizers.configs.ipynb #b19c7e6f
 @dataclasses.dataclass
 class LionConfig(ConfigMixin):
     "Lion (`optax.lion`)."
@@ -271,7 +273,7 @@ class MuonConfig(ConfigMixin):
         check_range(o, "weight_decay", self.weight_decay, 0)
         check_range(o, "adam_weight_decay", self.adam_weight_decay, 0)
 
-# %% ../../nbs/08a_optimizers.configs.ipynb #afb6f0f1
+# %% ../../nbs/08a_optimizers.configs.ipynb #0864adea
 @dataclasses.dataclass
 class MarsConfig(ConfigMixin):
     "MARS-AdamW (Yuan et al. 2024): Adam on a variance-reduced gradient; `gamma=0` and no clipping is Adam."
@@ -293,100 +295,162 @@ class MarsConfig(ConfigMixin):
         check_range(o, "max_grad_norm", self.max_grad_norm, 0, lo_inclusive=False, allow_none=True)
         check_dtype(o, "mu_dtype", self.mu_dtype)
 
-
+# %% ../../nbs/08a_optimizers.configs.ipynb #0c763cc3
 @dataclasses.dataclass
 class SoapConfig(ConfigMixin):
-    "SOAP (Vyas et al. 2024): Adam in the eigenbasis of Shampoo's preconditioner."
-    beta1: float = 0.95
-    beta2: float = 0.95
+    "SOAP (Vyas et al. 2024): Adam in the eigenbasis of Shampoo's preconditioner. eformer's fields, in its order."
+    weight_decay: float = 0.0  # decoupled weight decay (used when `OptimizerFactory.create` gets no weight_decay)
+    beta1: float = 0.95  # EMA rate of the first moment
+    beta2: float = 0.95  # EMA rate of the second moment
     shampoo_beta: float = 0.95  # EMA rate of the Shampoo statistics G G^T and G^T G
-    epsilon: float = 1e-8
+    epsilon: float = 1e-8  # added to sqrt(second moment)
+    max_grad_norm: float | None = 1.0  # clip the gradients to this global norm first (None: no clip)
+    haps: list[int] | None = None  # eformer's per-parameter schedule: not implemented (must stay None)
+    schedule_list: list[str] | None = None  # likewise: not implemented (must stay None)
     precondition_frequency: int = 10  # refresh the eigenbasis every this many steps (QR power iteration)
     max_precond_dim: int = 10000  # dimensions larger than this are not rotated (identity basis)
+    merge_small_dims: bool = True  # join small adjacent axes before preconditioning (see `transforms.blockwise`)
+    one_diag: bool = False  # the largest axis of each tensor keeps the identity basis
+    target_merged_dim_size: int = 2048  # the largest merged axis
+    mu_dtype: str | None = None  # dtype of the first moment
     precond_dtype: str | None = None  # dtype of statistics and eigenbases (default: the parameter's)
+    partition_grads_into_blocks: bool = True  # precondition blocks of `block_size` separately
+    block_size: int = 256  # the block length
 
     def __post_init__(self):
         o = type(self).__name__
+        for n in ("haps", "schedule_list"):
+            if getattr(self, n) is not None:
+                raise NotImplementedError(f"{o}.{n}={getattr(self, n)!r}: eformer's per-parameter SOAP schedules are not "
+                                          "implemented here; leave it None")
+        check_range(o, "weight_decay", self.weight_decay, 0)
         for n in ("beta1", "beta2", "shampoo_beta"):
             check_range(o, n, getattr(self, n), 0, 1, hi_inclusive=False)
         check_range(o, "epsilon", self.epsilon, 0)
-        check_int(o, "precondition_frequency", self.precondition_frequency, 1)
-        check_int(o, "max_precond_dim", self.max_precond_dim, 1)
+        check_range(o, "max_grad_norm", self.max_grad_norm, 0, lo_inclusive=False, allow_none=True)
+        for n, lo in (("precondition_frequency", 1), ("max_precond_dim", 1), ("target_merged_dim_size", 1), ("block_size", 1)):
+            check_int(o, n, getattr(self, n), lo)
+        check_dtype(o, "mu_dtype", self.mu_dtype)
         check_dtype(o, "precond_dtype", self.precond_dtype)
 
-
+# %% ../../nbs/08a_optimizers.configs.ipynb #73767273
 KRON_MEMORY_SAVE_MODES = (None, "one_diag", "all_diag")
+KRON_PRECISIONS = (None, "bfloat16", "tensorfloat32", "float32")
 
 
 @dataclasses.dataclass
 class KronConfig(ConfigMixin):
     """PSGD Kron (Li 2015/2024; the psgd-jax formulation): Kronecker-factored preconditioner fitted on Lie groups.
-    The defaults are psgd-jax 0.2.9's: update probability 1.0 for 500 steps, then annealed to 0.03."""
-    b1: float = 0.9
-    preconditioner_update_probability: float = 0.03  # final probability; annealed from 1.0 (see `update_prob_flat_start`)
+    eformer's fields in its order, then ours; `b1` is the older name of `beta1`."""
+    beta1: float = 0.9  # momentum rate
+    weight_decay: float = 0.1  # decoupled weight decay (used when `OptimizerFactory.create` gets no weight_decay)
+    max_grad_norm: float | None = 1.0  # clip the gradients to this global norm first (None: no clip)
+    normalize_grads: bool = False  # divide each gradient by its RMS before the momentum
+    preconditioner_update_probability: float = 0.05  # final probability; annealed from 1.0 (see `update_prob_flat_start`)
     update_prob_flat_start: int | None = 500  # steps at probability 1.0 before annealing; None: constant probability
-    update_prob_decay: float = 0.001  # exponential anneal rate after the flat start
-    max_size_triangular: int = 8192  # dims larger than this get a diagonal factor
+    max_size_triangular: int = 25000  # dims larger than this get a diagonal factor
     min_ndim_triangular: int = 2  # tensors with fewer dims get diagonal factors
     memory_save_mode: str | None = None  # None, "one_diag" or "all_diag"
-    momentum_into_precond_update: bool = True
-    preconditioner_lr: float = 0.1
-    preconditioner_init_scale: float = 1.0
-    mu_dtype: str | None = None
-    precond_dtype: str | None = None
+    preconditioner_lr: float = 0.1  # the factors' Lie-group step size
+    preconditioner_init_scale: float = 1.0  # initial scale of the preconditioner
+    mu_dtype: str | None = None  # dtype of the momentum
+    precond_dtype: str | None = None  # dtype of the factors
+    precond_update_precision: str | None = "tensorfloat32"  # matmul precision of the fit
+    precond_grads_precision: str | None = None  # matmul precision of applying the preconditioner
+    lax_map_scanned_layers: bool = False  # map scanned layers with `lax.map` instead of vmap
+    lax_map_batch_size: int = 8  # layers per `lax.map` step
+    merge_small_dims: bool = True  # join small adjacent axes (see `transforms.blockwise`)
+    target_merged_dim_size: int = 8192  # the largest merged axis
+    partition_grads_into_blocks: bool = True  # precondition blocks of `block_size` separately
+    block_size: int = 256  # the block length
+    update_prob_decay: float = 0.001  # exponential anneal rate after the flat start
+    momentum_into_precond_update: bool = True  # fit to the momentum (else the raw gradient)
     seed: int = 5318008  # PRNG seed of the preconditioner's random probes (psgd-jax's fixed key)
+    b1: dataclasses.InitVar[float | None] = None  # the older name of `beta1`
 
-    def __post_init__(self):
+    def __post_init__(self, b1=None):
         o = type(self).__name__
-        check_range(o, "b1", self.b1, 0, 1, hi_inclusive=False)
+        if b1 is not None:
+            if self.beta1 not in (0.9, b1):
+                raise ValueError(f"{o}: got beta1={self.beta1!r} and its older name b1={b1!r}; give one")
+            self.beta1 = b1
+        check_range(o, "beta1", self.beta1, 0, 1, hi_inclusive=False)
+        check_range(o, "weight_decay", self.weight_decay, 0)
+        check_range(o, "max_grad_norm", self.max_grad_norm, 0, lo_inclusive=False, allow_none=True)
         check_range(o, "preconditioner_update_probability", self.preconditioner_update_probability, 0, 1, lo_inclusive=False)
         check_int(o, "update_prob_flat_start", self.update_prob_flat_start, 0, allow_none=True)
         check_range(o, "update_prob_decay", self.update_prob_decay, 0)
-        check_int(o, "max_size_triangular", self.max_size_triangular, 1)
-        check_int(o, "min_ndim_triangular", self.min_ndim_triangular, 0)
+        for n, lo in (("max_size_triangular", 1), ("min_ndim_triangular", 0), ("lax_map_batch_size", 1),
+                      ("target_merged_dim_size", 1), ("block_size", 1), ("seed", 0)):
+            check_int(o, n, getattr(self, n), lo)
         check_choice(o, "memory_save_mode", self.memory_save_mode, KRON_MEMORY_SAVE_MODES)
+        check_choice(o, "precond_update_precision", self.precond_update_precision, KRON_PRECISIONS)
+        check_choice(o, "precond_grads_precision", self.precond_grads_precision, KRON_PRECISIONS)
         check_range(o, "preconditioner_lr", self.preconditioner_lr, 0, 1, lo_inclusive=False)
         check_range(o, "preconditioner_init_scale", self.preconditioner_init_scale, 0, lo_inclusive=False)
         check_dtype(o, "mu_dtype", self.mu_dtype)
         check_dtype(o, "precond_dtype", self.precond_dtype)
-        check_int(o, "seed", self.seed, 0)
 
-
+# %% ../../nbs/08a_optimizers.configs.ipynb #e7005746
 WHITE_KRON_STYLES = ("quad", "skew")
 
 
 @dataclasses.dataclass
 class WhiteKronConfig(ConfigMixin):
     """PSGD Kron *whitening* preconditioner with symmetric factors, updated in the "quad" (quadratic form)
-    or "skew" (Q^0.5 E Q^1.5 with a skew-symmetric Procrustes rotation) style; see `optimizers.kron`."""
-    update_style: str = "quad"  # "quad" or "skew"
-    b1: float = 0.95
-    preconditioner_lr: float = 0.7
-    preconditioner_init_scale: float = 1.0
-    beta_lipschitz: float = 0.9  # EMA rate of the per-factor Lipschitz estimate that normalises the step
-    damping: float = 1e-9  # tiny noise added to the gradient before fitting
-    max_size_dense: int = 8192  # dims larger than this get a diagonal factor
-    max_skew_dense: float = 1.0  # a dim of size d gets a dense factor only if d**2 <= max_skew_dense * numel
+    or "skew" (Q^0.5 E Q^1.5 with a skew-symmetric Procrustes rotation) style; see `optimizers.kron`.
+    eformer's fields in its order, then ours; `damping`/`precond_dtype` are the older names of `noise_scale`/`dtype`."""
     lr_style: str | None = "adam"  # "adam": scale updates to Adam-like RMS 0.2; None: PSGD's RMS 1
+    b1: float = 0.95  # momentum rate
     normalize_grads: bool = False  # divide each gradient by its RMS before use
-    mu_dtype: str | None = None
-    precond_dtype: str | None = None
-    seed: int = 0
+    max_size_dense: int = 16384  # dims larger than this get a diagonal factor
+    preconditioner_lr: float = 0.7  # the factors' step size
+    preconditioner_init_scale: float = 1.0  # initial scale of the preconditioner
+    dtype: str | None = "bfloat16"  # dtype of the factors (None: the parameter's)
+    scanned_layers: tp.Any | None = None  # eformer's scanned layers: not implemented (must stay None)
+    block_size: int = 256  # axes longer than this are cut into blocks, each with its own preconditioner
+    pipeline_axis_name: str | None = None  # eformer's pipeline sharding: not implemented (must stay None)
+    pipeline_axis_size: int = 1  # likewise (must stay 1)
+    params_partition_specs: tp.Any | None = None  # likewise (must stay None)
+    noise_scale: float = 1e-9  # tiny noise added to the gradient before fitting
+    weight_decay: float = 0.1  # decoupled weight decay (used when `OptimizerFactory.create` gets no weight_decay)
+    weight_decay_mask: tp.Any | None = None  # which parameters decay (a pytree of bools or params -> pytree); None: all
+    update_style: str = "quad"  # "quad" or "skew"
+    beta_lipschitz: float = 0.9  # EMA rate of the per-factor Lipschitz estimate that normalises the step
+    max_skew_dense: float = 1.0  # a dim of size d gets a dense factor only if d**2 <= max_skew_dense * numel
+    mu_dtype: str | None = None  # dtype of the momentum
+    seed: int = 0  # PRNG seed of the fitting noise
+    damping: dataclasses.InitVar[float | None] = None  # the older name of `noise_scale`
+    precond_dtype: dataclasses.InitVar[str | None] = None  # the older name of `dtype`
 
-    def __post_init__(self):
+    def __post_init__(self, damping=None, precond_dtype=None):
         o = type(self).__name__
+        for old, new, val, default in (("damping", "noise_scale", damping, 1e-9), ("precond_dtype", "dtype", precond_dtype, "bfloat16")):
+            if val is not None:
+                if getattr(self, new) not in (default, val):
+                    raise ValueError(f"{o}: got {new}={getattr(self, new)!r} and its older name {old}={val!r}; give one")
+                setattr(self, new, val)
+        if self.dtype is not None and not isinstance(self.dtype, str):
+            self.dtype = np.dtype(self.dtype).name  # a jnp dtype, as eformer's default, becomes its name
+        for n, default in (("scanned_layers", None), ("pipeline_axis_name", None), ("pipeline_axis_size", 1),
+                           ("params_partition_specs", None)):
+            if getattr(self, n) != default:
+                raise NotImplementedError(f"{o}.{n}={getattr(self, n)!r}: eformer's distributed WhiteKron options are not "
+                                          f"implemented here; leave it at {default!r}")
         check_choice(o, "update_style", self.update_style, WHITE_KRON_STYLES)
-        check_range(o, "b1", self.b1, 0, 1, hi_inclusive=False)
-        check_range(o, "preconditioner_lr", self.preconditioner_lr, 0, 1, lo_inclusive=False)
-        check_range(o, "preconditioner_init_scale", self.preconditioner_init_scale, 0, lo_inclusive=False)
-        check_range(o, "beta_lipschitz", self.beta_lipschitz, 0, 1, hi_inclusive=False)
-        check_range(o, "damping", self.damping, 0)
-        check_int(o, "max_size_dense", self.max_size_dense, 1)
-        check_range(o, "max_skew_dense", self.max_skew_dense, 0, lo_inclusive=False)
         check_choice(o, "lr_style", self.lr_style, ("adam", None))
-        check_dtype(o, "mu_dtype", self.mu_dtype)
-        check_dtype(o, "precond_dtype", self.precond_dtype)
+        for n in ("b1", "beta_lipschitz"):
+            check_range(o, n, getattr(self, n), 0, 1, hi_inclusive=False)
+        check_range(o, "preconditioner_lr", self.preconditioner_lr, 0, 1, lo_inclusive=False)
+        for n in ("preconditioner_init_scale", "max_skew_dense"):
+            check_range(o, n, getattr(self, n), 0, lo_inclusive=False)
+        check_range(o, "noise_scale", self.noise_scale, 0)
+        check_range(o, "weight_decay", self.weight_decay, 0)
+        for n in ("max_size_dense", "block_size"):
+            check_int(o, n, getattr(self, n), 1)
         check_int(o, "seed", self.seed, 0)
+        check_dtype(o, "mu_dtype", self.mu_dtype)
+        check_dtype(o, "dtype", self.dtype)
 
 # %% ../../nbs/08a_optimizers.configs.ipynb #c135b578
 OPTIMIZER_CONFIGS: dict[str, type] = {

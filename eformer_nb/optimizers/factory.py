@@ -21,7 +21,7 @@ from eformer_nb.optimizers.configs import (
 )
 from .kron import precond_update_prob_schedule, scale_by_kron, scale_by_white_kron
 from .schedulers import SchedulerFactory
-from .transforms import optax_add_scheduled_weight_decay, scale_by_mars, scale_by_soap
+from .transforms import blockwise, optax_add_scheduled_weight_decay, scale_by_mars, scale_by_soap
 
 # %% auto #0
 __all__ = ['MAX_CONSECUTIVE_NONFINITE', 'AdamWOptimizer', 'AdafactorOptimizer', 'LionOptimizer', 'RMSPropOptimizer',
@@ -78,7 +78,7 @@ def available_optimizers() -> list[str]:
     "The registered optimizer names, sorted."
     return sorted(_OPTIMIZERS)
 
-# %% ../../nbs/08e_optimizers.factory.ipynb #4bd0eb5b
+# %% ../../nbs/08e_optimizers.factory.ipynb #cda1a475
 def _dt(name: str | None):
     return None if name is None else jnp.dtype(name)
 
@@ -127,6 +127,19 @@ def _muon(c: MuonConfig, schedule):
                               adam_b1=c.adam_b1, adam_b2=c.adam_b2, adam_eps_root=c.adam_eps_root,
                               adam_weight_decay=c.adam_weight_decay)
 
+# %% ../../nbs/08e_optimizers.factory.ipynb #bc0c094f
+def _clipped(c, tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    "`optax.clip_by_global_norm(c.max_grad_norm)` before `tx` (just `tx` when the config's `max_grad_norm` is None)."
+    return tx if c.max_grad_norm is None else optax.chain(optax.clip_by_global_norm(c.max_grad_norm), tx)
+
+
+def _blocked(c, make: tp.Callable[[tp.Any], optax.GradientTransformation], merge: bool | None = None):
+    "`make(None)` run by `blockwise` with the config's merge/block options (plain `make(None)` when both are off)."
+    merge = c.merge_small_dims if merge is None else merge
+    if not (merge or c.partition_grads_into_blocks):
+        return make(None)
+    return blockwise(make, merge, getattr(c, "target_merged_dim_size", 8192), c.partition_grads_into_blocks, c.block_size)
+
 
 @register_optimizer("mars", MarsConfig)
 def _mars(c: MarsConfig, schedule, weight_decay=0.0, weight_decay_mask=None):
@@ -136,12 +149,15 @@ def _mars(c: MarsConfig, schedule, weight_decay=0.0, weight_decay_mask=None):
 
 @register_optimizer("soap", SoapConfig)
 def _soap(c: SoapConfig, schedule, weight_decay=0.0, weight_decay_mask=None):
-    d = scale_by_soap(c.beta1, c.beta2, c.shampoo_beta, c.epsilon, c.precondition_frequency, c.max_precond_dim,
-                      _dt(c.precond_dtype))
-    return _with_decay(d, schedule, weight_decay, weight_decay_mask)
+    d = _blocked(c, lambda flags: scale_by_soap(
+        c.beta1, c.beta2, c.shampoo_beta, c.epsilon, c.precondition_frequency, c.max_precond_dim, _dt(c.precond_dtype),
+        one_diag=c.one_diag, mu_dtype=_dt(c.mu_dtype)))
+    return _clipped(c, _with_decay(d, schedule, weight_decay or c.weight_decay, weight_decay_mask))
 
-
-def kron_update_probability(c: KronConfig):
+# %% ../../nbs/08e_optimizers.factory.ipynb #1bada1b7
+def kron_update_probability(
+    c: KronConfig,  # the Kron config
+) -> float | tp.Callable[[jax.Array], jax.Array]:  # a constant, or step -> probability
     "The preconditioner-update probability of a `KronConfig`: a constant, or psgd-jax's annealed schedule."
     if c.update_prob_flat_start is None:
         return c.preconditioner_update_probability
@@ -151,21 +167,28 @@ def kron_update_probability(c: KronConfig):
 
 @register_optimizer("kron", KronConfig)
 def _kron(c: KronConfig, schedule, weight_decay=0.0, weight_decay_mask=None):
-    d = scale_by_kron(b1=c.b1, preconditioner_update_probability=kron_update_probability(c),
-                      max_size_triangular=c.max_size_triangular, min_ndim_triangular=c.min_ndim_triangular,
-                      memory_save_mode=c.memory_save_mode, momentum_into_precond_update=c.momentum_into_precond_update,
-                      preconditioner_lr=c.preconditioner_lr, preconditioner_init_scale=c.preconditioner_init_scale,
-                      mu_dtype=_dt(c.mu_dtype), precond_dtype=_dt(c.precond_dtype), seed=c.seed)
-    return _with_decay(d, schedule, weight_decay, weight_decay_mask)
+    d = scale_by_kron(
+        b1=c.beta1, preconditioner_update_probability=kron_update_probability(c),
+        max_size_triangular=c.max_size_triangular, min_ndim_triangular=c.min_ndim_triangular,
+        memory_save_mode=c.memory_save_mode, momentum_into_precond_update=c.momentum_into_precond_update,
+        preconditioner_lr=c.preconditioner_lr, preconditioner_init_scale=c.preconditioner_init_scale,
+        mu_dtype=_dt(c.mu_dtype), precond_dtype=_dt(c.precond_dtype), precond_update_precision=c.precond_update_precision,
+        precond_grads_precision=c.precond_grads_precision, lax_map_scanned_layers=c.lax_map_scanned_layers,
+        lax_map_batch_size=c.lax_map_batch_size, seed=c.seed, normalize_grads=c.normalize_grads,
+        merge_small_dims=c.merge_small_dims, target_merged_dim_size=c.target_merged_dim_size,
+        partition_grads_into_blocks=c.partition_grads_into_blocks, block_size=c.block_size)
+    return _clipped(c, _with_decay(d, schedule, weight_decay or c.weight_decay, weight_decay_mask))
 
 
 def _white_kron(c: WhiteKronConfig, schedule, weight_decay=0.0, weight_decay_mask=None):
-    d = scale_by_white_kron(update_style=c.update_style, b1=c.b1, preconditioner_lr=c.preconditioner_lr,
-                            preconditioner_init_scale=c.preconditioner_init_scale, beta_lipschitz=c.beta_lipschitz,
-                            damping=c.damping, max_size_dense=c.max_size_dense, max_skew_dense=c.max_skew_dense,
-                            lr_style=c.lr_style, normalize_grads=c.normalize_grads, mu_dtype=_dt(c.mu_dtype),
-                            precond_dtype=_dt(c.precond_dtype), seed=c.seed)
-    return _with_decay(d, schedule, weight_decay, weight_decay_mask)
+    d = blockwise(lambda flags: scale_by_white_kron(
+        update_style=c.update_style, b1=c.b1, preconditioner_lr=c.preconditioner_lr,
+        preconditioner_init_scale=c.preconditioner_init_scale, beta_lipschitz=c.beta_lipschitz, damping=c.noise_scale,
+        max_size_dense=c.max_size_dense, max_skew_dense=c.max_skew_dense, lr_style=c.lr_style,
+        normalize_grads=c.normalize_grads, mu_dtype=_dt(c.mu_dtype), precond_dtype=_dt(c.dtype), seed=c.seed),
+        merge_small_dims=False, partition_grads_into_blocks=True, block_size=c.block_size)
+    return _with_decay(d, schedule, weight_decay or c.weight_decay,
+                       c.weight_decay_mask if weight_decay_mask is None else weight_decay_mask)
 
 
 register_optimizer("whitekron", WhiteKronConfig)(_white_kron)

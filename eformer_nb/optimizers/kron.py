@@ -5,6 +5,7 @@
 # %% ../../nbs/08d_optimizers.kron.ipynb #4fed6900
 from __future__ import annotations
 
+import contextlib
 import string
 import typing as tp
 
@@ -13,6 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from optax import tree_utils as otu
+
+from .configs import KRON_PRECISIONS
+from .transforms import _leaf_flags, blockwise
 
 # %% auto #0
 __all__ = ['kron_dense_axes', 'kron_exprs', 'norm_lower_bound', 'balance_factors', 'solve_triangular_right',
@@ -109,7 +113,7 @@ def solve_triangular_right(X: jax.Array, A: jax.Array) -> jax.Array:
     out = solve(X.astype(dt))
     return out[0] if squeeze else out
 
-# %% ../../nbs/08d_optimizers.kron.ipynb #c8c3ea6b
+# %% ../../nbs/08d_optimizers.kron.ipynb #b9c60415
 def _init_factors(t, dense_flags, init_scale: float, dtype) -> list:
     "Initial Kronecker factors of `t`: `init_scale` spread over the axes, identity for dense axes, ones for diagonal ones."
     if t.ndim == 0:
@@ -118,8 +122,12 @@ def _init_factors(t, dense_flags, init_scale: float, dtype) -> list:
     return [s * (jnp.eye(d, dtype=dtype) if dense else jnp.ones(d, dtype=dtype)) for d, dense in zip(t.shape, dense_flags)]
 
 
-def precond_update_prob_schedule(max_prob: float = 1.0, min_prob: float = 0.03, decay: float = 0.001,
-                                 flat_start: int = 500) -> tp.Callable[[jax.Array], jax.Array]:
+def precond_update_prob_schedule(
+    max_prob: float = 1.0,  # the probability during the flat start
+    min_prob: float = 0.03,  # the floor of the anneal
+    decay: float = 0.001,  # exponential decay rate per step after the flat start
+    flat_start: int = 500,  # steps at `max_prob`
+) -> tp.Callable[[jax.Array], jax.Array]:  # step -> probability
     "Exponentially annealed preconditioner-update probability with a flat start."
     def schedule(step):
         return jnp.minimum(jnp.maximum(max_prob * jnp.exp(-decay * (step - flat_start)), min_prob), max_prob)
@@ -132,7 +140,7 @@ class ScaleByKronState(tp.NamedTuple):
     Qs: tp.Any  # per leaf: a list of factors (matrix = dense, vector = diagonal)
     update_counter: jax.Array  # steps since the last preconditioner update (int32)
 
-
+# %% ../../nbs/08d_optimizers.kron.ipynb #5323732a
 def _conj_b(Q: list[jax.Array], G: jax.Array, V: jax.Array) -> jax.Array:
     "`conj(B)` with `B = Q^-H V` in tensor form: each factor's inverse applied along its axis."
     order = G.ndim
@@ -168,23 +176,111 @@ def _rms_cap(u, cap: float = 1.1):
     sq = (u * u.conj()).real if jnp.iscomplexobj(u) else u * u
     return u / jnp.maximum(1.0, jnp.sqrt(jnp.mean(sq)) / cap)
 
+# %% ../../nbs/08d_optimizers.kron.ipynb #8a60c415
+def _precision(p):
+    "A `jax.default_matmul_precision` context, or no context for None."
+    return contextlib.nullcontext() if p is None else jax.default_matmul_precision(p)
 
-def scale_by_kron(b1: float = 0.9,
-                  preconditioner_update_probability: float | tp.Callable[[jax.Array], jax.Array] = precond_update_prob_schedule(),
-                  max_size_triangular: int = 8192, min_ndim_triangular: int = 2, memory_save_mode: str | None = None,
-                  momentum_into_precond_update: bool = True, preconditioner_lr: float = 0.1,
-                  preconditioner_init_scale: float = 1.0, mu_dtype: tp.Any | None = None,
-                  precond_dtype: tp.Any | None = None, seed: int = 5318008,
-                  scanned_layers: tp.Any | tp.Callable[[optax.Params], tp.Any] | None = None) -> optax.GradientTransformation:
-    """PSGD Kron direction (without the learning rate), as in psgd-jax 0.2.9. `scanned_layers` (a pytree of
-    bools like the params, or a callable `params -> pytree`) marks stacked layers: their first axis is the layer
-    axis, and each layer gets its own preconditioner (vmapped)."""
+
+def _check_kron_options(b1, prob, memory_save_mode, precisions: dict, lax_map_batch_size) -> None:
+    "Validate `scale_by_kron`'s options (clear errors naming the bad value)."
     if isinstance(b1, bool) or not isinstance(b1, (int, float)) or not 0 <= b1 < 1:
         raise ValueError(f"scale_by_kron: b1={b1!r} is invalid: expected a number in [0, 1).")
-    if not callable(preconditioner_update_probability) and not 0 < preconditioner_update_probability <= 1:
-        raise ValueError(f"scale_by_kron: preconditioner_update_probability={preconditioner_update_probability!r} "
+    if not callable(prob) and not 0 < prob <= 1:
+        raise ValueError(f"scale_by_kron: preconditioner_update_probability={prob!r} "
                          "is invalid: expected a number in (0, 1] or a schedule step -> probability.")
     kron_dense_axes((), 1, memory_save_mode=memory_save_mode)  # validates the mode
+    for name, p in precisions.items():
+        if p not in KRON_PRECISIONS:
+            raise ValueError(f"scale_by_kron: {name}={p!r} is invalid: expected one of {list(KRON_PRECISIONS)}.")
+    if isinstance(lax_map_batch_size, bool) or not isinstance(lax_map_batch_size, int) or lax_map_batch_size < 1:
+        raise ValueError(f"scale_by_kron: lax_map_batch_size={lax_map_batch_size!r} is invalid: expected an integer >= 1.")
+
+
+def _normalize_grads() -> optax.GradientTransformation:
+    "Divide each gradient by its RMS (a zero gradient stays zero)."
+    def update_fn(updates, state, params=None):
+        return jax.tree.map(lambda g: g / (jnp.sqrt(jnp.mean(jnp.square(g))) + 1e-30), updates), state
+    return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
+
+# %% ../../nbs/08d_optimizers.kron.ipynb #e4caf9b9
+def _kron_fit(key, Qs, fit_in, exprs, scans, mapped, lr):
+    "One preconditioner fit of every leaf: maybe re-balance (1%), draw probes, one Lie-group step per factor."
+    key, sub = jax.random.split(key)
+    Qs = jax.lax.cond(jax.random.uniform(sub) < 0.01,
+                      lambda qs: [mapped(sc, balance_factors, q) if len(q) > 1 else q for q, sc in zip(qs, scans)],
+                      lambda qs: qs, Qs)
+    key, sub = jax.random.split(key)
+    Vs = [jax.random.normal(k, g.shape, g.dtype) for k, g in zip(jax.random.split(sub, len(fit_in)), fit_in)]
+    damp = jnp.sqrt(jnp.finfo(jnp.float32).eps)
+    fit_in = [g + damp.astype(g.dtype) * jnp.mean(jnp.abs(g)) * v for g, v in zip(fit_in, Vs)]
+    return [mapped(sc, lambda Q, g, v, e=e: _fit_kron_factors(Q, g, _conj_b(Q, g, v), e, lr), Q, g, v)
+            for Q, g, v, e, sc in zip(Qs, fit_in, Vs, exprs, scans)]
+
+
+def _layer_map(lax_map: bool, batch_size: int):
+    "`mapped(scan, fn, *args)`: `fn(*args)`, or `fn` over the layer axis of a scanned leaf (vmap, or `lax.map`)."
+    def mapped(scan: bool, fn, *args):
+        if not scan: return fn(*args)
+        if lax_map: return jax.lax.map(lambda a: fn(*a), args, batch_size=batch_size if batch_size > 1 else None)
+        return jax.vmap(fn)(*args)
+    return mapped
+
+
+def _kron_scan_flags(tree, scanned_layers) -> list[bool]:
+    "Per leaf: is it a stack of scanned layers? (a scanned leaf needs a leading layer axis)"
+    flags = _leaf_flags(tree, scanned_layers)
+    for f, t in zip(flags, jax.tree.leaves(tree)):
+        if f and jnp.ndim(t) < 1:
+            raise ValueError(f"scale_by_kron: a scanned layer needs a leading layer axis; got a leaf of shape {jnp.shape(t)}")
+    return flags
+
+# %% ../../nbs/08d_optimizers.kron.ipynb #d381a98d
+def scale_by_kron(
+    b1: float = 0.9,  # momentum rate (0: no momentum)
+    preconditioner_update_probability: float | tp.Callable = precond_update_prob_schedule(),  # a number or step -> p
+    max_size_triangular: int = 8192,  # axes longer than this get a diagonal factor
+    min_ndim_triangular: int = 2,  # tensors with fewer axes get diagonal factors
+    memory_save_mode: str | None = None,  # None, "one_diag" (largest axis diagonal) or "all_diag"
+    momentum_into_precond_update: bool = True,  # fit the preconditioner to the momentum (else the raw gradient)
+    preconditioner_lr: float = 0.1,  # the factors' Lie-group step size
+    preconditioner_init_scale: float = 1.0,  # initial scale of the preconditioner
+    mu_dtype: tp.Any | None = None,  # dtype of the stored momentum
+    precond_dtype: tp.Any | None = None,  # dtype of the factors
+    precond_update_precision: str | None = "tensorfloat32",  # matmul precision of the fit
+    precond_grads_precision: str | None = None,  # matmul precision of applying the preconditioner
+    scanned_layers: tp.Any = None,  # pytree of bools (or params -> pytree): stacked layers, one preconditioner each
+    lax_map_scanned_layers: bool = False,  # map scanned layers with `lax.map` (less memory) instead of vmap
+    lax_map_batch_size: int = 8,  # layers per `lax.map` step
+    seed: int = 5318008,  # PRNG seed of the random probes (psgd-jax's)
+    normalize_grads: bool = False,  # divide each gradient by its RMS first
+    merge_small_dims: bool = False,  # join small adjacent axes (see `blockwise`)
+    target_merged_dim_size: int = 8192,  # the largest merged axis
+    partition_grads_into_blocks: bool = False,  # precondition blocks of `block_size` separately
+    block_size: int = 256,  # the block length
+) -> optax.GradientTransformation:  # the Kron direction, without the learning rate
+    "PSGD Kron direction (without the learning rate), as in psgd-jax 0.2.9, with optional merged dims and blocks."
+    _check_kron_options(b1, preconditioner_update_probability, memory_save_mode,
+                        {"precond_update_precision": precond_update_precision,
+                         "precond_grads_precision": precond_grads_precision}, lax_map_batch_size)
+    opts = {k: v for k, v in locals().items() if k not in ("normalize_grads", "merge_small_dims", "partition_grads_into_blocks")}
+    if normalize_grads:
+        return optax.chain(_normalize_grads(), scale_by_kron(**opts, merge_small_dims=merge_small_dims,
+                                                             partition_grads_into_blocks=partition_grads_into_blocks))
+    if merge_small_dims or partition_grads_into_blocks:
+        opts.pop("scanned_layers")
+        return blockwise(lambda flags: scale_by_kron(**opts, scanned_layers=flags), merge_small_dims,
+                         target_merged_dim_size, partition_grads_into_blocks, block_size, scanned_layers)
+    return _scale_by_kron(b1, preconditioner_update_probability, max_size_triangular, min_ndim_triangular,
+                          memory_save_mode, momentum_into_precond_update, preconditioner_lr, preconditioner_init_scale,
+                          mu_dtype, precond_dtype, precond_update_precision, precond_grads_precision, scanned_layers,
+                          _layer_map(lax_map_scanned_layers, lax_map_batch_size), seed)
+
+# %% ../../nbs/08d_optimizers.kron.ipynb #faeca316
+def _scale_by_kron(b1, prob, max_size_triangular, min_ndim_triangular, memory_save_mode, momentum_into_precond_update,
+                   preconditioner_lr, preconditioner_init_scale, mu_dtype, precond_dtype, update_precision,
+                   grads_precision, scanned_layers, mapped, seed) -> optax.GradientTransformation:
+    "The Kron transform on whole tensors (`scale_by_kron` without normalising, merging or blocks)."
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
     pdt = None if precond_dtype is None else jnp.dtype(precond_dtype)
 
@@ -192,27 +288,11 @@ def scale_by_kron(b1: float = 0.9,
         dense = kron_dense_axes(t.shape, max_size_triangular, min_ndim_triangular, memory_save_mode)
         return dense, kron_exprs(dense)
 
-    def scan_flags(tree) -> list[bool]:
-        "Per leaf of `tree`: is it a stack of scanned layers?"
-        if scanned_layers is None: return [False] * len(jax.tree.leaves(tree))
-        flags = scanned_layers(tree) if callable(scanned_layers) else scanned_layers
-        flags = jax.tree.structure(tree).flatten_up_to(flags)
-        for f, t in zip(flags, jax.tree.leaves(tree)):
-            if f and jnp.ndim(t) < 1:
-                raise ValueError(f"scale_by_kron: a scanned layer needs a leading layer axis; got a leaf of shape {jnp.shape(t)}")
-        return [bool(f) for f in flags]
-
-    def mapped(scan: bool, fn, *args):
-        "`fn(*args)`, or `fn` vmapped over the layer axis of a scanned leaf."
-        return jax.vmap(fn)(*args) if scan else fn(*args)
-
     def init_fn(params):
-        def factors(t):
-            return _init_factors(t, layout(t)[0], preconditioner_init_scale, pdt)
         leaves, treedef = jax.tree.flatten(params)
         Qs = []
-        for t, scan in zip(leaves, scan_flags(params)):
-            Q = factors(t[0] if scan else t)
+        for t, scan in zip(leaves, _kron_scan_flags(params, scanned_layers)):
+            Q = _init_factors(t[0] if scan else t, layout(t[0] if scan else t)[0], preconditioner_init_scale, pdt)
             Qs.append([jnp.repeat(q[None], t.shape[0], axis=0) for q in Q] if scan else Q)
         mu = otu.tree_zeros_like(params, dtype=mu_dtype) if b1 > 0 else None
         return ScaleByKronState(count=jnp.zeros([], jnp.int32), mu=mu, Qs=treedef.unflatten(Qs),
@@ -222,54 +302,44 @@ def scale_by_kron(b1: float = 0.9,
         del params
         count = optax.safe_increment(state.count)
         key = jax.random.fold_in(jax.random.PRNGKey(seed), state.count)
-        prob = preconditioner_update_probability
-        if callable(prob): prob = prob(count)
-
+        p = prob(count) if callable(prob) else prob
         mu, mom = None, updates
         if state.mu is not None:
             mu = otu.tree_update_moment(updates, state.mu, b1, 1)
             mom = otu.tree_bias_correction(mu, b1, count)
-
         grads, treedef = jax.tree.flatten(updates)
-        scans = scan_flags(updates)
-        mom = treedef.flatten_up_to(mom)
-        Qs = treedef.flatten_up_to(state.Qs)
+        scans, mom, Qs = _kron_scan_flags(updates, scanned_layers), treedef.flatten_up_to(mom), treedef.flatten_up_to(state.Qs)
         exprs = [layout(g[0] if sc else g)[1] for g, sc in zip(grads, scans)]
 
         def fit(key, Qs):
-            fit_in = mom if momentum_into_precond_update else grads
-            key, sub = jax.random.split(key)
-            Qs = jax.lax.cond(jax.random.uniform(sub) < 0.01,
-                              lambda qs: [mapped(sc, balance_factors, q) if len(q) > 1 else q for q, sc in zip(qs, scans)],
-                              lambda qs: qs, Qs)
-            key, sub = jax.random.split(key)
-            Vs = [jax.random.normal(k, g.shape, g.dtype) for k, g in zip(jax.random.split(sub, len(fit_in)), fit_in)]
-            damp = jnp.sqrt(jnp.finfo(jnp.float32).eps)
-            fit_in = [g + damp.astype(g.dtype) * jnp.mean(jnp.abs(g)) * v for g, v in zip(fit_in, Vs)]
-            new = [mapped(sc, lambda Q, g, v, e=e: _fit_kron_factors(Q, g, _conj_b(Q, g, v), e, preconditioner_lr), Q, g, v)
-                   for Q, g, v, e, sc in zip(Qs, fit_in, Vs, exprs, scans)]
+            with _precision(update_precision):
+                new = _kron_fit(key, Qs, mom if momentum_into_precond_update else grads, exprs, scans, mapped,
+                                preconditioner_lr)
             return otu.tree_cast(new, pdt)
 
         counter = optax.safe_increment(state.update_counter)
-        do_fit = counter >= 1 / prob
+        do_fit = counter >= 1 / p
         counter = jnp.where(do_fit, 0, counter)
         key, sub = jax.random.split(key)
         Qs = jax.lax.cond(do_fit, fit, lambda _, qs: qs, sub, Qs)
-
-        out = [_rms_cap(mapped(sc, lambda Q, g, e=e: jnp.einsum(e[2], *[q.conj() for q in Q], *Q, g), Q, g))
-               for Q, g, e, sc in zip(Qs, mom, exprs, scans)]
+        with _precision(grads_precision):
+            out = [_rms_cap(mapped(sc, lambda Q, g, e=e: jnp.einsum(e[2], *[q.conj() for q in Q], *Q, g), Q, g))
+                   for Q, g, e, sc in zip(Qs, mom, exprs, scans)]
         return treedef.unflatten(out), ScaleByKronState(
             count=count, mu=otu.tree_cast(mu, mu_dtype), Qs=otu.tree_cast(treedef.unflatten(Qs), pdt),
             update_counter=counter)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
-
-def kron(learning_rate: optax.ScalarOrSchedule, **kwargs) -> optax.GradientTransformation:
+# %% ../../nbs/08d_optimizers.kron.ipynb #9c73fecc
+def kron(
+    learning_rate: optax.ScalarOrSchedule,  # a number or a schedule step -> learning rate
+    **kwargs,  # `scale_by_kron`'s options
+) -> optax.GradientTransformation:
     "PSGD Kron: `scale_by_kron(**kwargs)` followed by the (scheduled) learning rate."
     return optax.chain(scale_by_kron(**kwargs), optax.scale_by_learning_rate(learning_rate))
 
-# %% ../../nbs/08d_optimizers.kron.ipynb #689d11a6
+# %% ../../nbs/08d_optimizers.kron.ipynb #5a69f85c
 def _norm_lower_bound_spd(A):
     "Cheap lower bound on the spectral norm of a symmetric PSD matrix (one power step from the heaviest row)."
     scale = jnp.max(jnp.real(jnp.diagonal(A)))
@@ -300,7 +370,7 @@ def _procrustes_step(q, max_step: float = 0.2):
 
     return jax.lax.cond(m > jnp.finfo(q.dtype).smallest_normal, rotate, lambda q: q, q)
 
-
+# %% ../../nbs/08d_optimizers.kron.ipynb #3e0765d4
 def fit_white_kron_factors(Q: list, Ls: list, G: jax.Array, exprs, lr: float, beta: float, style: str):
     "One whitening fit of the factors `Q` (with Lipschitz states `Ls`) to gradient `G`; returns new (Q, Ls)."
     _, exprGs, exprP = exprs
@@ -335,7 +405,7 @@ class ScaleByWhiteKronState(tp.NamedTuple):
     Qs: tp.Any  # per leaf: list of SPD factors (matrix) or positive diagonals (vector)
     Ls: tp.Any  # per leaf: list of float32 Lipschitz estimates, one per factor
 
-
+# %% ../../nbs/08d_optimizers.kron.ipynb #79e59dec
 def scale_by_white_kron(update_style: str = "quad", b1: float = 0.95, preconditioner_lr: float = 0.7,
                         preconditioner_init_scale: float = 1.0, beta_lipschitz: float = 0.9, damping: float = 1e-9,
                         max_size_dense: int = 8192, max_skew_dense: float = 1.0, lr_style: str | None = "adam",
@@ -393,12 +463,12 @@ def scale_by_white_kron(update_style: str = "quad", b1: float = 0.95, preconditi
 
     return optax.GradientTransformation(init_fn, update_fn)
 
-
+# %% ../../nbs/08d_optimizers.kron.ipynb #343f464c
 def white_kron(learning_rate: optax.ScalarOrSchedule, **kwargs) -> optax.GradientTransformation:
     "WhiteKron: `scale_by_white_kron(**kwargs)` followed by the (scheduled) learning rate."
     return optax.chain(scale_by_white_kron(**kwargs), optax.scale_by_learning_rate(learning_rate))
 
-# %% ../../nbs/08d_optimizers.kron.ipynb #30fbda70
+# %% ../../nbs/08d_optimizers.kron.ipynb #18fb8bc8
 def _white_kron_compat(style: str, lr_style, b1, normalize_grads, max_size_dense, preconditioner_lr,
                        preconditioner_init_scale, dtype, scanned_layers, block_size, pipeline_axis_name,
                        pipeline_axis_size, params_partition_specs, noise_scale) -> optax.GradientTransformation:
@@ -412,10 +482,10 @@ def _white_kron_compat(style: str, lr_style, b1, normalize_grads, max_size_dense
                                   f"options); leave them at their defaults")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"scale_by_{style}: block_size={block_size!r} is invalid: expected an integer >= 1.")
-    return scale_by_white_kron(update_style=style, b1=b1, preconditioner_lr=preconditioner_lr,
-                               preconditioner_init_scale=preconditioner_init_scale, damping=noise_scale,
-                               max_size_dense=max_size_dense, lr_style=lr_style, normalize_grads=normalize_grads,
-                               precond_dtype=dtype)
+    return blockwise(lambda flags: scale_by_white_kron(
+        update_style=style, b1=b1, preconditioner_lr=preconditioner_lr, preconditioner_init_scale=preconditioner_init_scale,
+        damping=noise_scale, max_size_dense=max_size_dense, lr_style=lr_style, normalize_grads=normalize_grads,
+        precond_dtype=dtype), merge_small_dims=False, partition_grads_into_blocks=True, block_size=block_size)
 
 
 def scale_by_quad(lr_style: str | None = "adam", b1: float = 0.95, normalize_grads: bool = False,
@@ -439,7 +509,7 @@ def scale_by_skew(lr_style: str | None = "adam", b1: float = 0.95, normalize_gra
                               preconditioner_init_scale, dtype, scanned_layers, block_size, pipeline_axis_name,
                               pipeline_axis_size, params_partition_specs, noise_scale)
 
-
+# %% ../../nbs/08d_optimizers.kron.ipynb #df6126b1
 def _with_lr(direction, learning_rate, weight_decay, weight_decay_mask):
     parts = [direction] + ([optax.add_decayed_weights(weight_decay, weight_decay_mask)] if weight_decay else [])
     return optax.chain(*parts, optax.scale_by_learning_rate(learning_rate))

@@ -10,13 +10,14 @@ import typing as tp
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from optax import tree_utils as otu
 
 # %% auto #0
 __all__ = ['OptaxScheduledWeightDecayState', 'ScheduledWeightDecayState', 'optax_add_scheduled_weight_decay', 'ScaleByMarsState',
-           'scale_by_mars', 'mars', 'ScaleBySoapState', 'scale_by_soap', 'soap', 'ScaleByScionState', 'scale_by_scion',
-           'scion']
+           'scale_by_mars', 'mars', 'ScaleBySoapState', 'scale_by_soap', 'soap', 'BlockPlan', 'merge_dims',
+           'block_plan', 'split_blocks', 'join_blocks', 'blockwise', 'ScaleByScionState', 'scale_by_scion', 'scion']
 
 # %% ../../nbs/08c_optimizers.transforms.ipynb #f8a614bf
 class ScheduledWeightDecayState(tp.NamedTuple):
@@ -62,6 +63,7 @@ def _check_unit(name, value, owner):
         raise ValueError(f"{owner}: {name}={value!r} is invalid: expected a number in [0, 1).")
 
 
+# %% ../../nbs/08c_optimizers.transforms.ipynb #fce7561d
 def scale_by_mars(b1: float = 0.9, b2: float = 0.999, gamma: float = 0.05, eps: float = 1e-8, eps_root: float = 0.0,
                   max_grad_norm: float | None = 0.0, mu_dtype: tp.Any | None = None, *, beta1: float | None = None,
                   beta2: float | None = None, epsilon: float | None = None) -> optax.GradientTransformation:
@@ -113,7 +115,7 @@ def scale_by_mars(b1: float = 0.9, b2: float = 0.999, gamma: float = 0.05, eps: 
 
     return optax.GradientTransformation(init_fn, update_fn)
 
-
+# %% ../../nbs/08c_optimizers.transforms.ipynb #15a40836
 def mars(learning_rate: optax.ScalarOrSchedule, weight_decay: float = 0.0, weight_decay_mask: tp.Any = None,
          **kwargs) -> optax.GradientTransformation:
     "MARS-AdamW: `scale_by_mars(**kwargs)` (MarsConfig's defaults where not given), decoupled weight decay, then the (scheduled) learning rate."
@@ -130,7 +132,7 @@ def mars(learning_rate: optax.ScalarOrSchedule, weight_decay: float = 0.0, weigh
         parts.append(optax.add_decayed_weights(weight_decay, weight_decay_mask))
     return optax.chain(*parts, optax.scale_by_learning_rate(learning_rate))
 
-# %% ../../nbs/08c_optimizers.transforms.ipynb #e07c9407
+# %% ../../nbs/08c_optimizers.transforms.ipynb #bbbf6382
 class ScaleBySoapState(tp.NamedTuple):
     count: jax.Array  # number of calls so far (int32); the first call only gathers statistics
     mu: optax.Updates  # first moment, original coordinates
@@ -139,10 +141,13 @@ class ScaleBySoapState(tp.NamedTuple):
     bases: tp.Any  # per leaf: a list with, per axis, the eigenbasis of that axis' statistic, or None
 
 
-def _soap_axes(x, max_precond_dim: int) -> list[bool]:
-    "Which axes of `x` get a rotated basis."
+def _soap_axes(x, max_precond_dim: int, one_diag: bool = False) -> list[bool]:
+    "Which axes of `x` get a rotated basis (`one_diag`: never the largest axis, the last one on ties)."
     if x.ndim < 2: return [False] * x.ndim
-    return [1 < d <= max_precond_dim for d in x.shape]
+    rot = [1 < d <= max_precond_dim for d in x.shape]
+    if one_diag:
+        rot[int(np.argsort(x.shape, kind="stable")[-1])] = False
+    return rot
 
 
 def _rotate(x, bases, transpose: bool):
@@ -160,88 +165,199 @@ def _axis_outer(g, i):
     other = [j for j in range(g.ndim) if j != i]
     return jnp.tensordot(g, g, axes=(other, other))
 
+# %% ../../nbs/08c_optimizers.transforms.ipynb #efefce68
+def _soap_stats(g, stats, shampoo_beta: float) -> list:
+    "EMA of the per-axis statistics `G G^T` (None stays None: an identity axis)."
+    return [None if s is None else shampoo_beta * s + (1 - shampoo_beta) * _axis_outer(g, i).astype(s.dtype)
+            for i, s in enumerate(stats)]
 
-def scale_by_soap(beta1: float = 0.95, beta2: float = 0.95, shampoo_beta: float = 0.95, epsilon: float = 1e-8,
-                  precondition_frequency: int = 10, max_precond_dim: int = 10000,
-                  precond_dtype: tp.Any | None = None) -> optax.GradientTransformation:
+
+def _soap_eig_bases(stats) -> list:
+    "First step: the eigenvectors of each statistic, largest eigenvalue first."
+    return [None if s is None else jnp.flip(jnp.linalg.eigh(s)[1], axis=1) for s in stats]
+
+
+def _soap_qr_refresh(stats, bases, nu):
+    "One QR power-iteration step per basis, after sorting its columns by estimated eigenvalue (`nu` permuted alike)."
+    new = []
+    for i, (s, q) in enumerate(zip(stats, bases)):
+        if s is None: new.append(None); continue
+        est = jnp.einsum("ij,ik,kj->j", q, s, q)  # diag(Q^T S Q)
+        order = jnp.argsort(-est)
+        q = q[:, order]
+        nu = jnp.take(nu, order, axis=i)
+        new.append(jnp.linalg.qr(s @ q)[0])
+    return new, nu
+
+# %% ../../nbs/08c_optimizers.transforms.ipynb #8fef8d43
+def _soap_leaf(g, m, v, s, q, t, *, beta1, beta2, shampoo_beta, epsilon, precondition_frequency, mu_dtype):
+    "One SOAP step for one tensor; returns (direction, mu, nu, stats, bases)."
+    s_new = _soap_stats(g, s, shampoo_beta)
+    tf = t.astype(jnp.promote_types(g.dtype, jnp.float32))
+    bc = jnp.sqrt(1 - beta2 ** tf) / (1 - beta1 ** tf)  # the authors' bias correction
+
+    def first_step(_):
+        return jnp.zeros_like(g), m, v, _soap_eig_bases(s_new)
+
+    def later_step(_):
+        g_rot = _rotate(g, q, transpose=True)
+        m_new = beta1 * m.astype(g.dtype) + (1 - beta1) * g
+        v_new = beta2 * v + (1 - beta2) * g_rot * g_rot
+        n_rot = _rotate(m_new, q, transpose=True) / (jnp.sqrt(v_new) + epsilon)
+        direction = (_rotate(n_rot, q, transpose=False) * bc).astype(g.dtype)
+        q_new, v_new = jax.lax.cond(t % precondition_frequency == 0,
+                                    lambda: _soap_qr_refresh(s_new, q, v_new), lambda: (q, v_new))
+        return direction, m_new.astype(m.dtype), v_new, q_new
+
+    d, m2, v2, q2 = jax.lax.cond(t == 0, first_step, later_step, None)
+    return d, m2, v2, s_new, q2
+
+# %% ../../nbs/08c_optimizers.transforms.ipynb #503e65d4
+def scale_by_soap(
+    beta1: float = 0.95,  # EMA rate of the first moment
+    beta2: float = 0.95,  # EMA rate of the second moment (rotated coordinates)
+    shampoo_beta: float = 0.95,  # EMA rate of the Shampoo statistics
+    epsilon: float = 1e-8,  # added to sqrt(second moment)
+    precondition_frequency: int = 10,  # refresh the eigenbases every this many steps
+    max_precond_dim: int = 10000,  # axes longer than this keep the identity basis
+    precond_dtype: tp.Any | None = None,  # dtype of statistics and bases (None: the parameter's)
+    one_diag: bool = False,  # True: the largest axis of each tensor keeps the identity basis (less memory)
+    mu_dtype: tp.Any | None = None,  # dtype of the stored first moment (None: the parameter's)
+) -> optax.GradientTransformation:  # the SOAP direction, without the learning rate
     "SOAP direction (without the learning rate): Adam in the eigenbasis of Shampoo's preconditioner."
     for n, v in (("beta1", beta1), ("beta2", beta2), ("shampoo_beta", shampoo_beta)):
         _check_unit(n, v, "scale_by_soap")
     if isinstance(precondition_frequency, bool) or not isinstance(precondition_frequency, int) or precondition_frequency < 1:
         raise ValueError(f"scale_by_soap: precondition_frequency={precondition_frequency!r} is invalid: expected an integer >= 1.")
     pdt = None if precond_dtype is None else jnp.dtype(precond_dtype)
+    mdt = None if mu_dtype is None else jnp.dtype(mu_dtype)
+    opts = dict(beta1=beta1, beta2=beta2, shampoo_beta=shampoo_beta, epsilon=epsilon,
+                precondition_frequency=precondition_frequency, mu_dtype=mdt)
 
     def init_fn(params):
-        def leaf_stats(p):
-            dt = pdt or p.dtype
-            return [jnp.zeros((d, d), dt) if r else None for d, r in zip(p.shape, _soap_axes(p, max_precond_dim))]
-        def leaf_bases(p):
-            dt = pdt or p.dtype
-            return [jnp.eye(d, dtype=dt) if r else None for d, r in zip(p.shape, _soap_axes(p, max_precond_dim))]
-        is_list = lambda x: isinstance(x, list)
-        return ScaleBySoapState(count=jnp.zeros([], jnp.int32), mu=otu.tree_zeros_like(params),
-                                nu=otu.tree_zeros_like(params), stats=jax.tree.map(leaf_stats, params),
-                                bases=jax.tree.map(leaf_bases, params))
-
-    def update_stats(g, stats):
-        return [None if s is None else shampoo_beta * s + (1 - shampoo_beta) * _axis_outer(g, i).astype(s.dtype)
-                for i, s in enumerate(stats)]
-
-    def eig_bases(stats):  # first step: eigenvectors, largest eigenvalue first
-        return [None if s is None else jnp.flip(jnp.linalg.eigh(s)[1], axis=1) for s in stats]
-
-    def qr_refresh(stats, bases, nu):  # one QR power-iteration step; permute nu like the columns
-        new = []
-        for i, (s, q) in enumerate(zip(stats, bases)):
-            if s is None: new.append(None); continue
-            est = jnp.einsum("ij,ik,kj->j", q, s, q)  # diag(Q^T S Q)
-            order = jnp.argsort(-est)
-            q = q[:, order]
-            nu = jnp.take(nu, order, axis=i)
-            new.append(jnp.linalg.qr(s @ q)[0])
-        return new, nu
+        def per_axis(p, make):
+            return [make(d, pdt or p.dtype) if r else None for d, r in zip(p.shape, _soap_axes(p, max_precond_dim, one_diag))]
+        return ScaleBySoapState(count=jnp.zeros([], jnp.int32), mu=otu.tree_zeros_like(params, dtype=mdt),
+                                nu=otu.tree_zeros_like(params),
+                                stats=jax.tree.map(lambda p: per_axis(p, lambda d, dt: jnp.zeros((d, d), dt)), params),
+                                bases=jax.tree.map(lambda p: per_axis(p, lambda d, dt: jnp.eye(d, dtype=dt)), params))
 
     def update_fn(updates, state, params=None):
         del params
         leaves, treedef = jax.tree.flatten(updates)
         flat = lambda t: treedef.flatten_up_to(t)
-        mus, nus, stats, bases = flat(state.mu), flat(state.nu), flat(state.stats), flat(state.bases)
-        first = state.count == 0
-        t = state.count  # number of real updates after this one (the first call makes none)
-        out, mus2, nus2, stats2, bases2 = [], [], [], [], []
-        for g, m, v, s, q in zip(leaves, mus, nus, stats, bases):
-            s_new = update_stats(g, s)
-            tf = t.astype(jnp.promote_types(g.dtype, jnp.float32))
-            bc = jnp.sqrt(1 - beta2 ** tf) / (1 - beta1 ** tf)  # the authors' bias correction
-
-            def first_step(_):
-                return jnp.zeros_like(g), m, v, eig_bases(s_new)
-
-            def later_step(_):
-                g_rot = _rotate(g, q, transpose=True)
-                m_new = beta1 * m + (1 - beta1) * g
-                v_new = beta2 * v + (1 - beta2) * g_rot * g_rot
-                n_rot = _rotate(m_new, q, transpose=True) / (jnp.sqrt(v_new) + epsilon)
-                direction = (_rotate(n_rot, q, transpose=False) * bc).astype(g.dtype)
-                q_new, v_new = jax.lax.cond(t % precondition_frequency == 0,
-                                            lambda: qr_refresh(s_new, q, v_new), lambda: (q, v_new))
-                return direction, m_new, v_new, q_new
-
-            d, m2, v2, q2 = jax.lax.cond(first, first_step, later_step, None)
-            out.append(d); mus2.append(m2); nus2.append(v2); stats2.append(s_new); bases2.append(q2)
-        unflat = treedef.unflatten
-        return unflat(out), ScaleBySoapState(count=optax.safe_increment(state.count), mu=unflat(mus2),
-                                             nu=unflat(nus2), stats=unflat(stats2), bases=unflat(bases2))
+        outs = [_soap_leaf(*leaf, state.count, **opts) for leaf in
+                zip(leaves, flat(state.mu), flat(state.nu), flat(state.stats), flat(state.bases))]
+        d, m, v, s, q = (treedef.unflatten(list(x)) for x in zip(*outs))
+        return d, ScaleBySoapState(count=optax.safe_increment(state.count), mu=m, nu=v, stats=s, bases=q)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def soap(learning_rate: optax.ScalarOrSchedule, beta1: float = 0.95, beta2: float = 0.95, shampoo_beta: float = 0.95,
-         epsilon: float = 1e-8, precondition_frequency: int = 10, max_precond_dim: int = 10000,
-         precond_dtype: tp.Any | None = None) -> optax.GradientTransformation:
+def soap(
+    learning_rate: optax.ScalarOrSchedule,  # a number or a schedule step -> learning rate
+    beta1: float = 0.95,  # EMA rate of the first moment
+    beta2: float = 0.95,  # EMA rate of the second moment
+    shampoo_beta: float = 0.95,  # EMA rate of the Shampoo statistics
+    epsilon: float = 1e-8,  # added to sqrt(second moment)
+    precondition_frequency: int = 10,  # refresh the eigenbases every this many steps
+    max_precond_dim: int = 10000,  # axes longer than this keep the identity basis
+    precond_dtype: tp.Any | None = None,  # dtype of statistics and bases
+    **kwargs,  # more `scale_by_soap` options (`one_diag`, `mu_dtype`)
+) -> optax.GradientTransformation:
     "SOAP: `scale_by_soap` followed by the (scheduled) learning rate."
     return optax.chain(scale_by_soap(beta1, beta2, shampoo_beta, epsilon, precondition_frequency, max_precond_dim,
-                                     precond_dtype), optax.scale_by_learning_rate(learning_rate))
+                                     precond_dtype, **kwargs), optax.scale_by_learning_rate(learning_rate))
+
+# %% ../../nbs/08c_optimizers.transforms.ipynb #65961dfa
+class BlockPlan(tp.NamedTuple):
+    "How one tensor is reshaped and cut for `blockwise`."
+    shape: tuple  # the reshaped (merged) shape, layer axis included
+    cuts: tuple  # per merged axis (after the layer axis): the split indices, () for a whole axis
+    lead: int  # 1 for a scanned leaf (its layer axis is kept whole), else 0
+
+
+def merge_dims(shape: tuple[int, ...], target: int) -> tuple[int, ...]:
+    "Join adjacent axes while their product stays <= `target`; a shape of 2+ axes keeps at least 2."
+    out = list(shape[:1])
+    for k, d in enumerate(shape[1:], start=1):
+        keeps_two = len(out) + len(shape) - k - 1 >= 2  # axes left if `d` joins the last one
+        if out[-1] * d <= target and keeps_two:
+            out[-1] *= d
+        else:
+            out.append(d)
+    return tuple(out)
+
+
+def block_plan(shape: tuple[int, ...], merge: bool, target: int, partition: bool, block_size: int,
+               scanned: bool = False) -> BlockPlan:
+    "The `BlockPlan` of a tensor of `shape` (a scanned tensor keeps its first axis apart)."
+    lead = 1 if scanned else 0
+    body = tuple(shape[lead:])
+    merged = merge_dims(body, target) if merge and len(body) > 2 else body
+    cuts = tuple(tuple(range(block_size, d, block_size)) if partition and len(merged) >= 2 else () for d in merged)
+    return BlockPlan(tuple(shape[:lead]) + merged, cuts, lead)
+
+# %% ../../nbs/08c_optimizers.transforms.ipynb #c41faa5f
+def split_blocks(x: jax.Array, plan: BlockPlan) -> list[jax.Array]:
+    "`x` reshaped by `plan` and cut into its blocks (row-major order of the block grid)."
+    pieces = [x.reshape(plan.shape)]
+    for ax, cut in enumerate(plan.cuts):
+        if cut:
+            pieces = [q for p in pieces for q in jnp.split(p, cut, axis=ax + plan.lead)]
+    return pieces
+
+
+def join_blocks(pieces: list[jax.Array], plan: BlockPlan, shape: tuple[int, ...]) -> jax.Array:
+    "The inverse of `split_blocks`: the blocks joined back into one tensor of `shape`."
+    for ax in reversed(range(len(plan.cuts))):
+        n = len(plan.cuts[ax]) + 1
+        if n > 1:
+            pieces = [jnp.concatenate(pieces[i:i + n], axis=ax + plan.lead) for i in range(0, len(pieces), n)]
+    return pieces[0].reshape(shape)
+
+# %% ../../nbs/08c_optimizers.transforms.ipynb #baf109a8
+def _leaf_flags(tree, scanned_layers) -> list[bool]:
+    "Per leaf of `tree`: is it a stack of scanned layers (`scanned_layers`: None, a pytree of bools or params -> pytree)?"
+    if scanned_layers is None: return [False] * len(jax.tree.leaves(tree))
+    flags = scanned_layers(tree) if callable(scanned_layers) else scanned_layers
+    return [bool(f) for f in jax.tree.structure(tree).flatten_up_to(flags)]
+
+
+def blockwise(
+    inner: tp.Callable[..., optax.GradientTransformation],  # scanned_layers -> the transform run on the blocks
+    merge_small_dims: bool = True,  # join adjacent small axes (up to `target_merged_dim_size`)
+    target_merged_dim_size: int = 8192,  # the largest merged axis
+    partition_grads_into_blocks: bool = True,  # cut axes longer than `block_size` into blocks
+    block_size: int = 256,  # the block length
+    scanned_layers: tp.Any = None,  # pytree of bools (or params -> pytree): leaves whose first axis is a layer axis
+) -> optax.GradientTransformation:  # `inner` applied per block, its outputs joined back
+    """Run a transform on merged and blocked tensors. `inner(flags)` builds the transform; it gets `flags`, a
+    callable giving, for the tree of blocks, which blocks are scanned (pass it on as `scanned_layers`)."""
+    for n, v in (("target_merged_dim_size", target_merged_dim_size), ("block_size", block_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"blockwise: {n}={v!r} is invalid: expected an integer >= 1.")
+    held: list = []  # the current tree's per-leaf scan flags, set before `inner` runs (shapes are static)
+    tx = inner(lambda blocks: [[f] * len(b) for f, b in zip(held[-1], blocks)])
+
+    def plans(tree):
+        held.append(_leaf_flags(tree, scanned_layers))
+        return [block_plan(jnp.shape(x), merge_small_dims, target_merged_dim_size, partition_grads_into_blocks,
+                           block_size, f) for x, f in zip(jax.tree.leaves(tree), held[-1])]
+
+    def to_blocks(tree, ps):
+        return [split_blocks(x, p) for x, p in zip(jax.tree.leaves(tree), ps)]
+
+    def init_fn(params):
+        return tx.init(to_blocks(params, plans(params)))
+
+    def update_fn(updates, state, params=None):
+        ps = plans(updates)
+        out, state = tx.update(to_blocks(updates, ps), state, None if params is None else to_blocks(params, ps))
+        leaves, treedef = jax.tree.flatten(updates)
+        return treedef.unflatten([join_blocks(b, p, x.shape) for b, p, x in zip(out, ps, leaves)]), state
+
+    return optax.GradientTransformation(init_fn, update_fn)
 
 # %% ../../nbs/08c_optimizers.transforms.ipynb #a18a65e6
 OptaxScheduledWeightDecayState = ScheduledWeightDecayState  # eformer's name
