@@ -53,7 +53,8 @@ class MeshPartitionHelper:
 
     def propose_specs(self, tree):
         "A tree like `tree` with a proposed spec per leaf (`PartitionSpec()` for leaves that are not arrays)."
-        return map_leaves_with_path(lambda path, x: self.propose_spec(x) if hasattr(x, "shape") else PartitionSpec(), tree)
+        return map_leaves_with_path(lambda path, x: self.propose_spec(x) if hasattr(x, "shape") else PartitionSpec(),
+                                    tree)
 
     def analyze_pytree(self, pytree) -> dict[str, dict[str, tp.Any]]:
         "`{path: {shape, dtype, spec, shard_shape}}` for every array leaf: the plan, before anything moves."
@@ -80,7 +81,8 @@ class MeshPartitionHelper:
         return jax.tree_util.tree_map(place, tree, specs)
 
     def auto_shard_pytree(self, pytree, min_shard_size: int | None = None):
-        "Place every array leaf of `pytree` on the mesh with its proposed spec (arrays under `min_shard_size` elements, default: the helper's setting, stay replicated)."
+        """Place every array leaf of `pytree` on the mesh with its proposed spec (arrays under `min_shard_size`
+        elements, default: the helper's setting, stay replicated)."""
         if min_shard_size is not None and min_shard_size != self.min_sharding_size:
             helper = MeshPartitionHelper(self.mesh, axis_priority=self.axis_order, min_sharding_size=min_shard_size)
             return helper.auto_shard_pytree(pytree)
@@ -89,7 +91,8 @@ class MeshPartitionHelper:
 # %% ../../nbs/09e_escale.helpers.ipynb #7321dcd9
 def _create_partition_spec(self, array_shape: Sequence[int], methods: Sequence[str] | str,
                            min_shard_size: int = 1024) -> PartitionSpec:
-    "A spec for `array_shape` that uses the mesh axes in `methods` (in that priority); arrays under `min_shard_size` elements are replicated."
+    """A spec for `array_shape` that uses the mesh axes in `methods` (in that priority); arrays under `min_shard_size`
+    elements are replicated."""
     methods = (methods,) if isinstance(methods, str) else tuple(methods)
     unknown = [m for m in methods if m not in self.axis_sizes]
     if unknown:
@@ -108,7 +111,6 @@ MeshPartitionHelper.shard_array = _shard_array
 
 # %% ../../nbs/09e_escale.helpers.ipynb #cccebd64
 import abc
-import time
 
 from .partition.auto_spec import optimize_sharding_for_memory, sharding_problems
 from .partition.constraints import shard_nbytes
@@ -133,11 +135,13 @@ class AutoShardingRule(ShardingRule):
         self.mesh, self.axis_names, self.min_shard_size, self.reverse = mesh, axis_names, min_shard_size, reverse
 
     def apply(self, pytree):
-        return _specs(pytree, lambda x: auto_partition_spec(x, self.mesh, self.axis_names, self.min_shard_size, self.reverse))
+        return _specs(pytree, lambda x: auto_partition_spec(x, self.mesh, self.axis_names, self.min_shard_size,
+                                                            self.reverse))
 
 
 class ShapeBasedShardingRule(ShardingRule):
-    "Specs by shape: `shape_patterns` maps a shape (None matches any size in that dimension) or a predicate on the shape to a spec; the first match wins."
+    """Specs by shape: `shape_patterns` maps a shape (None matches any size in that dimension) or a predicate on the
+    shape to a spec; the first match wins."""
     def __init__(self, shape_patterns: tp.Mapping[tp.Any, PartitionSpec]):
         self.shape_patterns = dict(shape_patterns)
 
@@ -194,11 +198,13 @@ class ShardingAnalyzer:
         flat, treedef = jax.tree_util.tree_flatten_with_path(pytree)
         specs, spec_def = jax.tree_util.tree_flatten(partition_specs, is_leaf=is_spec)
         if len(specs) != len(flat):
-            raise ValueError(f"pytree has {len(flat)} leaves but partition_specs has {len(specs)} specs; give one spec per leaf")
+            raise ValueError(f"pytree has {len(flat)} leaves but partition_specs has {len(specs)} specs; give one "
+                             "spec per leaf")
         return [(jax.tree_util.keystr(p), x, s) for (p, x), s in zip(flat, specs)]
 
     def validate_partition_specs(self, pytree, partition_specs) -> list[str]:
-        "Every problem (`'<path>: <why>'`) with placing `pytree` by `partition_specs` as written; `[]` when they all fit."
+        """Every problem (`'<path>: <why>'`) with placing `pytree` by `partition_specs` as written; `[]` when they all
+        fit."""
         mesh = self._mesh()
         return [f"{path}: {msg}" for path, x, s in self._pairs(pytree, partition_specs) if hasattr(x, "shape")
                 for msg in sharding_problems(np.shape(x), s, mesh)]

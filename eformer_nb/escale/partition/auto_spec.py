@@ -37,7 +37,8 @@ def auto_partition_spec(x, mesh: Mesh | AbstractMesh | None = None, names: Seque
     are replicated."""
     mesh = get_current_mesh() if mesh is None else mesh
     if mesh is None:
-        raise ValueError("auto_partition_spec needs a mesh: pass mesh=..., or call it inside `with jax.set_mesh(mesh):`")
+        raise ValueError("auto_partition_spec needs a mesh: pass mesh=..., or call it inside `with "
+                         "jax.set_mesh(mesh):`")
     sizes = mesh_axis_sizes(mesh)
     names = tuple(sizes) if names is None else tuple(names)
     missing = [n for n in names if n not in sizes]
@@ -63,12 +64,15 @@ def auto_partition_spec(x, mesh: Mesh | AbstractMesh | None = None, names: Seque
 
 # %% ../../../nbs/09d_escale.partition.auto_spec.ipynb #e5be6161
 def auto_namedsharding(mesh: Mesh | None = None, names: Sequence[str] | None = None,
-                       min_sharding_size: int | None = None, reverse: bool = False) -> Callable[[tp.Any], NamedSharding]:
-    "A function `x -> NamedSharding` with `auto_partition_spec(x, ...)` on `mesh` (default: the mesh in context at call time)."
+                       min_sharding_size: int | None = None, reverse: bool = False) -> Callable[[tp.Any],
+                                                                                                NamedSharding]:
+    """A function `x -> NamedSharding` with `auto_partition_spec(x, ...)` on `mesh` (default: the mesh in context at
+    call time)."""
     def named_sharding(x) -> NamedSharding:
         m = get_current_mesh() if mesh is None else mesh
         if m is None:
-            raise ValueError("auto_namedsharding needs a mesh: pass mesh=..., or call it inside `with jax.set_mesh(mesh):`")
+            raise ValueError("auto_namedsharding needs a mesh: pass mesh=..., or call it inside `with "
+                             "jax.set_mesh(mesh):`")
         return NamedSharding(m, auto_partition_spec(x, m, names, min_sharding_size, reverse))
     return named_sharding
 
@@ -91,7 +95,8 @@ def vrn_auto_partition_spec(x, mesh: Mesh | AbstractMesh | None = None, names: S
     largest first) that divides it."""
     mesh = get_current_mesh() if mesh is None else mesh
     if mesh is None:
-        raise ValueError("vrn_auto_partition_spec needs a mesh: pass mesh=..., or call it inside `with jax.set_mesh(mesh):`")
+        raise ValueError("vrn_auto_partition_spec needs a mesh: pass mesh=..., or call it inside `with "
+                         "jax.set_mesh(mesh):`")
     sizes = mesh_axis_sizes(mesh)
     names = sorted(sizes, key=lambda n: -sizes[n]) if names is None else list(names)
     missing = [n for n in names if n not in sizes]
@@ -120,7 +125,8 @@ def convert_sharding_strategy(array: jax.Array, old_partition_specs: PartitionSp
     strategies = ("preserve_balance", "auto", "replicate")
     if strategy not in strategies:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {list(strategies)}")
-    array = jax.device_put(array, NamedSharding(old_mesh, correct_partition_spec(np.shape(array), old_partition_specs, old_mesh)))
+    array = jax.device_put(array, NamedSharding(old_mesh, correct_partition_spec(np.shape(array), old_partition_specs,
+                                                                                 old_mesh)))
     if strategy == "auto":
         spec = auto_partition_spec(array, new_mesh)
     elif strategy == "replicate":
@@ -128,7 +134,8 @@ def convert_sharding_strategy(array: jax.Array, old_partition_specs: PartitionSp
     else:
         sizes = mesh_axis_sizes(new_mesh)
         kept = [tuple(n for n in _entry_names(e) if n in sizes) if e is not None else () for e in old_partition_specs]
-        spec = correct_partition_spec(np.shape(array), PartitionSpec(*[k[0] if len(k) == 1 else (k or None) for k in kept]),
+        spec = correct_partition_spec(np.shape(array),
+                                      PartitionSpec(*[k[0] if len(k) == 1 else (k or None) for k in kept]),
                                       new_mesh)
     return jax.device_put(array, NamedSharding(new_mesh, spec))
 
@@ -154,7 +161,8 @@ def sharding_problems(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh | Ab
 
 
 def validate_sharding_config(pytree, partition_specs, mesh: Mesh | None = None) -> bool:
-    "True when every spec fits its array on `mesh` (default: in context); otherwise a `ValueError` lists every problem by leaf."
+    """True when every spec fits its array on `mesh` (default: in context); otherwise a `ValueError` lists every
+    problem by leaf."""
     mesh = _require_mesh(mesh, "validate_sharding_config")
     is_spec = lambda s: isinstance(s, PartitionSpec)
     leaves, treedef = jax.tree_util.tree_flatten(pytree)
@@ -176,12 +184,15 @@ def optimize_sharding_for_memory(pytree, mesh: Mesh | None = None, max_memory_pe
     A `ValueError` when even that does not fit."""
     mesh = get_current_mesh() if mesh is None else mesh
     if mesh is None:
-        raise ValueError("optimize_sharding_for_memory needs a mesh: pass mesh=..., or call it inside `with jax.set_mesh(mesh):`")
+        raise ValueError("optimize_sharding_for_memory needs a mesh: pass mesh=..., or call it inside `with "
+                         "jax.set_mesh(mesh):`")
     def plan(threshold):
         specs = jax.tree_util.tree_map(lambda x: auto_partition_spec(x, mesh, names, threshold)
                                        if hasattr(x, "shape") else PartitionSpec(), pytree)
         used = sum(shard_nbytes(np.shape(x), x.dtype, s, mesh) for x, s in
-                   zip(jax.tree_util.tree_leaves(pytree), jax.tree_util.tree_leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec)))
+                   zip(jax.tree_util.tree_leaves(pytree), jax.tree_util.tree_leaves(specs,
+                                                                                    is_leaf=lambda s: isinstance(s,
+                                                                                                                 PartitionSpec)))
                    if hasattr(x, "shape"))
         return specs, used
     specs, used = plan(None)
