@@ -11,6 +11,7 @@ import typing as tp
 import jax
 import jax.numpy as jnp
 import numpy as np
+from fastcore.basics import patch
 
 from ..loggings import get_logger
 from .loss_scaling import (DynamicLossScale, LossScale, LossScaleConfig, NoOpLossScale,
@@ -79,8 +80,13 @@ def scaled_value_and_grad(fn: tp.Callable, policy: str | Policy = "f32", *, has_
 class PrecisionHandler:
     "A precision `Policy` plus a loss scale, applied around training and inference functions."
 
-    def __init__(self, policy: str | Policy = "f32", use_dynamic_scale: bool = True,
-                 loss_scale_config: LossScaleConfig | None = None, loss_scale: LossScale | None = None):
+    def __init__(
+        self,
+        policy: str | Policy = "f32",  # a `Policy` or its string form, e.g. "p=f32,c=bf16,o=f32"
+        use_dynamic_scale: bool = True,  # a dynamic loss scale (else none), unless `loss_scale` is given
+        loss_scale_config: LossScaleConfig | None = None,  # the settings of the dynamic scale
+        loss_scale: LossScale | None = None,  # a ready loss scale (overrides the two above)
+    ):
         self.policy = get_policy(policy)
         self.loss_scale_config = LossScaleConfig() if loss_scale_config is None else loss_scale_config
         if not isinstance(self.loss_scale_config, LossScaleConfig):
@@ -109,37 +115,48 @@ class PrecisionHandler:
         "The pure step `(loss_scale, params, *args) -> (loss, grads, grads_finite, new_loss_scale)` for this policy."
         return scaled_value_and_grad(fn, self.policy, has_aux=has_aux)
 
-    def training_step_wrapper(self, training_step_fn: tp.Callable, *, has_aux: bool = False) -> tp.Callable:
-        "Jit-compiled `(params, *args) -> (loss, grads, grads_finite)`; keeps and updates `self.loss_scale`."
-        fn = training_step_fn
-        if self.policy.uses_float16 and isinstance(self.loss_scale, NoOpLossScale):
-            logger.warning_once(f"mpric: policy '{self.policy}' computes in float16 without loss scaling; small "
-                                "gradients will underflow to zero. Use PrecisionHandler(..., use_dynamic_scale=True).")
-        pure = jax.jit(self.scaled_value_and_grad(fn, has_aux=has_aux))
+# %% ../../nbs/07d_mpric.handler.ipynb #443c1305
+@patch
+def training_step_wrapper(
+    self: PrecisionHandler,
+    training_step_fn: tp.Callable,  # `(params, *args) -> loss` (or `(loss, aux)` with has_aux)
+    *,
+    has_aux: bool = False,  # the function returns `(loss, aux)`
+) -> tp.Callable:
+    "Jit-compiled `(params, *args) -> (loss, grads, grads_finite)`; keeps and updates `self.loss_scale`."
+    fn = training_step_fn
+    if self.policy.uses_float16 and isinstance(self.loss_scale, NoOpLossScale):
+        logger.warning_once(f"mpric: policy '{self.policy}' computes in float16 without loss scaling; small "
+                            "gradients will underflow to zero. Use PrecisionHandler(..., use_dynamic_scale=True).")
+    pure = jax.jit(self.scaled_value_and_grad(fn, has_aux=has_aux))
 
-        @functools.wraps(fn)
-        def wrapped(params, *args, **kwargs):
-            out, grads, finite, new_scale = pure(self.loss_scale, params, *args, **kwargs)
-            if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(new_scale)):
-                raise RuntimeError("training_step_wrapper keeps the loss scale on the handler, so it must be called "
-                                   "outside jit/grad/vmap. Inside a transformed train step use "
-                                   "handler.scaled_value_and_grad(fn)(loss_scale, params, ...) and carry the loss "
-                                   "scale "
-                                   "in your training state.")
-            self.loss_scale = new_scale
-            return out, grads, finite
+    @functools.wraps(fn)
+    def wrapped(params, *args, **kwargs):
+        out, grads, finite, new_scale = pure(self.loss_scale, params, *args, **kwargs)
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(new_scale)):
+            raise RuntimeError("training_step_wrapper keeps the loss scale on the handler, so it must be called "
+                               "outside jit/grad/vmap. Inside a transformed train step use "
+                               "handler.scaled_value_and_grad(fn)(loss_scale, params, ...) and carry the loss "
+                               "scale in your training state.")
+        self.loss_scale = new_scale
+        return out, grads, finite
 
-        return wrapped
+    return wrapped
 
-    def inference_wrapper(self, inference_fn: tp.Callable) -> tp.Callable:
-        """`(params, *args) -> output`: params and float inputs cast to compute, the output cast to the output dtype.
-        Pure; jit it yourself."""
-        fn = inference_fn
-        @functools.wraps(fn)
-        def wrapped(params, *args, **kwargs):
-            args_c, kwargs_c = self.policy.cast_to_compute((args, kwargs))
-            return self.policy.cast_to_output(fn(self.policy.cast_to_compute(params), *args_c, **kwargs_c))
-        return wrapped
+# %% ../../nbs/07d_mpric.handler.ipynb #2c348905
+@patch
+def inference_wrapper(
+    self: PrecisionHandler,
+    inference_fn: tp.Callable,  # `(params, *args) -> output`
+) -> tp.Callable:
+    """`(params, *args) -> output`: params and float inputs cast to compute, the output cast to the output dtype.
+    Pure; jit it yourself."""
+    fn = inference_fn
+    @functools.wraps(fn)
+    def wrapped(params, *args, **kwargs):
+        args_c, kwargs_c = self.policy.cast_to_compute((args, kwargs))
+        return self.policy.cast_to_output(fn(self.policy.cast_to_compute(params), *args_c, **kwargs_c))
+    return wrapped
 
 # %% ../../nbs/07d_mpric.handler.ipynb #b1de6129
 PrecisionHandler.cast_params = lambda self, params: self.policy.cast_to_param(params)

@@ -9,6 +9,7 @@ import typing as tp
 
 import jax
 import numpy as np
+from fastcore.basics import patch
 
 from .dtypes import DTYPE_NAMES, DTypeSpec, canonical_name, cast_floating, resolve_dtype
 from .dtypes import short_repr
@@ -21,15 +22,19 @@ class Policy:
     "Which dtype params are stored in, computation runs in, and outputs are returned in."
     __slots__ = ("_names",)
 
-    def __init__(self, param_dtype: DTypeSpec = "f32", compute_dtype: DTypeSpec | None = None,
-                 output_dtype: DTypeSpec | None = None):
+    def __init__(
+        self,
+        param_dtype: DTypeSpec = "f32",  # dtype the parameters are stored in (a name such as "bf16", or a dtype)
+        compute_dtype: DTypeSpec | None = None,  # dtype computation runs in (None: the param dtype)
+        output_dtype: DTypeSpec | None = None,  # dtype outputs are returned in (None: the compute dtype)
+    ):
         p = canonical_name(param_dtype)
         c = p if compute_dtype is None else canonical_name(compute_dtype)  # compute follows params
         o = c if output_dtype is None else canonical_name(output_dtype)  # output follows compute
         object.__setattr__(self, "_names", (p, c, o))
 
-    def __setattr__(self, name, value): raise AttributeError("Policy is immutable; use .replace() (tried to set "
-                                                             f"{name!r})")
+    def __setattr__(self, name, value):
+        raise AttributeError(f"Policy is immutable; use .replace() (tried to set {name!r})")
 
     # canonical names: backend-free
     @property
@@ -59,22 +64,6 @@ class Policy:
         "Cast the floating leaves of `tree` to the output dtype (other leaves untouched)."
         return cast_floating(tree, self._names[2])
 
-    def replace(self, *, param_dtype: DTypeSpec | None = None, compute_dtype: DTypeSpec | None = None,
-                output_dtype: DTypeSpec | None = None) -> Policy:
-        "A copy with the given dtypes replaced (no cascade: the others keep their values)."
-        p, c, o = self._names
-        return Policy(p if param_dtype is None else param_dtype, c if compute_dtype is None else compute_dtype,
-                      o if output_dtype is None else output_dtype)
-
-    def with_output_dtype(self, output_dtype: DTypeSpec) -> Policy:
-        "jmp's spelling of `replace(output_dtype=...)`."
-        return self.replace(output_dtype=output_dtype)
-
-    @property
-    def uses_float16(self) -> bool:
-        "True when compute is float16 (`half` counts on non-TPU platforms): the case that needs loss scaling."
-        return self.compute_dtype == np.float16
-
     def __str__(self) -> str: return "p={},c={},o={}".format(*self._names)
     def __repr__(self) -> str:
         return "Policy(param_dtype={!r}, compute_dtype={!r}, output_dtype={!r})".format(*self._names)
@@ -83,6 +72,35 @@ class Policy:
     def __reduce__(self): return (Policy, self._names)
 
 jax.tree_util.register_pytree_node(Policy, lambda p: ((), p._names), lambda names, _: Policy(*names))
+
+# %% ../../nbs/07b_mpric.policy.ipynb #8f3a87c2
+@patch
+def replace(
+    self: Policy,
+    *,
+    param_dtype: DTypeSpec | None = None,  # new param dtype (None: keep)
+    compute_dtype: DTypeSpec | None = None,  # new compute dtype (None: keep)
+    output_dtype: DTypeSpec | None = None,  # new output dtype (None: keep)
+) -> Policy:
+    "A copy with the given dtypes replaced (no cascade: the others keep their values)."
+    p, c, o = self._names
+    return Policy(p if param_dtype is None else param_dtype, c if compute_dtype is None else compute_dtype,
+                  o if output_dtype is None else output_dtype)
+
+
+@patch
+def with_output_dtype(
+    self: Policy,
+    output_dtype: DTypeSpec,  # the new output dtype
+) -> Policy:
+    "jmp's spelling of `replace(output_dtype=...)`."
+    return self.replace(output_dtype=output_dtype)
+
+
+@patch(as_prop=True)
+def uses_float16(self: Policy) -> bool:
+    "True when compute is float16 (`half` counts on non-TPU platforms): the case that needs loss scaling."
+    return self.compute_dtype == np.float16
 
 # %% ../../nbs/07b_mpric.policy.ipynb #3d34b3d4
 _KEYS: dict[str, int] = {"p": 0, "params": 0, "c": 1, "compute": 1, "o": 2, "output": 2}

@@ -66,6 +66,15 @@ def check_dtype(owner: str, name: str, value) -> None:
     if not isinstance(value, str) or value not in _DTYPE_NAMES:
         _fail(owner, name, value, f"None or a dtype name, one of {list(_DTYPE_NAMES)}")
 
+
+def _take_alias(obj, new: str, old: str, value, default) -> None:
+    "Set field `new` of `obj` from its older name `old` (given as `value`); both given and different is an error."
+    if value is None: return
+    if getattr(obj, new) not in (default, value):
+        raise ValueError(f"{type(obj).__name__}: got {new}={getattr(obj, new)!r} and its older name {old}={value!r}; "
+                         "give one")
+    setattr(obj, new, value)
+
 # %% ../../nbs/08a_optimizers.configs.ipynb #87e30988
 _T = tp.TypeVar("_T", bound="ConfigMixin")
 
@@ -104,7 +113,7 @@ class ConfigMixin:
         "A copy with some fields changed (validated like a new config)."
         return dataclasses.replace(self, **changes)
 
-# %% ../../nbs/08a_optimizers.configs.ipynb #c42db992
+# %% ../../nbs/08a_optimizers.configs.ipynb #3079a47f
 BUILTIN_SCHEDULERS = ("constant", "linear", "cosine", "warmup_cosine", "warmup_stable_decay")
 _UNUSED_BY = {  # fields a built-in schedule ignores: setting one is an error, not a silent no-op
     "constant": ("learning_rate_end", "exponent", "decay_steps"),
@@ -115,6 +124,34 @@ _UNUSED_BY = {  # fields a built-in schedule ignores: setting one is an error, n
 }
 
 
+def _check_schedule(self, o: str) -> None:
+    "The cross-field rules of a `SchedulerConfig` (which fields a schedule type needs or ignores)."
+    t = self.scheduler_type
+    defaults = {f.name: f.default for f in dataclasses.fields(self)}
+    for name in _UNUSED_BY.get(t, ()):
+        if getattr(self, name) != defaults[name]:
+            _fail(o, name, getattr(self, name), f"{defaults[name]!r}: scheduler_type={t!r} does not use it (the "
+                  f"schedules that do: {[s for s in BUILTIN_SCHEDULERS if name not in _UNUSED_BY[s]]})")
+    if self.warmup_init_value and not self.warmup_steps:
+        _fail(o, "warmup_init_value", self.warmup_init_value, "0.0 without warmup_steps (it is the warmup's start)")
+    if t != "constant" and t in BUILTIN_SCHEDULERS and self.steps is None:
+        _fail(o, "steps", None, f"the total number of steps (an integer >= 1) for scheduler_type={t!r}")
+    if t == "linear" and self.learning_rate_end is None:
+        _fail(o, "learning_rate_end", None, "a final learning rate for scheduler_type='linear'")
+    if t == "warmup_cosine" and not self.warmup_steps:
+        _fail(o, "warmup_steps", self.warmup_steps, "an integer >= 1 for scheduler_type='warmup_cosine'")
+    if t == "constant" and self.warmup_steps:
+        _fail(o, "warmup_steps", self.warmup_steps,
+              "None or 0 for scheduler_type='constant' (a warmup needs a decaying schedule: 'linear', ...)")
+    if self.warmup_steps and self.steps is not None and self.warmup_steps >= self.steps:
+        _fail(o, "warmup_steps", self.warmup_steps, f"fewer warmup steps than steps={self.steps}")
+    if t == "warmup_stable_decay" and self.steps is not None:
+        if self.decay_steps is None: self.decay_steps = max(1, self.steps // 10)
+        if (self.warmup_steps or 0) + self.decay_steps > self.steps:
+            _fail(o, "decay_steps", self.decay_steps,
+                  f"warmup_steps + decay_steps <= steps={self.steps} (warmup_steps={self.warmup_steps})")
+
+# %% ../../nbs/08a_optimizers.configs.ipynb #8b4902cd
 @dataclasses.dataclass
 class SchedulerConfig(ConfigMixin):
     "Learning-rate schedule settings (see the table above)."
@@ -132,8 +169,8 @@ class SchedulerConfig(ConfigMixin):
         o = type(self).__name__
         if self.scheduler_type is None: self.scheduler_type = "constant"
         if not isinstance(self.scheduler_type, str) or not self.scheduler_type:
-            _fail(o, "scheduler_type", self.scheduler_type, "a scheduler name such as one of "
-                                                            f"{list(BUILTIN_SCHEDULERS)}")
+            _fail(o, "scheduler_type", self.scheduler_type,
+                  f"a scheduler name such as one of {list(BUILTIN_SCHEDULERS)}")
         check_range(o, "learning_rate", self.learning_rate, 0)
         check_range(o, "learning_rate_end", self.learning_rate_end, 0, allow_none=True)
         check_int(o, "warmup_steps", self.warmup_steps, 0, allow_none=True)
@@ -141,31 +178,7 @@ class SchedulerConfig(ConfigMixin):
         check_range(o, "exponent", self.exponent, 0, lo_inclusive=False)
         check_int(o, "decay_steps", self.decay_steps, 1, allow_none=True)
         check_range(o, "warmup_init_value", self.warmup_init_value, 0)
-        t = self.scheduler_type
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for name in _UNUSED_BY.get(t, ()):
-            if getattr(self, name) != defaults[name]:
-                _fail(o, name, getattr(self, name), f"{defaults[name]!r}: scheduler_type={t!r} does not use it (the "
-                      f"schedules that do: {[s for s in BUILTIN_SCHEDULERS if name not in _UNUSED_BY[s]]})")
-        if self.warmup_init_value and not self.warmup_steps:
-            _fail(o, "warmup_init_value", self.warmup_init_value, "0.0 without warmup_steps (it is the warmup's start)")
-        if t != "constant" and t in BUILTIN_SCHEDULERS and self.steps is None:
-            _fail(o, "steps", None, f"the total number of steps (an integer >= 1) for scheduler_type={t!r}")
-        if t == "linear" and self.learning_rate_end is None:
-            _fail(o, "learning_rate_end", None, "a final learning rate for scheduler_type='linear'")
-        if t == "warmup_cosine" and not self.warmup_steps:
-            _fail(o, "warmup_steps", self.warmup_steps, "an integer >= 1 for scheduler_type='warmup_cosine'")
-        if t == "constant" and self.warmup_steps:
-            _fail(o, "warmup_steps", self.warmup_steps,
-                  "None or 0 for scheduler_type='constant' (a warmup needs a decaying schedule: 'linear', 'cosine', "
-                  "...)")
-        if self.warmup_steps and self.steps is not None and self.warmup_steps >= self.steps:
-            _fail(o, "warmup_steps", self.warmup_steps, f"fewer warmup steps than steps={self.steps}")
-        if t == "warmup_stable_decay" and self.steps is not None:
-            if self.decay_steps is None: self.decay_steps = max(1, self.steps // 10)
-            if (self.warmup_steps or 0) + self.decay_steps > self.steps:
-                _fail(o, "decay_steps", self.decay_steps,
-                      f"warmup_steps + decay_steps <= steps={self.steps} (warmup_steps={self.warmup_steps})")
+        _check_schedule(self, o)
 
 # %% ../../nbs/08a_optimizers.configs.ipynb #8a862f82
 @dataclasses.dataclass
@@ -245,7 +258,7 @@ class RMSPropConfig(ConfigMixin):
         check_range(o, "initial_scale", self.initial_scale, 0)
         check_range(o, "momentum", self.momentum, 0, 1, hi_inclusive=False, allow_none=True)
 
-
+# %% ../../nbs/08a_optimizers.configs.ipynb #2e1285b0
 @dataclasses.dataclass
 class MuonConfig(ConfigMixin):
     "Muon (`optax.contrib.muon`): Newton-Schulz orthogonalised momentum for matrices, Adam for the rest."
@@ -379,10 +392,7 @@ class KronConfig(ConfigMixin):
 
     def __post_init__(self, b1=None):
         o = type(self).__name__
-        if b1 is not None:
-            if self.beta1 not in (0.9, b1):
-                raise ValueError(f"{o}: got beta1={self.beta1!r} and its older name b1={b1!r}; give one")
-            self.beta1 = b1
+        _take_alias(self, "beta1", "b1", b1, 0.9)
         check_range(o, "beta1", self.beta1, 0, 1, hi_inclusive=False)
         check_range(o, "weight_decay", self.weight_decay, 0)
         check_range(o, "max_grad_norm", self.max_grad_norm, 0, lo_inclusive=False, allow_none=True)
@@ -435,13 +445,8 @@ class WhiteKronConfig(ConfigMixin):
 
     def __post_init__(self, damping=None, precond_dtype=None):
         o = type(self).__name__
-        for old, new, val, default in (("damping", "noise_scale", damping, 1e-9), ("precond_dtype", "dtype",
-                                                                                   precond_dtype, "bfloat16")):
-            if val is not None:
-                if getattr(self, new) not in (default, val):
-                    raise ValueError(f"{o}: got {new}={getattr(self, new)!r} and its older name {old}={val!r}; give "
-                                     "one")
-                setattr(self, new, val)
+        _take_alias(self, "noise_scale", "damping", damping, 1e-9)
+        _take_alias(self, "dtype", "precond_dtype", precond_dtype, "bfloat16")
         if self.dtype is not None and not isinstance(self.dtype, str):
             self.dtype = np.dtype(self.dtype).name  # a jnp dtype, as eformer's default, becomes its name
         for n, default in (("scanned_layers", None), ("pipeline_axis_name", None), ("pipeline_axis_size", 1),

@@ -33,8 +33,8 @@ def auto_partition_spec(x, mesh: Mesh | AbstractMesh | None = None, names: Seque
 
     Mesh axes in `names` (default: all, in mesh order) are placed one by one on a dimension they
     divide: unsharded dimensions first, then the one with the most elements per shard; ties go to
-    the earlier dimension (the later one with `reverse`). Arrays with fewer than `min_sharding_size` elements (default: the mesh size)
-    are replicated."""
+    the earlier dimension (the later one with `reverse`). Arrays with fewer than `min_sharding_size` elements
+    (default: the mesh size) are replicated."""
     mesh = get_current_mesh() if mesh is None else mesh
     if mesh is None:
         raise ValueError("auto_partition_spec needs a mesh: pass mesh=..., or call it inside `with "

@@ -30,7 +30,7 @@ __all__ = ['logger', 'lax_reshard', 'correct_partition_spec', 'get_corrected_nam
            'get_shardings_with_structure', 'extract_sharding_structure', 'extract_shardings',
            'create_pattern_based_partition_spec', 'shard_nbytes', 'analyze_sharding_strategy']
 
-# %% ../../../nbs/09b_escale.partition.constraints.ipynb #93d7aec3
+# %% ../../../nbs/09b_escale.partition.constraints.ipynb #b65e2364
 def _entry_names(entry) -> tuple:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
@@ -54,6 +54,43 @@ def _absent_axis_is_size_one(name: str, sizes: dict) -> bool:
     return name in DEFAULT_AXIS_NAMES and any(n in DEFAULT_AXIS_NAMES for n in sizes)
 
 
+def _fit_entry(shape, dim: int, entry, sizes: dict, manual: set, spec, auto_correct: bool):
+    "One spec entry fitted to dim `dim`: the mesh axes that divide it (others dropped with a warning, or an error)."
+    kept, prod = [], 1
+    for name in _entry_names(entry):
+        if name is None or name in manual:
+            continue
+        if name not in sizes:
+            problem = (f"array of shape {shape}: mesh axis {name!r} (in dim {dim} of {spec}) is not in the mesh "
+                       f"{sizes}")
+            if not _absent_axis_is_size_one(name, sizes):
+                raise ValueError(f"cannot shard {problem}; valid axis names are {sorted(sizes)}. A renamed axis "
+                                 "(e.g. PartitionAxis(tensor_parallel_axis=...)) must match the mesh's axis_names")
+            if auto_correct:
+                continue  # an axis of size 1: nothing is lost
+        elif shape[dim] % (prod * sizes[name]):
+            problem = (f"array of shape {shape}: dim {dim} (size {shape[dim]}) is not divisible by mesh axis "
+                       f"{name!r} of size {sizes[name]}"
+                       + (f" (after {kept}, {prod * sizes[name]} shards)" if kept else "")
+                       + f"; mesh {sizes}")
+        else:
+            kept.append(name)
+            prod *= sizes[name]
+            continue
+        if not auto_correct:
+            raise ValueError(f"cannot shard {problem}. Pass auto_correct=True to replicate that dimension over "
+                             f"{name!r} instead, or change the spec or the mesh")
+        key = (name, sizes.get(name), shape[dim])
+        if key not in _DIVISIBILITY_WARNED:
+            _DIVISIBILITY_WARNED.add(key)
+            logger.warning(f"sharding corrected: {problem}; {name!r} is dropped from that dimension (warned once "
+                           f"per axis and dimension size)")
+    new = kept[0] if len(kept) == 1 and isinstance(entry, str) else (tuple(kept) if kept else None)
+    if len(kept) == len(_entry_names(entry)):
+        new = entry  # untouched: keep the caller's spelling so the HLO matches a hand-written spec
+    return new
+
+# %% ../../../nbs/09b_escale.partition.constraints.ipynb #bb2ae345
 def correct_partition_spec(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh | AbstractMesh | dict[str, int], *,
                            auto_correct: bool = True) -> PartitionSpec:
     """Fit `spec` to an array of `shape` on `mesh` (a mesh or `{axis: size}`).
@@ -72,45 +109,9 @@ def correct_partition_spec(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh
     if len(entries) > len(shape):
         raise ValueError(f"PartitionSpec {spec} has {len(entries)} entries but the array has shape {shape} "
                          f"(rank {len(shape)}); a spec needs at most one entry per dimension")
-    out, changed = [], False
-    for dim, entry in enumerate(entries):
-        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
-            out.append(entry)
-            continue
-        kept, prod = [], 1
-        for name in _entry_names(entry):
-            if name is None or name in manual:
-                continue
-            if name not in sizes:
-                problem = (f"array of shape {shape}: mesh axis {name!r} (in dim {dim} of {spec}) is not in the mesh "
-                           f"{sizes}")
-                if not _absent_axis_is_size_one(name, sizes):
-                    raise ValueError(f"cannot shard {problem}; valid axis names are {sorted(sizes)}. A renamed axis "
-                                     "(e.g. PartitionAxis(tensor_parallel_axis=...)) must match the mesh's axis_names")
-                if auto_correct:
-                    continue  # an axis of size 1: nothing is lost
-            elif shape[dim] % (prod * sizes[name]):
-                problem = (f"array of shape {shape}: dim {dim} (size {shape[dim]}) is not divisible by mesh axis "
-                           f"{name!r} of size {sizes[name]}"
-                           + (f" (after {kept}, {prod * sizes[name]} shards)" if kept else "")
-                           + f"; mesh {sizes}")
-            else:
-                kept.append(name)
-                prod *= sizes[name]
-                continue
-            if not auto_correct:
-                raise ValueError(f"cannot shard {problem}. Pass auto_correct=True to replicate that dimension over "
-                                 f"{name!r} instead, or change the spec or the mesh")
-            key = (name, sizes.get(name), shape[dim])
-            if key not in _DIVISIBILITY_WARNED:
-                _DIVISIBILITY_WARNED.add(key)
-                logger.warning(f"sharding corrected: {problem}; {name!r} is dropped from that dimension (warned once "
-                               f"per axis and dimension size)")
-        new = kept[0] if len(kept) == 1 and isinstance(entry, str) else (tuple(kept) if kept else None)
-        if len(kept) == len(_entry_names(entry)):
-            new = entry  # untouched: keep the caller's spelling so the HLO matches a hand-written spec
-        changed |= new != entry
-        out.append(new)
+    out = [entry if entry is None or entry is PartitionSpec.UNCONSTRAINED
+           else _fit_entry(shape, dim, entry, sizes, manual, spec, auto_correct) for dim, entry in enumerate(entries)]
+    changed = any(n != e for n, e in zip(out, entries))
     return PartitionSpec(*out) if changed else spec
 
 # %% ../../../nbs/09b_escale.partition.constraints.ipynb #77a573ea
@@ -125,7 +126,8 @@ def _require_mesh(mesh, what: str):
 def get_corrected_named_sharding(shape: Sequence[int], partition_spec: PartitionSpec, raise_mesh_error: bool = True, *,
                                  mesh: Mesh | AbstractMesh | None = None, auto_correct: bool = True
                                  ) -> NamedSharding | jax.sharding.SingleDeviceSharding:
-    """A `NamedSharding` on `mesh` (default: the mesh in context) for an array of `shape`, with `partition_spec` corrected.
+    """A `NamedSharding` on `mesh` (default: the mesh in context) for an array of `shape`, with `partition_spec`
+    corrected.
 
     With no mesh anywhere this raises, or with `raise_mesh_error=False` returns the default device's sharding."""
     if isinstance(raise_mesh_error, (Mesh, AbstractMesh)):  # the older (shape, spec, mesh) order
@@ -313,7 +315,7 @@ def get_axes_size_in_mesh(axis_names: str | Sequence[str] | None, mesh: Mesh | A
         raise ValueError(f"axis name(s) {missing} are not in the mesh; its axes are {sizes}")
     return math.prod(sizes[n] for n in names)
 
-
+# %% ../../../nbs/09b_escale.partition.constraints.ipynb #00b911de
 def get_mesh_axis_size(axis_names: str | Sequence[str] | None) -> int:
     "`get_axes_size_in_mesh` on the mesh in context."
     return get_axes_size_in_mesh(axis_names)
