@@ -19,13 +19,21 @@ __all__ = ['BUILTIN_SCHEDULERS', 'KRON_MEMORY_SAVE_MODES', 'KRON_PRECISIONS', 'W
            'AdafactorConfig', 'LionConfig', 'RMSPropConfig', 'MuonConfig', 'MarsConfig', 'SoapConfig', 'KronConfig',
            'WhiteKronConfig', 'ScionConfig']
 
-# %% ../../nbs/08a_optimizers.configs.ipynb #1046b739
+# %% ../../nbs/08a_optimizers.configs.ipynb #05378f6d
 def _fail(owner: str, name: str, value, expected: str) -> tp.NoReturn:
     raise ValueError(f"{owner}.{name}={value!r} is invalid: expected {expected}.")
 
 
-def check_range(owner: str, name: str, value, lo: float | None = None, hi: float | None = None,
-                lo_inclusive: bool = True, hi_inclusive: bool = True, allow_none: bool = False) -> None:
+def check_range(
+    owner: str,  # the config class name (for the message)
+    name: str,  # the field name
+    value,  # the value to check
+    lo: float | None = None,  # lower bound (None: none)
+    hi: float | None = None,  # upper bound (None: none)
+    lo_inclusive: bool = True,  # the lower bound is allowed
+    hi_inclusive: bool = True,  # the upper bound is allowed
+    allow_none: bool = False,  # None is valid
+) -> None:
     "Raise `ValueError` unless `value` is a real number in the interval `[lo, hi]` (ends as flagged)."
     if value is None and allow_none: return
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer,
@@ -41,8 +49,14 @@ def check_range(owner: str, name: str, value, lo: float | None = None, hi: float
         interval = opening + f"{left}, {right}" + closing
         _fail(owner, name, value, f"a number in {interval}")
 
-
-def check_int(owner: str, name: str, value, lo: int | None = None, allow_none: bool = False) -> None:
+# %% ../../nbs/08a_optimizers.configs.ipynb #555bdfa9
+def check_int(
+    owner: str,  # the config class name
+    name: str,  # the field name
+    value,  # the value to check
+    lo: int | None = None,  # smallest valid value
+    allow_none: bool = False,  # None is valid
+) -> None:
     "Raise `ValueError` unless `value` is an integer `>= lo`."
     if value is None and allow_none: return
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -51,7 +65,12 @@ def check_int(owner: str, name: str, value, lo: int | None = None, allow_none: b
         _fail(owner, name, value, f"an integer >= {lo}")
 
 
-def check_choice(owner: str, name: str, value, choices: tp.Sequence) -> None:
+def check_choice(
+    owner: str,  # the config class name
+    name: str,  # the field name
+    value,  # the value to check
+    choices: tp.Sequence,  # the valid values
+) -> None:
     "Raise `ValueError` unless `value` is one of `choices` (the message lists them)."
     if value not in choices:
         _fail(owner, name, value, f"one of {list(choices)}")
@@ -60,7 +79,11 @@ def check_choice(owner: str, name: str, value, choices: tp.Sequence) -> None:
 _DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
 
 
-def check_dtype(owner: str, name: str, value) -> None:
+def check_dtype(
+    owner: str,  # the config class name
+    name: str,  # the field name
+    value,  # None or a dtype name
+) -> None:
     "Raise `ValueError` unless `value` is `None` or a floating dtype name (`'bfloat16'`, `'float32'`, ...)."
     if value is None: return
     if not isinstance(value, str) or value not in _DTYPE_NAMES:

@@ -42,8 +42,13 @@ class _Entry(tp.NamedTuple):
 _OPTIMIZERS: dict[str, _Entry] = {}
 
 
-def register_optimizer(name: str, config_cls: type | None = None, *, overwrite: bool = False,
-                       fixed: dict | None = None):
+def register_optimizer(
+    name: str,  # the optimizer's name (case-insensitive)
+    config_cls: type | None = None,  # its config dataclass (omit to decorate an `OptimizerBuilder` class)
+    *,
+    overwrite: bool = False,  # replace an existing registration
+    fixed: dict | None = None,  # config fields this name pins (e.g. update_style)
+):
     """Decorator: register `builder(config, schedule[, weight_decay=, weight_decay_mask=])` under `name`,
     or (eformer's form, `config_cls` omitted) an `OptimizerBuilder` subclass with a `config_class`."""
     if not isinstance(name, str) or not name:
@@ -355,6 +360,11 @@ def create(
 def generate_template(cls: OptimizerFactory, optimizer_type: str) -> dict[str, tp.Any]:
     "The default config of `optimizer_type` as a plain dict: a starting point for a YAML/JSON file."
     return cls.make_config(optimizer_type).to_dict()
+
+
+# fastcore's `cls_method=True` installs its own descriptor; make these real classmethods, as eformer's are
+for _name in ('create', 'generate_template'):
+    setattr(OptimizerFactory, _name, classmethod(vars(OptimizerFactory)[_name].f))
 
 # %% ../../nbs/08e_optimizers.factory.ipynb #43c46bba
 import abc

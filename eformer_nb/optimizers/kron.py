@@ -28,8 +28,12 @@ __all__ = ['kron_dense_axes', 'kron_exprs', 'norm_lower_bound', 'balance_factors
 _LETTERS = string.ascii_lowercase + string.ascii_uppercase
 
 
-def kron_dense_axes(shape: tuple[int, ...], max_size: int, min_ndim: int = 2,
-                    memory_save_mode: str | None = None) -> list[bool]:
+def kron_dense_axes(
+    shape: tuple[int, ...],  # the tensor shape
+    max_size: int,  # axes longer than this get a diagonal factor
+    min_ndim: int = 2,  # tensors with fewer axes get diagonal factors
+    memory_save_mode: str | None = None,  # None, "one_diag" or "all_diag"
+) -> list[bool]:
     "Per axis of a tensor of `shape`: True for a dense (triangular/SPD) factor, False for a diagonal one."
     if len(shape) > 13:
         raise ValueError(f"PSGD Kron supports tensors with at most 13 axes; got shape {shape} ({len(shape)} axes)")
@@ -44,7 +48,9 @@ def kron_dense_axes(shape: tuple[int, ...], max_size: int, min_ndim: int = 2,
     return [not (d == 1 or d > max_size or len(shape) < min_ndim or dg) for d, dg in zip(shape, diag)]
 
 
-def kron_exprs(dense: list[bool]) -> tuple[str, tuple[str, ...], str]:
+def kron_exprs(
+    dense: list[bool],  # per axis: dense factor (True) or diagonal (False)
+) -> tuple[str, tuple[str, ...], str]:
     """einsum strings for a tensor with factor kinds `dense`: `exprA` applies all factors (`Q G`),
     `exprGs[i]` contracts two tensors over every axis but `i`, `exprP` applies `Q^H Q`."""
     n = len(dense)
@@ -69,7 +75,9 @@ def kron_exprs(dense: list[bool]) -> tuple[str, tuple[str, ...], str]:
     return exprA, tuple(gs), exprP
 
 # %% ../../nbs/08d_optimizers.kron.ipynb #aff0579c
-def norm_lower_bound(A: jax.Array) -> jax.Array:
+def norm_lower_bound(
+    A: jax.Array,  # a matrix
+) -> jax.Array:
     """A cheap lower bound on the spectral norm of `A` (within ~sqrt(2) in practice): one power step from the heaviest
     row/column."""
     max_abs = jnp.max(jnp.abs(A))
@@ -97,7 +105,9 @@ def norm_lower_bound(A: jax.Array) -> jax.Array:
     return jax.lax.cond(max_abs > 0, bound, lambda _: max_abs, A)
 
 
-def balance_factors(Q: list[jax.Array]) -> list[jax.Array]:
+def balance_factors(
+    Q: list[jax.Array],  # the factors of one preconditioner
+) -> list[jax.Array]:
     "Rescale the factors of one preconditioner to equal max-abs (their product is unchanged)."
     if len(Q) < 2: return Q
     norms = jnp.array([jnp.max(jnp.abs(q)) for q in Q], dtype=jnp.float32)
@@ -105,7 +115,10 @@ def balance_factors(Q: list[jax.Array]) -> list[jax.Array]:
     return [q * (gmean / n).astype(q.dtype) for q, n in zip(Q, norms)]
 
 
-def solve_triangular_right(X: jax.Array, A: jax.Array) -> jax.Array:
+def solve_triangular_right(
+    X: jax.Array,  # the right-hand sides, batched over leading axes
+    A: jax.Array,  # an upper-triangular matrix
+) -> jax.Array:
     "`X @ inv(A)` for upper-triangular `A`, batched over the leading axes of `X`."
     squeeze = X.ndim < 2
     if squeeze: X = X[None, :]
@@ -379,7 +392,15 @@ def _procrustes_step(q, max_step: float = 0.2):
     return jax.lax.cond(m > jnp.finfo(q.dtype).smallest_normal, rotate, lambda q: q, q)
 
 # %% ../../nbs/08d_optimizers.kron.ipynb #3e0765d4
-def fit_white_kron_factors(Q: list, Ls: list, G: jax.Array, exprs, lr: float, beta: float, style: str):
+def fit_white_kron_factors(
+    Q: list,  # the factors
+    Ls: list,  # their Lipschitz estimates
+    G: jax.Array,  # the (momentum) gradient
+    exprs,  # `kron_exprs` of its layout
+    lr: float,  # the factors' step size
+    beta: float,  # EMA rate of the Lipschitz estimates
+    style: str,  # "quad" or "skew"
+):
     "One whitening fit of the factors `Q` (with Lipschitz states `Ls`) to gradient `G`; returns new (Q, Ls)."
     _, exprGs, exprP = exprs
     n = G.size
@@ -413,13 +434,17 @@ class ScaleByWhiteKronState(tp.NamedTuple):
     Qs: tp.Any  # per leaf: list of SPD factors (matrix) or positive diagonals (vector)
     Ls: tp.Any  # per leaf: list of float32 Lipschitz estimates, one per factor
 
-# %% ../../nbs/08d_optimizers.kron.ipynb #79e59dec
-def scale_by_white_kron(update_style: str = "quad", b1: float = 0.95, preconditioner_lr: float = 0.7,
-                        preconditioner_init_scale: float = 1.0, beta_lipschitz: float = 0.9, damping: float = 1e-9,
-                        max_size_dense: int = 8192, max_skew_dense: float = 1.0, lr_style: str | None = "adam",
-                        normalize_grads: bool = False, mu_dtype: tp.Any | None = None,
-                        precond_dtype: tp.Any | None = None, seed: int = 0) -> optax.GradientTransformation:
-    "WhiteKron direction (without the learning rate): PSGD Kron whitening with SPD factors, `quad` or `skew` updates."
+# %% ../../nbs/08d_optimizers.kron.ipynb #3a89d5fa
+def _white_kron_init(params, dense_of, init_scale, pdt, b1, mu_dtype) -> ScaleByWhiteKronState:
+    "The initial WhiteKron state: factors per `dense_of(leaf)`, zero Lipschitz estimates, zero momentum."
+    Qs = jax.tree.map(lambda t: _init_factors(t, dense_of(t), init_scale, pdt), params)
+    Ls = jax.tree.map(lambda t: [jnp.zeros([], jnp.float32) for _ in range(max(t.ndim, 1))], params)
+    mu = otu.tree_zeros_like(params, dtype=mu_dtype) if b1 > 0 else None
+    return ScaleByWhiteKronState(count=jnp.zeros([], jnp.int32), mu=mu, Qs=Qs, Ls=Ls)
+
+
+def _check_white_kron(update_style, lr_style, b1) -> None:
+    "Validate `scale_by_white_kron`'s style options and momentum rate."
     if update_style not in ("quad", "skew"):
         raise ValueError(f"scale_by_white_kron: update_style={update_style!r} is invalid: expected one of ['quad', "
                          "'skew'].")
@@ -427,6 +452,25 @@ def scale_by_white_kron(update_style: str = "quad", b1: float = 0.95, preconditi
         raise ValueError(f"scale_by_white_kron: lr_style={lr_style!r} is invalid: expected one of ['adam', None].")
     if isinstance(b1, bool) or not isinstance(b1, (int, float)) or not 0 <= b1 < 1:
         raise ValueError(f"scale_by_white_kron: b1={b1!r} is invalid: expected a number in [0, 1).")
+
+# %% ../../nbs/08d_optimizers.kron.ipynb #79e59dec
+def scale_by_white_kron(
+    update_style: str = "quad",  # "quad" or "skew"
+    b1: float = 0.95,  # momentum rate (0: none)
+    preconditioner_lr: float = 0.7,  # the factors' step size
+    preconditioner_init_scale: float = 1.0,  # initial scale of the preconditioner
+    beta_lipschitz: float = 0.9,  # EMA rate of the per-factor Lipschitz estimate
+    damping: float = 1e-9,  # tiny noise added to the gradient before fitting
+    max_size_dense: int = 8192,  # axes longer than this get a diagonal factor
+    max_skew_dense: float = 1.0,  # a dim of size d is dense only if d**2 <= max_skew_dense * numel
+    lr_style: str | None = "adam",  # "adam": Adam-like RMS 0.2; None: RMS 1
+    normalize_grads: bool = False,  # divide each gradient by its RMS first
+    mu_dtype: tp.Any | None = None,  # dtype of the momentum
+    precond_dtype: tp.Any | None = None,  # dtype of the factors
+    seed: int = 0,  # PRNG seed of the fitting noise
+) -> optax.GradientTransformation:
+    "WhiteKron direction (without the learning rate): PSGD Kron whitening with SPD factors, `quad` or `skew` updates."
+    _check_white_kron(update_style, lr_style, b1)
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
     pdt = None if precond_dtype is None else jnp.dtype(precond_dtype)
 
@@ -436,12 +480,7 @@ def scale_by_white_kron(update_style: str = "quad", b1: float = 0.95, preconditi
         return dense, kron_exprs(dense)
 
     def init_fn(params):
-        def factors(t):
-            return _init_factors(t, layout(t)[0], preconditioner_init_scale, pdt)
-        Qs = jax.tree.map(factors, params)
-        Ls = jax.tree.map(lambda t: [jnp.zeros([], jnp.float32) for _ in range(max(t.ndim, 1))], params)
-        mu = otu.tree_zeros_like(params, dtype=mu_dtype) if b1 > 0 else None
-        return ScaleByWhiteKronState(count=jnp.zeros([], jnp.int32), mu=mu, Qs=Qs, Ls=Ls)
+        return _white_kron_init(params, lambda t: layout(t)[0], preconditioner_init_scale, pdt, b1, mu_dtype)
 
     def update_fn(updates, state, params=None):
         del params
@@ -473,7 +512,10 @@ def scale_by_white_kron(update_style: str = "quad", b1: float = 0.95, preconditi
     return optax.GradientTransformation(init_fn, update_fn)
 
 # %% ../../nbs/08d_optimizers.kron.ipynb #343f464c
-def white_kron(learning_rate: optax.ScalarOrSchedule, **kwargs) -> optax.GradientTransformation:
+def white_kron(
+    learning_rate: optax.ScalarOrSchedule,  # a number or a schedule step -> learning rate
+    **kwargs,  # `scale_by_white_kron` options
+) -> optax.GradientTransformation:
     "WhiteKron: `scale_by_white_kron(**kwargs)` followed by the (scheduled) learning rate."
     return optax.chain(scale_by_white_kron(**kwargs), optax.scale_by_learning_rate(learning_rate))
 

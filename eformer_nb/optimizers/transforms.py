@@ -24,9 +24,12 @@ class ScheduledWeightDecayState(tp.NamedTuple):
     count: jax.Array  # number of updates so far (int32)
 
 
-def optax_add_scheduled_weight_decay(schedule_fn: tp.Callable[[jax.Array], jax.Array] | float,
-                                     mask: tp.Any | tp.Callable[[optax.Params], tp.Any] | None = None
-                                     ) -> optax.GradientTransformation:
+def optax_add_scheduled_weight_decay(
+    # step -> weight-decay rate (or a constant); the update adds rate * params
+    schedule_fn: tp.Callable[[jax.Array], jax.Array] | float,
+    # which parameters decay: a pytree of bools, params -> pytree, or None (all)
+    mask: tp.Any | tp.Callable[[optax.Params], tp.Any] | None = None,
+) -> optax.GradientTransformation:
     """Add `schedule_fn(step) * params` to the updates (a float is a constant schedule).
     `mask` (a pytree of bools or a callable `params -> pytree`) selects the leaves that decay."""
     if not callable(schedule_fn):
@@ -63,14 +66,9 @@ def _check_unit(name, value, owner):
         raise ValueError(f"{owner}: {name}={value!r} is invalid: expected a number in [0, 1).")
 
 
-# %% ../../nbs/08c_optimizers.transforms.ipynb #fce7561d
-def scale_by_mars(b1: float = 0.9, b2: float = 0.999, gamma: float = 0.05, eps: float = 1e-8, eps_root: float = 0.0,
-                  max_grad_norm: float | None = 0.0, mu_dtype: tp.Any | None = None, *, beta1: float | None = None,
-                  beta2: float | None = None, epsilon: float | None = None) -> optax.GradientTransformation:
-    """MARS-AdamW direction (without the learning rate): Adam on the variance-reduced gradient `c_t`.
-
-    eformer's names and defaults; `max_grad_norm` of 0 or None means no clipping. `beta1`/`beta2`/`epsilon`
-    are the older spellings of `b1`/`b2`/`eps` (give one or the other)."""
+# %% ../../nbs/08c_optimizers.transforms.ipynb #9d9a3de2
+def _mars_options(b1, b2, gamma, eps, eps_root, max_grad_norm, beta1, beta2, epsilon):
+    "Validate `scale_by_mars`'s options (the older names `beta1`/`beta2`/`epsilon` included); return the rates and eps."
     for old, new, val, default in (("beta1", "b1", beta1, 0.9), ("beta2", "b2", beta2, 0.999), ("epsilon", "eps",
                                                                                                 epsilon, 1e-8)):
         if val is not None and {"b1": b1, "b2": b2, "eps": eps}[new] != default:
@@ -86,6 +84,27 @@ def scale_by_mars(b1: float = 0.9, b2: float = 0.999, gamma: float = 0.05, eps: 
     if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm >= 0):
         raise ValueError(f"scale_by_mars: max_grad_norm={max_grad_norm!r} is invalid: expected None or a number >= 0 "
                          "(0: no clip).")
+    return beta1, beta2, epsilon
+
+# %% ../../nbs/08c_optimizers.transforms.ipynb #bc96b8aa
+def scale_by_mars(
+    b1: float = 0.9,  # EMA rate of the first moment
+    b2: float = 0.999,  # EMA rate of the second moment
+    gamma: float = 0.05,  # weight of the gradient-correction term (0: Adam)
+    eps: float = 1e-8,  # added to sqrt(second moment)
+    eps_root: float = 0.0,  # added inside the square root
+    max_grad_norm: float | None = 0.0,  # per-tensor clip of the corrected gradient (0 or None: no clip)
+    mu_dtype: tp.Any | None = None,  # dtype of the stored first moment
+    *,
+    beta1: float | None = None,  # older name of `b1`
+    beta2: float | None = None,  # older name of `b2`
+    epsilon: float | None = None,  # older name of `eps`
+) -> optax.GradientTransformation:
+    """MARS-AdamW direction (without the learning rate): Adam on the variance-reduced gradient `c_t`.
+
+    eformer's names and defaults; `max_grad_norm` of 0 or None means no clipping. `beta1`/`beta2`/`epsilon`
+    are the older spellings of `b1`/`b2`/`eps` (give one or the other)."""
+    beta1, beta2, epsilon = _mars_options(b1, b2, gamma, eps, eps_root, max_grad_norm, beta1, beta2, epsilon)
     max_grad_norm = max_grad_norm or None
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
     scale = gamma * beta1 / (1.0 - beta1)
@@ -118,8 +137,12 @@ def scale_by_mars(b1: float = 0.9, b2: float = 0.999, gamma: float = 0.05, eps: 
     return optax.GradientTransformation(init_fn, update_fn)
 
 # %% ../../nbs/08c_optimizers.transforms.ipynb #15a40836
-def mars(learning_rate: optax.ScalarOrSchedule, weight_decay: float = 0.0, weight_decay_mask: tp.Any = None,
-         **kwargs) -> optax.GradientTransformation:
+def mars(
+    learning_rate: optax.ScalarOrSchedule,  # a number or a schedule step -> learning rate
+    weight_decay: float = 0.0,  # decoupled weight decay (0: none)
+    weight_decay_mask: tp.Any = None,  # which parameters decay (None: all)
+    **kwargs,  # `scale_by_mars` options
+) -> optax.GradientTransformation:
     """MARS-AdamW: `scale_by_mars(**kwargs)` (MarsConfig's defaults where not given), decoupled weight decay, then the
     (scheduled) learning rate."""
     allowed = set(inspect.signature(scale_by_mars).parameters)
@@ -283,7 +306,10 @@ class BlockPlan(tp.NamedTuple):
     lead: int  # 1 for a scanned leaf (its layer axis is kept whole), else 0
 
 
-def merge_dims(shape: tuple[int, ...], target: int) -> tuple[int, ...]:
+def merge_dims(
+    shape: tuple[int, ...],  # the tensor shape
+    target: int,  # the largest merged axis
+) -> tuple[int, ...]:
     "Join adjacent axes while their product stays <= `target`; a shape of 2+ axes keeps at least 2."
     out = list(shape[:1])
     for k, d in enumerate(shape[1:], start=1):
@@ -295,8 +321,14 @@ def merge_dims(shape: tuple[int, ...], target: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def block_plan(shape: tuple[int, ...], merge: bool, target: int, partition: bool, block_size: int,
-               scanned: bool = False) -> BlockPlan:
+def block_plan(
+    shape: tuple[int, ...],  # the tensor shape
+    merge: bool,  # join small adjacent axes
+    target: int,  # the largest merged axis
+    partition: bool,  # cut long axes into blocks
+    block_size: int,  # the block length
+    scanned: bool = False,  # the first axis is a layer axis (kept whole)
+) -> BlockPlan:
     "The `BlockPlan` of a tensor of `shape` (a scanned tensor keeps its first axis apart)."
     lead = 1 if scanned else 0
     body = tuple(shape[lead:])
@@ -305,7 +337,10 @@ def block_plan(shape: tuple[int, ...], merge: bool, target: int, partition: bool
     return BlockPlan(tuple(shape[:lead]) + merged, cuts, lead)
 
 # %% ../../nbs/08c_optimizers.transforms.ipynb #c41faa5f
-def split_blocks(x: jax.Array, plan: BlockPlan) -> list[jax.Array]:
+def split_blocks(
+    x: jax.Array,  # the tensor
+    plan: BlockPlan,  # its `block_plan`
+) -> list[jax.Array]:
     "`x` reshaped by `plan` and cut into its blocks (row-major order of the block grid)."
     pieces = [x.reshape(plan.shape)]
     for ax, cut in enumerate(plan.cuts):
@@ -314,7 +349,11 @@ def split_blocks(x: jax.Array, plan: BlockPlan) -> list[jax.Array]:
     return pieces
 
 
-def join_blocks(pieces: list[jax.Array], plan: BlockPlan, shape: tuple[int, ...]) -> jax.Array:
+def join_blocks(
+    pieces: list[jax.Array],  # the blocks, as `split_blocks` returned them
+    plan: BlockPlan,  # the same `block_plan`
+    shape: tuple[int, ...],  # the original shape
+) -> jax.Array:
     "The inverse of `split_blocks`: the blocks joined back into one tensor of `shape`."
     for ax in reversed(range(len(plan.cuts))):
         n = len(plan.cuts[ax]) + 1
@@ -366,7 +405,7 @@ def blockwise(
 
     return optax.GradientTransformation(init_fn, update_fn)
 
-# %% ../../nbs/08c_optimizers.transforms.ipynb #a18a65e6
+# %% ../../nbs/08c_optimizers.transforms.ipynb #24c16c54
 OptaxScheduledWeightDecayState = ScheduledWeightDecayState  # eformer's name
 
 
@@ -387,10 +426,17 @@ def _newton_schulz(d: jax.Array, steps: int, eps: float, coeffs: tuple[float, fl
     x = jax.lax.fori_loop(0, steps, body, x)
     return (jnp.swapaxes(x, -1, -2) if tall else x).astype(d.dtype)
 
-
-def scale_by_scion(momentum: float = 0.95, backend_steps: int = 10, beta1: float = 0.9, epsilon: float = 1e-8,
-                   unconstrained: bool = False, spectral_radius: float = 50, sign_radius: float = 3000,
-                   ns_coeffs: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)) -> optax.GradientTransformation:
+# %% ../../nbs/08c_optimizers.transforms.ipynb #1f321ca1
+def scale_by_scion(
+    momentum: float = 0.95,  # EMA rate of the gradient for matrices
+    backend_steps: int = 10,  # Newton-Schulz iterations
+    beta1: float = 0.9,  # EMA rate for non-matrix parameters (sign LMO)
+    epsilon: float = 1e-8,  # added to the Frobenius norm before Newton-Schulz
+    unconstrained: bool = False,  # True: uScion (x += lr * lmo); False: Scion (convex combination)
+    spectral_radius: float = 50,  # radius of the spectral-norm ball (matrices)
+    sign_radius: float = 3000,  # radius of the max-norm ball (the rest)
+    ns_coeffs: tuple[float, float, float] = (3.4445, -4.7750, 2.0315),  # Newton-Schulz coefficients (a, b, c)
+) -> optax.GradientTransformation:
     "Scion's direction (negated LMO, plus the parameters when constrained); chain it with the learning rate."
     _check_unit("momentum", momentum, "scale_by_scion"); _check_unit("beta1", beta1, "scale_by_scion")
     if isinstance(backend_steps, bool) or not isinstance(backend_steps, int) or backend_steps < 1:
@@ -419,7 +465,10 @@ def scale_by_scion(momentum: float = 0.95, backend_steps: int = 10, beta1: float
 
     return optax.GradientTransformation(init_fn, update_fn)
 
-
-def scion(learning_rate: optax.ScalarOrSchedule, **kwargs) -> optax.GradientTransformation:
+# %% ../../nbs/08c_optimizers.transforms.ipynb #dda96033
+def scion(
+    learning_rate: optax.ScalarOrSchedule,  # a number or a schedule step -> learning rate
+    **kwargs,  # `scale_by_scion` options
+) -> optax.GradientTransformation:
     "Scion: `scale_by_scion(**kwargs)` followed by the (scheduled) learning rate."
     return optax.chain(scale_by_scion(**kwargs), optax.scale_by_learning_rate(learning_rate))
