@@ -36,7 +36,11 @@ def _check_names(axis_names: Sequence[str]) -> tuple[str, ...]:
     return names
 
 
-def resolve_axis_dims(axis_dims: Sequence[int], axis_names: Sequence[str], num_devices: int) -> tuple[int, ...]:
+def resolve_axis_dims(
+    axis_dims: Sequence[int],  # sizes, one of them may be -1 (the rest of the devices)
+    axis_names: Sequence[str],  # the axis names
+    num_devices: int,  # how many devices the mesh holds
+) -> tuple[int, ...]:
     "Check `axis_dims` against `axis_names` and `num_devices`; fill the one `-1`; return the sizes."
     names = _check_names(axis_names)
     if isinstance(axis_dims, (str, bytes)) or not isinstance(axis_dims, Sequence):
@@ -70,7 +74,10 @@ def _granule_key(device, process_is_granule: bool) -> int:
     return int(device.process_index)
 
 
-def count_granules(devices: Sequence, process_is_granule: bool = False) -> int:
+def count_granules(
+    devices: Sequence,  # the devices
+    process_is_granule: bool = False,  # count processes instead of slices
+) -> int:
     "Number of slices (or processes, with `process_is_granule`) the `devices` belong to."
     return len({_granule_key(d, process_is_granule) for d in devices})
 
@@ -170,7 +177,10 @@ def create_mesh(axis_dims: Sequence[int] = DEFAULT_AXIS_DIMS, axis_names: Sequen
 _MESH_ITEM = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*:\s*(-?\d+)\s*$")
 
 
-def parse_mesh_spec(axis_dims: str, names: Sequence[str] | None = None) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def parse_mesh_spec(
+    axis_dims: str,  # a string such as "dp:2,tp:4" or "2,1,4"
+    names: Sequence[str] | None = None,  # axis names for a string of bare sizes
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
     "Parse `'dp:2,tp:4'` (or `'2,4'` with `names`) into `(dims, names)`."
     if not isinstance(axis_dims, str) or not axis_dims.strip():
         raise ValueError(f"expected a mesh string like 'dp:2,tp:4' or '2,4', got {axis_dims!r}")
@@ -199,7 +209,11 @@ def parse_mesh_spec(axis_dims: str, names: Sequence[str] | None = None) -> tuple
     return dims, names
 
 
-def parse_mesh_from_string(axis_dims: str, names: Sequence[str] | None = None, **create_mesh_kwargs) -> Mesh:
+def parse_mesh_from_string(
+    axis_dims: str,  # a string such as "dp:2,tp:4"
+    names: Sequence[str] | None = None,  # axis names for a string of bare sizes
+    **create_mesh_kwargs,  # `create_mesh` options
+) -> Mesh:
     "A mesh from `'dp:2,tp:4'` (or `'2,4'` with `names`); keyword arguments go to `create_mesh`."
     dims, names = parse_mesh_spec(axis_dims, names)
     return create_mesh(dims, names, **create_mesh_kwargs)
@@ -223,7 +237,9 @@ def get_current_mesh() -> Mesh | AbstractMesh | None:
     return None
 
 
-def mesh_axis_sizes(mesh: Mesh | AbstractMesh) -> dict[str, int]:
+def mesh_axis_sizes(
+    mesh: Mesh | AbstractMesh,  # a Mesh or AbstractMesh
+) -> dict[str, int]:
     "`{axis name: size}` in the mesh's axis order."
     return {name: int(size) for name, size in zip(mesh.axis_names, mesh.axis_sizes)}
 
@@ -231,8 +247,10 @@ def mesh_axis_sizes(mesh: Mesh | AbstractMesh) -> dict[str, int]:
 import contextlib
 
 
-def create_cpu_mesh(axis_dims: Sequence[int] = DEFAULT_AXIS_DIMS,
-                    axis_names: Sequence[str] = DEFAULT_AXIS_NAMES) -> Mesh:
+def create_cpu_mesh(
+    axis_dims: Sequence[int] = DEFAULT_AXIS_DIMS,  # sizes (one -1 takes the rest)
+    axis_names: Sequence[str] = DEFAULT_AXIS_NAMES,  # the axis names
+) -> Mesh:
     "`create_mesh` over the host's CPU devices."
     return create_mesh(axis_dims, axis_names, devices=jax.devices("cpu"))
 
@@ -246,7 +264,10 @@ def force_cpu():
 
 
 @contextlib.contextmanager
-def cpu_context(axis_dims: Sequence[int] = DEFAULT_AXIS_DIMS, axis_names: Sequence[str] = DEFAULT_AXIS_NAMES):
+def cpu_context(
+    axis_dims: Sequence[int] = DEFAULT_AXIS_DIMS,  # sizes (one -1 takes the rest)
+    axis_names: Sequence[str] = DEFAULT_AXIS_NAMES,  # the axis names
+):
     "`force_cpu` plus a CPU mesh in context (yielded), so sharding code runs on the host."
     mesh = create_cpu_mesh(axis_dims, axis_names)
     with force_cpu(), jax.set_mesh(mesh):

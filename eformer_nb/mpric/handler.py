@@ -44,7 +44,12 @@ def _detect_form(out_shape, params, has_aux: bool) -> str:
         return "grads"
     raise TypeError(f"fn returned {out_shape}. {_FORMS}. If it returns (loss, aux), pass has_aux=True.")
 
-def scaled_value_and_grad(fn: tp.Callable, policy: str | Policy = "f32", *, has_aux: bool = False) -> tp.Callable:
+def scaled_value_and_grad(
+    fn: tp.Callable,  # `(params, *args) -> loss` (or `(loss, aux)`)
+    policy: str | Policy = "f32",  # a Policy or its string form
+    *,
+    has_aux: bool = False,  # fn returns `(loss, aux)`
+) -> tp.Callable:
     "Pure step `(loss_scale, params, *args, **kw) -> (loss, grads, grads_finite, new_loss_scale)` under `policy`."
     policy = get_policy(policy)
 

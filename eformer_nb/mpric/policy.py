@@ -113,7 +113,9 @@ def _parse_name(value: str, where: str) -> str:
     except ValueError as e:
         raise ValueError(f"{e} ({where})") from None
 
-def get_policy(policy: str | Policy) -> Policy:
+def get_policy(
+    policy: str | Policy,  # a Policy, or a string such as "p=f32,c=bf16,o=f32" or "bf16"
+) -> Policy:
     "Parse a policy string such as `'p=f32,c=bf16,o=f32'` or `'bf16'` (jmp's grammar); a `Policy` is returned as is."
     if isinstance(policy, Policy):
         return policy

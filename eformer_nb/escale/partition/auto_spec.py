@@ -27,8 +27,13 @@ def _shape_of(x) -> tuple[int, ...]:
     raise TypeError(f"expected an array (or anything with .shape) or a shape tuple, got {x!r}")
 
 
-def auto_partition_spec(x, mesh: Mesh | AbstractMesh | None = None, names: Sequence[str] | None = None,
-                        min_sharding_size: int | None = None, reverse: bool = False) -> PartitionSpec:
+def auto_partition_spec(
+    x,  # an array or a shape
+    mesh: Mesh | AbstractMesh | None = None,  # the mesh (default: the one in context)
+    names: Sequence[str] | None = None,  # mesh axes to use, in order (default: all)
+    min_sharding_size: int | None = None,  # smaller arrays are replicated (default: the mesh size)
+    reverse: bool = False,  # ties go to the later dimension
+) -> PartitionSpec:
     """Propose a `PartitionSpec` for `x` (an array or a shape) on `mesh` (default: the mesh in context).
 
     Mesh axes in `names` (default: all, in mesh order) are placed one by one on a dimension they
@@ -63,8 +68,12 @@ def auto_partition_spec(x, mesh: Mesh | AbstractMesh | None = None, names: Seque
     return PartitionSpec(*[None if not p else p[0] if len(p) == 1 else tuple(p) for p in placed])
 
 # %% ../../../nbs/09d_escale.partition.auto_spec.ipynb #e5be6161
-def auto_namedsharding(mesh: Mesh | None = None, names: Sequence[str] | None = None,
-                       min_sharding_size: int | None = None, reverse: bool = False) -> Callable[[tp.Any],
+def auto_namedsharding(
+    mesh: Mesh | None = None,  # the mesh (default: the one in context)
+    names: Sequence[str] | None = None,  # mesh axes to use, in order (default: all)
+    min_sharding_size: int | None = None,  # smaller arrays are replicated (default: the mesh size)
+    reverse: bool = False,  # ties go to the later dimension
+) -> Callable[[tp.Any],
                                                                                                 NamedSharding]:
     """A function `x -> NamedSharding` with `auto_partition_spec(x, ...)` on `mesh` (default: the mesh in context at
     call time)."""
@@ -82,8 +91,13 @@ import jax
 from .constraints import _entry_names, _require_mesh, correct_partition_spec, shard_nbytes
 
 
-def auto_shard_array(x, mesh: Mesh | None = None, names: Sequence[str] | None = None,
-                     min_sharding_size: int | None = None, reverse: bool = False) -> jax.Array:
+def auto_shard_array(
+    x,  # the array to place
+    mesh: Mesh | None = None,  # the mesh (default: the one in context)
+    names: Sequence[str] | None = None,  # mesh axes to use, in order (default: all)
+    min_sharding_size: int | None = None,  # smaller arrays are replicated (default: the mesh size)
+    reverse: bool = False,  # ties go to the later dimension
+) -> jax.Array:
     "`x` placed on `mesh` (default: in context) with `auto_partition_spec`."
     return jax.device_put(x, auto_namedsharding(mesh, names, min_sharding_size, reverse)(x))
 
@@ -116,8 +130,13 @@ def vrn_auto_partition_spec(x, mesh: Mesh | AbstractMesh | None = None, names: S
     return PartitionSpec(*spec)
 
 # %% ../../../nbs/09d_escale.partition.auto_spec.ipynb #6b7893b0
-def convert_sharding_strategy(array: jax.Array, old_partition_specs: PartitionSpec, old_mesh: Mesh, new_mesh: Mesh,
-                              strategy: str = "preserve_balance") -> jax.Array:
+def convert_sharding_strategy(
+    array: jax.Array,  # the sharded array
+    old_partition_specs: PartitionSpec,  # its spec on `old_mesh`
+    old_mesh: Mesh,  # the mesh it is on
+    new_mesh: Mesh,  # the mesh to move it to
+    strategy: str = "preserve_balance",  # "preserve_balance" (keep the spec's axes) or "auto" (a new automatic spec)
+) -> jax.Array:
     """`array` (placed with `old_partition_specs` on `old_mesh`) moved to `new_mesh`.
 
     `preserve_balance` keeps the spec's axes that `new_mesh` has and that divide the shape;
@@ -139,8 +158,12 @@ def convert_sharding_strategy(array: jax.Array, old_partition_specs: PartitionSp
                                       new_mesh)
     return jax.device_put(array, NamedSharding(new_mesh, spec))
 
-
-def sharding_problems(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> list[str]:
+# %% ../../../nbs/09d_escale.partition.auto_spec.ipynb #3d81dba8
+def sharding_problems(
+    shape: Sequence[int],  # the array shape
+    spec: PartitionSpec,  # the spec
+    mesh: Mesh | AbstractMesh,  # the mesh
+) -> list[str]:
     "Why `spec` cannot shard an array of `shape` on `mesh` as written ([] when it can)."
     sizes = mesh_axis_sizes(mesh)
     out, seen = [], set()
@@ -160,7 +183,11 @@ def sharding_problems(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh | Ab
     return out
 
 
-def validate_sharding_config(pytree, partition_specs, mesh: Mesh | None = None) -> bool:
+def validate_sharding_config(
+    pytree,  # the arrays
+    partition_specs,  # a pytree of specs like it
+    mesh: Mesh | None = None,  # the mesh (default: the one in context)
+) -> bool:
     """True when every spec fits its array on `mesh` (default: in context); otherwise a `ValueError` lists every
     problem by leaf."""
     mesh = _require_mesh(mesh, "validate_sharding_config")
@@ -177,8 +204,12 @@ def validate_sharding_config(pytree, partition_specs, mesh: Mesh | None = None) 
     return True
 
 # %% ../../../nbs/09d_escale.partition.auto_spec.ipynb #b8f705ff
-def optimize_sharding_for_memory(pytree, mesh: Mesh | None = None, max_memory_per_device: int | None = None,
-                                 names: Sequence[str] | None = None):
+def optimize_sharding_for_memory(
+    pytree,  # the arrays
+    mesh: Mesh | None = None,  # the mesh (default: the one in context)
+    max_memory_per_device: int | None = None,  # the per-device byte budget
+    names: Sequence[str] | None = None,  # mesh axes to use (default: all)
+):
     """Specs for `pytree`'s arrays: `auto_partition_spec`, and when the per-device bytes exceed
     `max_memory_per_device`, every array that an axis divides is sharded (no size threshold).
     A `ValueError` when even that does not fit."""

@@ -91,8 +91,13 @@ def _fit_entry(shape, dim: int, entry, sizes: dict, manual: set, spec, auto_corr
     return new
 
 # %% ../../../nbs/09b_escale.partition.constraints.ipynb #bb2ae345
-def correct_partition_spec(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh | AbstractMesh | dict[str, int], *,
-                           auto_correct: bool = True) -> PartitionSpec:
+def correct_partition_spec(
+    shape: Sequence[int],  # the array shape
+    spec: PartitionSpec,  # the spec to fit
+    mesh: Mesh | AbstractMesh | dict[str, int],  # a mesh or `{axis: size}`
+    *,
+    auto_correct: bool = True,  # drop axes that do not divide their dimension (else raise)
+) -> PartitionSpec:
     """Fit `spec` to an array of `shape` on `mesh` (a mesh or `{axis: size}`).
 
     Mesh axes that do not divide their dimension are dropped when `auto_correct` (logged once per axis, axis size
@@ -123,9 +128,14 @@ def _require_mesh(mesh, what: str):
     return mesh
 
 
-def get_corrected_named_sharding(shape: Sequence[int], partition_spec: PartitionSpec, raise_mesh_error: bool = True, *,
-                                 mesh: Mesh | AbstractMesh | None = None, auto_correct: bool = True
-                                 ) -> NamedSharding | jax.sharding.SingleDeviceSharding:
+def get_corrected_named_sharding(
+    shape: Sequence[int],  # the array shape
+    partition_spec: PartitionSpec,  # the spec to fit
+    raise_mesh_error: bool = True,  # with no mesh: raise (else the default device's sharding)
+    *,
+    mesh: Mesh | AbstractMesh | None = None,  # the mesh (default: the one in context)
+    auto_correct: bool = True,  # drop axes that do not divide (else raise)
+) -> NamedSharding | jax.sharding.SingleDeviceSharding:
     """A `NamedSharding` on `mesh` (default: the mesh in context) for an array of `shape`, with `partition_spec`
     corrected.
 
@@ -159,8 +169,13 @@ def _constrain_leaf(x, sharding, mesh, auto_correct: bool):
     return jax.lax.with_sharding_constraint(x, named)
 
 
-def with_sharding_constraint(arr, sharding: PartitionSpec | NamedSharding | tp.Any, *,
-                             mesh: Mesh | AbstractMesh | None = None, auto_correct: bool = True):
+def with_sharding_constraint(
+    arr,  # an array (or a pytree of arrays)
+    sharding: PartitionSpec | NamedSharding | tp.Any,  # a PartitionSpec or NamedSharding (or a pytree of them)
+    *,
+    mesh: Mesh | AbstractMesh | None = None,  # the mesh (default: the one in context)
+    auto_correct: bool = True,  # drop axes that do not divide (else raise)
+):
     """Constrain `arr` (an array or a pytree of arrays) to `sharding`: one spec for every leaf, or a matching tree.
 
     Specs are corrected for each leaf's shape (`auto_correct`); the mesh is `mesh` or the one in context."""
@@ -189,7 +204,10 @@ def _key_str(key) -> str:
     return str(key)
 
 
-def tree_path_to_string(path: Sequence, sep: str = "/") -> str:
+def tree_path_to_string(
+    path: Sequence,  # a key path from `jax.tree_util`
+    sep: str = "/",  # separator between the keys
+) -> str:
     "Join a jax key path (`DictKey`, `GetAttrKey`, `SequenceKey`, ...) into `'a/b/0'`."
     return sep.join(_key_str(k) for k in path)
 
@@ -198,7 +216,11 @@ def _leaf_value(leaf):
     return leaf.get_value() if _is_variable(leaf) else leaf
 
 
-def map_leaves_with_path(fn: Callable[[str, tp.Any], tp.Any], tree, sep: str = "/"):
+def map_leaves_with_path(
+    fn: Callable[[str, tp.Any], tp.Any],  # `(path string, leaf) -> new leaf`
+    tree,  # the pytree
+    sep: str = "/",  # separator of the path strings
+):
     "Map `fn(path_string, leaf)` over `tree`; nnx `Variable`s count as leaves and keep their type around the result."
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)
     out = []
@@ -223,8 +245,15 @@ def _compile_rules(rules) -> list[tuple[str, re.Pattern, PartitionSpec]]:
     return compiled
 
 
-def match_partition_rules(rules: Sequence[tuple[str, PartitionSpec]], tree, min_size: int = 0, strict: bool = True, *,
-                          check_unused: bool = False, sep: str = "/"):
+def match_partition_rules(
+    rules: Sequence[tuple[str, PartitionSpec]],  # `(regex, spec)` pairs, first match wins
+    tree,  # the pytree (of arrays or shapes)
+    min_size: int = 0,  # leaves with fewer elements are replicated
+    strict: bool = True,  # an unmatched leaf raises (False: replicated with a warning)
+    *,
+    check_unused: bool = False,  # raise when a rule matches nothing
+    sep: str = "/",  # separator of the leaf paths the regexes see
+):
     """A tree like `tree` holding the `PartitionSpec` of the first rule whose regex searches each leaf's key path.
 
     Scalars and leaves with at most `min_size` elements get `PartitionSpec()`. A leaf no rule
@@ -260,7 +289,12 @@ def match_partition_rules(rules: Sequence[tuple[str, PartitionSpec]], tree, min_
     return specs
 
 # %% ../../../nbs/09b_escale.partition.constraints.ipynb #c415a3b8
-def make_shard_and_gather_fns(partition_specs, mesh: Mesh | None = None, *, auto_correct: bool = True):
+def make_shard_and_gather_fns(
+    partition_specs,  # a pytree of specs
+    mesh: Mesh | None = None,  # the mesh (default: the one in context)
+    *,
+    auto_correct: bool = True,  # drop axes that do not divide (else raise)
+):
     "Trees of `shard_fn(x) -> sharded array` and `gather_fn(x) -> numpy array`, one per spec in `partition_specs`."
     mesh = _require_mesh(mesh, "make_shard_and_gather_fns")
     if not isinstance(mesh, Mesh):
@@ -290,7 +324,9 @@ def make_shard_and_gather_fns(partition_specs, mesh: Mesh | None = None, *, auto
 lax_reshard = jax.sharding.reshard  # eformer's name for `jax.sharding.reshard`
 
 
-def get_incontext_mesh(raise_error: bool = True) -> Mesh | AbstractMesh | None:
+def get_incontext_mesh(
+    raise_error: bool = True,  # with no mesh in context: raise (else return None)
+) -> Mesh | AbstractMesh | None:
     "The mesh in context; with none, raise (or return None with `raise_error=False`)."
     mesh = get_current_mesh()
     if mesh is None and raise_error:
@@ -298,12 +334,17 @@ def get_incontext_mesh(raise_error: bool = True) -> Mesh | AbstractMesh | None:
     return mesh
 
 
-def get_mesh_axis_names(mesh: Mesh | AbstractMesh | None = None) -> tuple[str, ...]:
+def get_mesh_axis_names(
+    mesh: Mesh | AbstractMesh | None = None,  # the mesh (default: the one in context)
+) -> tuple[str, ...]:
     "The axis names of `mesh` (default: the mesh in context)."
     return tuple(_require_mesh(mesh, "get_mesh_axis_names").axis_names)
 
 
-def get_axes_size_in_mesh(axis_names: str | Sequence[str] | None, mesh: Mesh | AbstractMesh | None = None) -> int:
+def get_axes_size_in_mesh(
+    axis_names: str | Sequence[str] | None,  # an axis name, several, or None
+    mesh: Mesh | AbstractMesh | None = None,  # the mesh (default: the one in context)
+) -> int:
     """How many shards the axis (or axes) `axis_names` make on `mesh` (default: in context): the product of their
     sizes; 1 for None."""
     if axis_names is None:
@@ -316,7 +357,9 @@ def get_axes_size_in_mesh(axis_names: str | Sequence[str] | None, mesh: Mesh | A
     return math.prod(sizes[n] for n in names)
 
 # %% ../../../nbs/09b_escale.partition.constraints.ipynb #00b911de
-def get_mesh_axis_size(axis_names: str | Sequence[str] | None) -> int:
+def get_mesh_axis_size(
+    axis_names: str | Sequence[str] | None,  # an axis name, several, or None
+) -> int:
     "`get_axes_size_in_mesh` on the mesh in context."
     return get_axes_size_in_mesh(axis_names)
 
@@ -327,7 +370,9 @@ def names_in_current_mesh(*names: str) -> bool:
     return mesh is not None and set(names) <= set(mesh.axis_names)
 
 
-def get_names_from_partition_spec(partition_specs: PartitionSpec | tp.Any) -> list[str]:
+def get_names_from_partition_spec(
+    partition_specs: PartitionSpec | tp.Any,  # a spec or a pytree of specs
+) -> list[str]:
     "The mesh axis names a spec (or a tree of specs) uses, each once, in order of appearance."
     is_spec = lambda s: isinstance(s, PartitionSpec)
     out: list[str] = []
@@ -341,7 +386,9 @@ def get_names_from_partition_spec(partition_specs: PartitionSpec | tp.Any) -> li
     return out
 
 
-def get_submesh_device_index(axis_names: str | Sequence[str]) -> int:
+def get_submesh_device_index(
+    axis_names: str | Sequence[str],  # the mesh axes to index along
+) -> int:
     """This process's index along the axes `axis_names` of the mesh in context (row-major over those axes): which data
     shard its first local device holds."""
     mesh = _require_mesh(None, "get_submesh_device_index")

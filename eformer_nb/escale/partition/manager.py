@@ -59,7 +59,9 @@ def _decode_rule(rule):
     return rule
 
 
-def check_mode(mode) -> str:
+def check_mode(
+    mode,  # a runtime mode such as MODE_TRAIN or MODE_DECODE
+) -> str:
     "Return `mode` if it is a runtime mode, else raise a `ValueError` listing them."
     if isinstance(mode, str) and mode in RUNTIME_MODES:
         return mode
@@ -502,8 +504,15 @@ def get_partition_manager() -> PartitionManager | None:
     return _LAST_CREATED[0]
 
 
-def apply_logical_sharding(x: jax.Array, partition_manager: PartitionManager | None = NOT_GIVEN, axes=NOT_GIVEN,
-                           mode=NOT_GIVEN, dynamic_axes=NOT_GIVEN, auto_correct: bool = True) -> jax.Array:
+def apply_logical_sharding(
+    x: jax.Array,  # the array
+    # the manager (default: the one in context, else the last created)
+    partition_manager: PartitionManager | None = NOT_GIVEN,
+    axes=NOT_GIVEN,  # one semantic axis per dimension
+    mode=NOT_GIVEN,  # a runtime mode or a dimension index
+    dynamic_axes=NOT_GIVEN,  # a DynamicShardingAxes instead of axes/mode
+    auto_correct: bool = True,  # drop axes that do not divide (else raise)
+) -> jax.Array:
     "`partition_manager.shard(...)`, with the manager in context (else the last one created) by default."
     pm = partition_manager if partition_manager not in (NOT_GIVEN, None) else (
         get_current_partition_manager() or get_partition_manager())
@@ -513,7 +522,10 @@ def apply_logical_sharding(x: jax.Array, partition_manager: PartitionManager | N
     return pm.shard(x, axes=axes, mode=mode, dynamic_axes=dynamic_axes, auto_correct=auto_correct)
 
 
-def get_safe_hash_int(text, algorithm: str = "md5") -> int:
+def get_safe_hash_int(
+    text,  # anything with a str()
+    algorithm: str = "md5",  # a `hashlib` algorithm name
+) -> int:
     "The digest of `str(text)` under `algorithm` (any `hashlib` algorithm) as an integer: stable across processes."
     try:
         h = hashlib.new(algorithm)
