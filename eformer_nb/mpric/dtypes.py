@@ -41,7 +41,9 @@ DTYPE_NAMES: tuple[str, ...] = tuple(DTYPE_ALIASES) + (HALF,)  # every name the 
 FP8_DTYPES: frozenset[np.dtype] = frozenset(np.dtype(t) for t, _ in _NAME_ROWS if np.dtype(t).itemsize == 1)
 
 # %% ../../nbs/07a_mpric.dtypes.ipynb #068e3cc3
-def half_dtype(platform: str | None = None) -> np.dtype:
+def half_dtype(
+    platform: str | None = None,  # "tpu", "gpu", "cpu" (default: the default backend)
+) -> np.dtype:
     """Half precision for `platform` (`'tpu'` -> bfloat16, anything else -> float16); `None` asks
     `jax.default_backend()`."""
     if platform is None:
@@ -54,12 +56,17 @@ DTypeSpec = tp.Union[str, np.dtype, type, tp.Any]  # a name from `DTYPE_NAMES`, 
 def _valid_names() -> str:
     return ", ".join(DTYPE_NAMES)
 
-def short_repr(value: tp.Any, limit: int = 80) -> str:
+def short_repr(
+    value: tp.Any,  # any value
+    limit: int = 80,  # the longest repr kept, in characters
+) -> str:
     "`repr(value)`, cut to `limit` characters (with the full length noted) so a huge bad input gives a small error."
     r = repr(value)
     return r if len(r) <= limit else f"{r[:limit]}... ({len(r)} characters)"
 
-def canonical_name(value: DTypeSpec) -> str:
+def canonical_name(
+    value: DTypeSpec,  # a dtype, a name or an alias such as "bf16" or "half"
+) -> str:
     "The canonical short name of a dtype given by name or as a dtype; raises `ValueError` listing the valid names."
     if isinstance(value, str):
         name = value.strip()
@@ -80,22 +87,32 @@ def canonical_name(value: DTypeSpec) -> str:
                          f"expected one of: {_valid_names()}")
     return CANONICAL_NAMES[dtype]
 
-def resolve_dtype(value: DTypeSpec, platform: str | None = None) -> np.dtype:
+def resolve_dtype(
+    value: DTypeSpec,  # a dtype, a name or an alias
+    platform: str | None = None,  # resolves `half` (default: the default backend)
+) -> np.dtype:
     "The concrete `np.dtype` for a name or dtype; `half` is resolved for `platform` (default: the JAX backend)."
     name = canonical_name(value)
     return half_dtype(platform) if name == HALF else DTYPE_ALIASES[name]
 
-def dtype_name(dtype: DTypeSpec) -> str:
+def dtype_name(
+    dtype: DTypeSpec,  # a dtype, a name or an alias
+) -> str:
     "Alias of `canonical_name`, for reading code that prints a dtype the way a policy string spells it."
     return canonical_name(dtype)
 
 # %% ../../nbs/07a_mpric.dtypes.ipynb #129abeef
-def is_floating(x: tp.Any) -> bool:
+def is_floating(
+    x: tp.Any,  # an array, a scalar or anything else
+) -> bool:
     "True for arrays (NumPy, JAX, tracers) with a floating dtype, bfloat16 and 8-bit floats included."
     dtype = getattr(x, "dtype", None)
     return dtype is not None and hasattr(x, "astype") and jnp.issubdtype(dtype, jnp.floating)
 
-def cast_floating(tree: tp.Any, dtype: DTypeSpec) -> tp.Any:
+def cast_floating(
+    tree: tp.Any,  # a pytree
+    dtype: DTypeSpec,  # the target float dtype (or name)
+) -> tp.Any:
     "Cast the floating leaves of `tree` to `dtype` (a name or dtype; `half` resolved now); other leaves untouched."
     target = resolve_dtype(dtype)
     def cast(x):
@@ -110,7 +127,10 @@ DTYPE_MAPPING = STRING_TO_DTYPE_MAP  # eformer's older name
 DTYPE_TO_STRING_MAP: dict[np.dtype, str] = dict(CANONICAL_NAMES)
 
 
-def put_dtype(array: tp.Any, dtype: DTypeSpec | None) -> tp.Any:
+def put_dtype(
+    array: tp.Any,  # an array (or a non-array, returned as is)
+    dtype: DTypeSpec | None,  # the target dtype (None: unchanged)
+) -> tp.Any:
     "`array` cast to `dtype` when it is floating (integers and bools keep theirs); `dtype=None` leaves it as is."
     if dtype is None:
         return array

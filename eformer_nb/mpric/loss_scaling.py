@@ -153,14 +153,20 @@ jax.tree_util.register_dataclass(DynamicLossScale, data_fields=["loss_scale", "c
 LossScale = tp.Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
 
 # %% ../../nbs/07c_mpric.loss_scaling.ipynb #085093e3
-def all_finite(tree) -> jax.Array:
+def all_finite(
+    tree,  # a pytree of arrays
+) -> jax.Array:
     "A scalar bool: True when every floating leaf of `tree` is free of inf and NaN."
     leaves = [jnp.isfinite(x).all() for x in jax.tree_util.tree_leaves(tree) if is_floating(x)]
     if not leaves:
         return jnp.asarray(True)
     return jnp.stack(leaves).all()
 
-def select_tree(pred, on_true, on_false):
+def select_tree(
+    pred,  # a boolean scalar
+    on_true,  # the pytree taken when `pred`
+    on_false,  # the pytree taken otherwise
+):
     "`on_true` where the scalar boolean `pred` holds, else `on_false`, leaf by leaf (structures and dtypes must match)."
     pred = jnp.asarray(pred)
     if pred.shape != () or pred.dtype != jnp.bool_:
@@ -197,7 +203,10 @@ class LossScaleConfig:
             raise ValueError(f"LossScaleConfig.min_scale must be at most initial_scale ({self.initial_scale}), got "
                              f"{self.min_scale!r}")
 
-    def create(self, dynamic: bool = True) -> DynamicLossScale | StaticLossScale:
+    def create(
+        self,
+        dynamic: bool = True,  # a DynamicLossScale (else a StaticLossScale at `initial_scale`)
+    ) -> DynamicLossScale | StaticLossScale:
         "A `DynamicLossScale` with these settings, or (`dynamic=False`) a `StaticLossScale(initial_scale)`."
         if dynamic:
             return DynamicLossScale(loss_scale=float(self.initial_scale), min_loss_scale=float(self.min_scale),

@@ -23,7 +23,11 @@ _ScheduleFn = tp.Callable[[SchedulerConfig], optax.Schedule]
 _SCHEDULERS: dict[str, _ScheduleFn] = {}
 
 
-def register_scheduler(name: str, *, overwrite: bool = False) -> tp.Callable[[_ScheduleFn], _ScheduleFn]:
+def register_scheduler(
+    name: str,  # the scheduler_type it answers to
+    *,
+    overwrite: bool = False,  # replace an existing registration
+) -> tp.Callable[[_ScheduleFn], _ScheduleFn]:
     "Decorator: register `fn(config: SchedulerConfig) -> optax.Schedule` under `name`."
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_scheduler: name={name!r} is invalid: expected a non-empty string.")
@@ -51,20 +55,26 @@ def _with_warmup(c: SchedulerConfig, main: optax.Schedule) -> optax.Schedule:
 
 
 @register_scheduler("constant")
-def constant_scheduler(c: SchedulerConfig) -> optax.Schedule:
+def constant_scheduler(
+    c: SchedulerConfig,  # the schedule's settings
+) -> optax.Schedule:
     "`learning_rate` at every step."
     return optax.constant_schedule(c.learning_rate)
 
 
 @register_scheduler("linear")
-def linear_scheduler(c: SchedulerConfig) -> optax.Schedule:
+def linear_scheduler(
+    c: SchedulerConfig,  # the schedule's settings
+) -> optax.Schedule:
     "Optional warmup, then linear from `learning_rate` to `learning_rate_end` at `steps`."
     main = optax.linear_schedule(c.learning_rate, c.learning_rate_end, c.steps - (c.warmup_steps or 0))
     return _with_warmup(c, main)
 
 
 @register_scheduler("cosine")
-def cosine_scheduler(c: SchedulerConfig) -> optax.Schedule:
+def cosine_scheduler(
+    c: SchedulerConfig,  # the schedule's settings
+) -> optax.Schedule:
     "Optional warmup, then cosine decay from `learning_rate` to `learning_rate_end` (default 0) at `steps`."
     end = c.learning_rate_end or 0.0
     alpha = end / c.learning_rate if c.learning_rate > 0 else 0.0
@@ -74,13 +84,17 @@ def cosine_scheduler(c: SchedulerConfig) -> optax.Schedule:
 
 
 @register_scheduler("warmup_cosine")
-def warmup_cosine_scheduler(c: SchedulerConfig) -> optax.Schedule:
+def warmup_cosine_scheduler(
+    c: SchedulerConfig,  # the schedule's settings
+) -> optax.Schedule:
     "Mandatory linear warmup, then cosine decay (same shape as `'cosine'` with a warmup)."
     return cosine_scheduler(c)
 
 
 @register_scheduler("warmup_stable_decay")
-def warmup_stable_decay_scheduler(c: SchedulerConfig) -> optax.Schedule:
+def warmup_stable_decay_scheduler(
+    c: SchedulerConfig,  # the schedule's settings
+) -> optax.Schedule:
     "Warmup, a flat stage at `learning_rate`, then a linear decay to `learning_rate_end` over the last `decay_steps`."
     end = c.learning_rate_end or 0.0
     warm = c.warmup_steps or 0
@@ -164,15 +178,24 @@ class CosineSchedulerBuilder(SchedulerBuilder):
     scheduler_type: tp.ClassVar[str] = "cosine"
 
 
-def create_linear_scheduler(steps: int, learning_rate_start: float, learning_rate_end: float,
-                            warmup_steps: int | None = None) -> optax.Schedule:
+def create_linear_scheduler(
+    steps: int,  # total steps, warmup included
+    learning_rate_start: float,  # the peak (start) rate
+    learning_rate_end: float,  # the final rate
+    warmup_steps: int | None = None,  # linear warmup length (None: no warmup)
+) -> optax.Schedule:
     "Linear decay from `learning_rate_start` to `learning_rate_end` over `steps` (after an optional warmup)."
     return SchedulerFactory.create_scheduler(SchedulerConfig("linear", learning_rate_start, learning_rate_end,
                                                              warmup_steps, steps))
 
 
-def create_cosine_scheduler(steps: int, learning_rate: float, learning_rate_end: float | None = None,
-                            warmup_steps: int | None = None, exponent: float = 1.0) -> optax.Schedule:
+def create_cosine_scheduler(
+    steps: int,  # total steps, warmup included
+    learning_rate: float,  # the peak rate
+    learning_rate_end: float | None = None,  # the final rate (None: 0)
+    warmup_steps: int | None = None,  # linear warmup length (None: no warmup)
+    exponent: float = 1.0,  # cosine exponent (1: plain cosine)
+) -> optax.Schedule:
     "Cosine decay from `learning_rate` to `learning_rate_end` (default 0) over `steps` (after an optional warmup)."
     return SchedulerFactory.create_scheduler(SchedulerConfig("cosine", learning_rate, learning_rate_end, warmup_steps,
                                                              steps, exponent))
