@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from fastcore.basics import patch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .mesh import get_current_mesh, mesh_axis_sizes
@@ -21,7 +22,7 @@ from .partition.constraints import correct_partition_spec, map_leaves_with_path
 __all__ = ['DEFAULT_AXIS_PRIORITY', 'MeshPartitionHelper', 'ShardingRule', 'AutoShardingRule', 'ShapeBasedShardingRule',
            'MemoryConstrainedShardingRule', 'CompositeShardingRule', 'ShardingAnalyzer', 'barrier_sync']
 
-# %% ../../nbs/09e_escale.helpers.ipynb #1c0a232c
+# %% ../../nbs/09e_escale.helpers.ipynb #dcc4df9f
 DEFAULT_AXIS_PRIORITY: tuple[str, ...] = ("fsdp", "tp", "sp", "ep", "dp")
 
 
@@ -32,8 +33,13 @@ def _is_array(x) -> bool:
 class MeshPartitionHelper:
     "Propose and apply shardings for whole pytrees on `mesh` (default: the mesh in context)."
 
-    def __init__(self, mesh: Mesh | None = None, *, axis_priority: Sequence[str] = DEFAULT_AXIS_PRIORITY,
-                 min_sharding_size: int | None = None):
+    def __init__(
+        self,
+        mesh: Mesh | None = None,  # the mesh (default: the one in context)
+        *,
+        axis_priority: Sequence[str] = DEFAULT_AXIS_PRIORITY,  # mesh axes to shard over, most preferred first
+        min_sharding_size: int | None = None,  # arrays with fewer elements stay replicated (default: the mesh size)
+    ):
         mesh = get_current_mesh() if mesh is None else mesh
         if not isinstance(mesh, Mesh):
             raise ValueError(f"MeshPartitionHelper needs a jax.sharding.Mesh (pass one, or create it inside "
@@ -53,7 +59,8 @@ class MeshPartitionHelper:
 
     def propose_specs(self, tree):
         "A tree like `tree` with a proposed spec per leaf (`PartitionSpec()` for leaves that are not arrays)."
-        return map_leaves_with_path(lambda path, x: self.propose_spec(x) if hasattr(x, "shape") else PartitionSpec(), tree)
+        return map_leaves_with_path(lambda path, x: self.propose_spec(x) if hasattr(x, "shape") else PartitionSpec(),
+                                    tree)
 
     def analyze_pytree(self, pytree) -> dict[str, dict[str, tp.Any]]:
         "`{path: {shape, dtype, spec, shard_shape}}` for every array leaf: the plan, before anything moves."
@@ -70,26 +77,42 @@ class MeshPartitionHelper:
         map_leaves_with_path(visit, pytree)
         return plan
 
-    def shard_pytree(self, tree, specs, *, auto_correct: bool = True):
-        "Place every array leaf of `tree` with its spec from `specs` (a tree of the same shape)."
-        def place(x, spec):
-            if not _is_array(x):
-                return x
-            spec = correct_partition_spec(np.shape(x), spec, self.mesh, auto_correct=auto_correct)
-            return jax.device_put(x, NamedSharding(self.mesh, spec))
-        return jax.tree_util.tree_map(place, tree, specs)
+# %% ../../nbs/09e_escale.helpers.ipynb #0d9b306f
+@patch
+def shard_pytree(
+    self: MeshPartitionHelper,
+    tree,  # the pytree to place
+    specs,  # a tree like `tree` with one PartitionSpec per array leaf
+    *,
+    auto_correct: bool = True,  # drop mesh axes that do not divide a dimension (else raise)
+):
+    "Place every array leaf of `tree` with its spec from `specs` (a tree of the same shape)."
+    def place(x, spec):
+        if not _is_array(x):
+            return x
+        spec = correct_partition_spec(np.shape(x), spec, self.mesh, auto_correct=auto_correct)
+        return jax.device_put(x, NamedSharding(self.mesh, spec))
+    return jax.tree_util.tree_map(place, tree, specs)
 
-    def auto_shard_pytree(self, pytree, min_shard_size: int | None = None):
-        "Place every array leaf of `pytree` on the mesh with its proposed spec (arrays under `min_shard_size` elements, default: the helper's setting, stay replicated)."
-        if min_shard_size is not None and min_shard_size != self.min_sharding_size:
-            helper = MeshPartitionHelper(self.mesh, axis_priority=self.axis_order, min_sharding_size=min_shard_size)
-            return helper.auto_shard_pytree(pytree)
-        return self.shard_pytree(pytree, self.propose_specs(pytree))
+
+@patch
+def auto_shard_pytree(
+    self: MeshPartitionHelper,
+    pytree,  # the pytree to place
+    min_shard_size: int | None = None,  # arrays with fewer elements stay replicated (default: the helper's setting)
+):
+    """Place every array leaf of `pytree` on the mesh with its proposed spec (arrays under `min_shard_size`
+    elements, default: the helper's setting, stay replicated)."""
+    if min_shard_size is not None and min_shard_size != self.min_sharding_size:
+        helper = MeshPartitionHelper(self.mesh, axis_priority=self.axis_order, min_sharding_size=min_shard_size)
+        return helper.auto_shard_pytree(pytree)
+    return self.shard_pytree(pytree, self.propose_specs(pytree))
 
 # %% ../../nbs/09e_escale.helpers.ipynb #7321dcd9
 def _create_partition_spec(self, array_shape: Sequence[int], methods: Sequence[str] | str,
                            min_shard_size: int = 1024) -> PartitionSpec:
-    "A spec for `array_shape` that uses the mesh axes in `methods` (in that priority); arrays under `min_shard_size` elements are replicated."
+    """A spec for `array_shape` that uses the mesh axes in `methods` (in that priority); arrays under `min_shard_size`
+    elements are replicated."""
     methods = (methods,) if isinstance(methods, str) else tuple(methods)
     unknown = [m for m in methods if m not in self.axis_sizes]
     if unknown:
@@ -108,7 +131,6 @@ MeshPartitionHelper.shard_array = _shard_array
 
 # %% ../../nbs/09e_escale.helpers.ipynb #cccebd64
 import abc
-import time
 
 from .partition.auto_spec import optimize_sharding_for_memory, sharding_problems
 from .partition.constraints import shard_nbytes
@@ -133,11 +155,13 @@ class AutoShardingRule(ShardingRule):
         self.mesh, self.axis_names, self.min_shard_size, self.reverse = mesh, axis_names, min_shard_size, reverse
 
     def apply(self, pytree):
-        return _specs(pytree, lambda x: auto_partition_spec(x, self.mesh, self.axis_names, self.min_shard_size, self.reverse))
+        return _specs(pytree, lambda x: auto_partition_spec(x, self.mesh, self.axis_names, self.min_shard_size,
+                                                            self.reverse))
 
-
+# %% ../../nbs/09e_escale.helpers.ipynb #d3c89265
 class ShapeBasedShardingRule(ShardingRule):
-    "Specs by shape: `shape_patterns` maps a shape (None matches any size in that dimension) or a predicate on the shape to a spec; the first match wins."
+    """Specs by shape: `shape_patterns` maps a shape (None matches any size in that dimension) or a predicate on the
+    shape to a spec; the first match wins."""
     def __init__(self, shape_patterns: tp.Mapping[tp.Any, PartitionSpec]):
         self.shape_patterns = dict(shape_patterns)
 
@@ -194,11 +218,13 @@ class ShardingAnalyzer:
         flat, treedef = jax.tree_util.tree_flatten_with_path(pytree)
         specs, spec_def = jax.tree_util.tree_flatten(partition_specs, is_leaf=is_spec)
         if len(specs) != len(flat):
-            raise ValueError(f"pytree has {len(flat)} leaves but partition_specs has {len(specs)} specs; give one spec per leaf")
+            raise ValueError(f"pytree has {len(flat)} leaves but partition_specs has {len(specs)} specs; give one "
+                             "spec per leaf")
         return [(jax.tree_util.keystr(p), x, s) for (p, x), s in zip(flat, specs)]
 
     def validate_partition_specs(self, pytree, partition_specs) -> list[str]:
-        "Every problem (`'<path>: <why>'`) with placing `pytree` by `partition_specs` as written; `[]` when they all fit."
+        """Every problem (`'<path>: <why>'`) with placing `pytree` by `partition_specs` as written; `[]` when they all
+        fit."""
         mesh = self._mesh()
         return [f"{path}: {msg}" for path, x, s in self._pairs(pytree, partition_specs) if hasattr(x, "shape")
                 for msg in sharding_problems(np.shape(x), s, mesh)]

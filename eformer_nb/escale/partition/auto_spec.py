@@ -27,17 +27,23 @@ def _shape_of(x) -> tuple[int, ...]:
     raise TypeError(f"expected an array (or anything with .shape) or a shape tuple, got {x!r}")
 
 
-def auto_partition_spec(x, mesh: Mesh | AbstractMesh | None = None, names: Sequence[str] | None = None,
-                        min_sharding_size: int | None = None, reverse: bool = False) -> PartitionSpec:
+def auto_partition_spec(
+    x,  # an array or a shape
+    mesh: Mesh | AbstractMesh | None = None,  # the mesh (default: the one in context)
+    names: Sequence[str] | None = None,  # mesh axes to use, in order (default: all)
+    min_sharding_size: int | None = None,  # smaller arrays are replicated (default: the mesh size)
+    reverse: bool = False,  # ties go to the later dimension
+) -> PartitionSpec:
     """Propose a `PartitionSpec` for `x` (an array or a shape) on `mesh` (default: the mesh in context).
 
     Mesh axes in `names` (default: all, in mesh order) are placed one by one on a dimension they
     divide: unsharded dimensions first, then the one with the most elements per shard; ties go to
-    the earlier dimension (the later one with `reverse`). Arrays with fewer than `min_sharding_size` elements (default: the mesh size)
-    are replicated."""
+    the earlier dimension (the later one with `reverse`). Arrays with fewer than `min_sharding_size` elements
+    (default: the mesh size) are replicated."""
     mesh = get_current_mesh() if mesh is None else mesh
     if mesh is None:
-        raise ValueError("auto_partition_spec needs a mesh: pass mesh=..., or call it inside `with jax.set_mesh(mesh):`")
+        raise ValueError("auto_partition_spec needs a mesh: pass mesh=..., or call it inside `with "
+                         "jax.set_mesh(mesh):`")
     sizes = mesh_axis_sizes(mesh)
     names = tuple(sizes) if names is None else tuple(names)
     missing = [n for n in names if n not in sizes]
@@ -62,13 +68,20 @@ def auto_partition_spec(x, mesh: Mesh | AbstractMesh | None = None, names: Seque
     return PartitionSpec(*[None if not p else p[0] if len(p) == 1 else tuple(p) for p in placed])
 
 # %% ../../../nbs/09d_escale.partition.auto_spec.ipynb #e5be6161
-def auto_namedsharding(mesh: Mesh | None = None, names: Sequence[str] | None = None,
-                       min_sharding_size: int | None = None, reverse: bool = False) -> Callable[[tp.Any], NamedSharding]:
-    "A function `x -> NamedSharding` with `auto_partition_spec(x, ...)` on `mesh` (default: the mesh in context at call time)."
+def auto_namedsharding(
+    mesh: Mesh | None = None,  # the mesh (default: the one in context)
+    names: Sequence[str] | None = None,  # mesh axes to use, in order (default: all)
+    min_sharding_size: int | None = None,  # smaller arrays are replicated (default: the mesh size)
+    reverse: bool = False,  # ties go to the later dimension
+) -> Callable[[tp.Any],
+                                                                                                NamedSharding]:
+    """A function `x -> NamedSharding` with `auto_partition_spec(x, ...)` on `mesh` (default: the mesh in context at
+    call time)."""
     def named_sharding(x) -> NamedSharding:
         m = get_current_mesh() if mesh is None else mesh
         if m is None:
-            raise ValueError("auto_namedsharding needs a mesh: pass mesh=..., or call it inside `with jax.set_mesh(mesh):`")
+            raise ValueError("auto_namedsharding needs a mesh: pass mesh=..., or call it inside `with "
+                             "jax.set_mesh(mesh):`")
         return NamedSharding(m, auto_partition_spec(x, m, names, min_sharding_size, reverse))
     return named_sharding
 
@@ -78,8 +91,13 @@ import jax
 from .constraints import _entry_names, _require_mesh, correct_partition_spec, shard_nbytes
 
 
-def auto_shard_array(x, mesh: Mesh | None = None, names: Sequence[str] | None = None,
-                     min_sharding_size: int | None = None, reverse: bool = False) -> jax.Array:
+def auto_shard_array(
+    x,  # the array to place
+    mesh: Mesh | None = None,  # the mesh (default: the one in context)
+    names: Sequence[str] | None = None,  # mesh axes to use, in order (default: all)
+    min_sharding_size: int | None = None,  # smaller arrays are replicated (default: the mesh size)
+    reverse: bool = False,  # ties go to the later dimension
+) -> jax.Array:
     "`x` placed on `mesh` (default: in context) with `auto_partition_spec`."
     return jax.device_put(x, auto_namedsharding(mesh, names, min_sharding_size, reverse)(x))
 
@@ -91,7 +109,8 @@ def vrn_auto_partition_spec(x, mesh: Mesh | AbstractMesh | None = None, names: S
     largest first) that divides it."""
     mesh = get_current_mesh() if mesh is None else mesh
     if mesh is None:
-        raise ValueError("vrn_auto_partition_spec needs a mesh: pass mesh=..., or call it inside `with jax.set_mesh(mesh):`")
+        raise ValueError("vrn_auto_partition_spec needs a mesh: pass mesh=..., or call it inside `with "
+                         "jax.set_mesh(mesh):`")
     sizes = mesh_axis_sizes(mesh)
     names = sorted(sizes, key=lambda n: -sizes[n]) if names is None else list(names)
     missing = [n for n in names if n not in sizes]
@@ -111,8 +130,13 @@ def vrn_auto_partition_spec(x, mesh: Mesh | AbstractMesh | None = None, names: S
     return PartitionSpec(*spec)
 
 # %% ../../../nbs/09d_escale.partition.auto_spec.ipynb #6b7893b0
-def convert_sharding_strategy(array: jax.Array, old_partition_specs: PartitionSpec, old_mesh: Mesh, new_mesh: Mesh,
-                              strategy: str = "preserve_balance") -> jax.Array:
+def convert_sharding_strategy(
+    array: jax.Array,  # the sharded array
+    old_partition_specs: PartitionSpec,  # its spec on `old_mesh`
+    old_mesh: Mesh,  # the mesh it is on
+    new_mesh: Mesh,  # the mesh to move it to
+    strategy: str = "preserve_balance",  # "preserve_balance" (keep the spec's axes) or "auto" (a new automatic spec)
+) -> jax.Array:
     """`array` (placed with `old_partition_specs` on `old_mesh`) moved to `new_mesh`.
 
     `preserve_balance` keeps the spec's axes that `new_mesh` has and that divide the shape;
@@ -120,7 +144,8 @@ def convert_sharding_strategy(array: jax.Array, old_partition_specs: PartitionSp
     strategies = ("preserve_balance", "auto", "replicate")
     if strategy not in strategies:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {list(strategies)}")
-    array = jax.device_put(array, NamedSharding(old_mesh, correct_partition_spec(np.shape(array), old_partition_specs, old_mesh)))
+    array = jax.device_put(array, NamedSharding(old_mesh, correct_partition_spec(np.shape(array), old_partition_specs,
+                                                                                 old_mesh)))
     if strategy == "auto":
         spec = auto_partition_spec(array, new_mesh)
     elif strategy == "replicate":
@@ -128,12 +153,17 @@ def convert_sharding_strategy(array: jax.Array, old_partition_specs: PartitionSp
     else:
         sizes = mesh_axis_sizes(new_mesh)
         kept = [tuple(n for n in _entry_names(e) if n in sizes) if e is not None else () for e in old_partition_specs]
-        spec = correct_partition_spec(np.shape(array), PartitionSpec(*[k[0] if len(k) == 1 else (k or None) for k in kept]),
+        spec = correct_partition_spec(np.shape(array),
+                                      PartitionSpec(*[k[0] if len(k) == 1 else (k or None) for k in kept]),
                                       new_mesh)
     return jax.device_put(array, NamedSharding(new_mesh, spec))
 
-
-def sharding_problems(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> list[str]:
+# %% ../../../nbs/09d_escale.partition.auto_spec.ipynb #3d81dba8
+def sharding_problems(
+    shape: Sequence[int],  # the array shape
+    spec: PartitionSpec,  # the spec
+    mesh: Mesh | AbstractMesh,  # the mesh
+) -> list[str]:
     "Why `spec` cannot shard an array of `shape` on `mesh` as written ([] when it can)."
     sizes = mesh_axis_sizes(mesh)
     out, seen = [], set()
@@ -153,8 +183,13 @@ def sharding_problems(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh | Ab
     return out
 
 
-def validate_sharding_config(pytree, partition_specs, mesh: Mesh | None = None) -> bool:
-    "True when every spec fits its array on `mesh` (default: in context); otherwise a `ValueError` lists every problem by leaf."
+def validate_sharding_config(
+    pytree,  # the arrays
+    partition_specs,  # a pytree of specs like it
+    mesh: Mesh | None = None,  # the mesh (default: the one in context)
+) -> bool:
+    """True when every spec fits its array on `mesh` (default: in context); otherwise a `ValueError` lists every
+    problem by leaf."""
     mesh = _require_mesh(mesh, "validate_sharding_config")
     is_spec = lambda s: isinstance(s, PartitionSpec)
     leaves, treedef = jax.tree_util.tree_flatten(pytree)
@@ -169,19 +204,26 @@ def validate_sharding_config(pytree, partition_specs, mesh: Mesh | None = None) 
     return True
 
 # %% ../../../nbs/09d_escale.partition.auto_spec.ipynb #b8f705ff
-def optimize_sharding_for_memory(pytree, mesh: Mesh | None = None, max_memory_per_device: int | None = None,
-                                 names: Sequence[str] | None = None):
+def optimize_sharding_for_memory(
+    pytree,  # the arrays
+    mesh: Mesh | None = None,  # the mesh (default: the one in context)
+    max_memory_per_device: int | None = None,  # the per-device byte budget
+    names: Sequence[str] | None = None,  # mesh axes to use (default: all)
+):
     """Specs for `pytree`'s arrays: `auto_partition_spec`, and when the per-device bytes exceed
     `max_memory_per_device`, every array that an axis divides is sharded (no size threshold).
     A `ValueError` when even that does not fit."""
     mesh = get_current_mesh() if mesh is None else mesh
     if mesh is None:
-        raise ValueError("optimize_sharding_for_memory needs a mesh: pass mesh=..., or call it inside `with jax.set_mesh(mesh):`")
+        raise ValueError("optimize_sharding_for_memory needs a mesh: pass mesh=..., or call it inside `with "
+                         "jax.set_mesh(mesh):`")
     def plan(threshold):
         specs = jax.tree_util.tree_map(lambda x: auto_partition_spec(x, mesh, names, threshold)
                                        if hasattr(x, "shape") else PartitionSpec(), pytree)
         used = sum(shard_nbytes(np.shape(x), x.dtype, s, mesh) for x, s in
-                   zip(jax.tree_util.tree_leaves(pytree), jax.tree_util.tree_leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec)))
+                   zip(jax.tree_util.tree_leaves(pytree), jax.tree_util.tree_leaves(specs,
+                                                                                    is_leaf=lambda s: isinstance(s,
+                                                                                                                 PartitionSpec)))
                    if hasattr(x, "shape"))
         return specs, used
     specs, used = plan(None)
