@@ -406,7 +406,7 @@ def autoscale_execute_resumable(
     return _decorator(lambda fn, **kw: RayExecutor.autoscale_execute_resumable(fn, accelerator_config,
                                                                                **executor_kwargs, **kw))
 
-
+# %% ../../../nbs/14d_executor.ray.executor.ipynb #b30ec171
 def device_remote(
     *,
     accelerator_config: ComputeResourceConfig,  # the TPU slices the function may run on

@@ -78,28 +78,6 @@ class ResourcePoolManager(tp.Generic[ActorInfoT]):
         "Start one actor; its `get_info` method returns its `ActorInfoT`."
         raise NotImplementedError(f"{type(self).__name__} must define create_actor()")
 
-    def _grow_to(
-        self,
-        n: int,  # the pool size to reach
-        timeout_s: float,  # bound on the new actors starting
-    ) -> None:
-        """Add actors until the pool has `n`; `TimeoutError` (and the new actors killed) if they do not all start in
-        time."""
-        import ray
-
-        new = [self.create_actor() for _ in range(n - len(self._members))]
-        if not new:
-            return
-        refs = [a.get_info.remote() for a in new]
-        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        if pending:
-            for a in new:
-                ray.kill(a, no_restart=True)
-            raise TimeoutError(f"{self.get_actor_pool_name()}: only {len(ready)} of {len(new)} new actors started "
-                               f"within {timeout_s}s; the cluster has {ray.available_resources()} available")
-        infos = ray.get(refs)
-        self._members += [ActorPoolMember(a, i) for a, i in zip(new, infos)]
-
     def drain_actor_pool(self) -> None:
         "Kill every actor of the pool (no restarts) and empty it."
         import ray
@@ -107,6 +85,30 @@ class ResourcePoolManager(tp.Generic[ActorInfoT]):
         for m in self._members:
             ray.kill(m.actor, no_restart=True)
         self._members = []
+
+# %% ../../../nbs/14c_executor.ray.pool_manager.ipynb #a8d2975e
+@patch
+def _grow_to(
+    self: ResourcePoolManager,
+    n: int,  # the pool size to reach
+    timeout_s: float,  # bound on the new actors starting
+) -> None:
+    """Add actors until the pool has `n`; `TimeoutError` (and the new actors killed) if they do not all start in
+    time."""
+    import ray
+
+    new = [self.create_actor() for _ in range(n - len(self._members))]
+    if not new:
+        return
+    refs = [a.get_info.remote() for a in new]
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        for a in new:
+            ray.kill(a, no_restart=True)
+        raise TimeoutError(f"{self.get_actor_pool_name()}: only {len(ready)} of {len(new)} new actors started "
+                           f"within {timeout_s}s; the cluster has {ray.available_resources()} available")
+    infos = ray.get(refs)
+    self._members += [ActorPoolMember(a, i) for a, i in zip(new, infos)]
 
 # %% ../../../nbs/14c_executor.ray.pool_manager.ipynb #45ae05b0
 def _on_gce() -> bool:
