@@ -46,7 +46,8 @@ def _contract(section: str, text: str) -> dict[str, dict]:
         params = [p for p in params if p and p not in ("self", "cls")]
         if not line.startswith(" "):
             current = sig.group(1)
-            out[current] = {"params": params if line.startswith("def ") else [], "members": {}, "class": line.startswith("class ")}
+            out[current] = {"params": params if line.startswith("def ") else [], "members": {},
+                            "class": line.startswith("class ")}
         elif current and re.match(r"\s*(classmethod |staticmethod |property )?\w+\(", line):
             out[current]["members"][sig.group(1)] = params
         elif current and re.match(r"\s*\w+\s*:", line):
@@ -81,10 +82,42 @@ def test_executor_names_and_signatures(section):
                 if m := _missing_params(obj, params):
                     problems.append(f"{name}(): does not accept {m}")
             elif params is None:
-                if member not in fields and not hasattr(obj, member) and member not in getattr(obj, "__annotations__", {}):
+                annotated = member in getattr(obj, "__annotations__", {})
+                if member not in fields and not hasattr(obj, member) and not annotated:
                     problems.append(f"{name}.{member}: field missing")
             elif not hasattr(obj, member):
                 problems.append(f"{name}.{member}: method missing")
             elif m := _missing_params(getattr(obj, member), params):
                 problems.append(f"{name}.{member}: does not accept {m}")
     assert not problems, "\n".join(problems)
+
+
+def _scripted(outcomes):
+    "An attempt runner for the executor's retry loop that plays `outcomes` in order and refuses to run any more."
+    from eformer_nb.executor.ray.types import _STATUS_BY_OUTCOME, Attempt, JobInfo, JobSucceeded
+
+    def run_one(i):
+        assert i < len(outcomes), f"attempt {i} started; the retry budget should have stopped at {len(outcomes)}"
+        kind = outcomes[i]
+        info = JobInfo("scripted", kind, "CPU")
+        st = JobSucceeded(info, i) if kind == "succeeded" else _STATUS_BY_OUTCOME[kind](info, RuntimeError(kind))
+        st.attempts = [Attempt(i, kind)]
+        return st
+    return run_one
+
+
+@pytest.mark.parametrize("outcomes, preempt, fail, state, n", [
+    (["preempted"] * 3 + ["succeeded"], 3, 0, "succeeded", 4),  # exactly the budget: still retried
+    (["preempted"] * 3, 2, 5, "preempted", 3),  # one over: the third preemption is the last attempt
+    (["failed", "preempted", "failed"], 5, 1, "failed", 3),  # failures and preemptions counted apart
+    (["failed"] * 2, 1000, 1, "failed", 2),  # a large preemption budget lends nothing to failures
+    (["error", "succeeded"], 5, 5, "error", 1),  # an error (not the job's code, not a preemption) is never retried
+    (["cancelled", "succeeded"], 5, 5, "cancelled", 1),
+])
+def test_retry_budgets(outcomes, preempt, fail, state, n):
+    "The executor's retry loop: each kind of ending spends its own budget, `max_retries_*` retries, never more."
+    from eformer_nb.executor.ray.executor import _resumable
+
+    st = _resumable(_scripted(outcomes), preempt, fail, 0.0)
+    assert (st.info.state, len(st.attempts)) == (state, n), st
+    assert [a.outcome for a in st.attempts] == outcomes[:n]

@@ -60,7 +60,8 @@ class _Cluster:
         def head():
             port = _free_port()  # a fresh port per try: a timed-out try may still hold its port
             self.dashboard = f"http://127.0.0.1:{port}"
-            return self.cluster.add_node(num_cpus=1, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port)
+            return self.cluster.add_node(num_cpus=1, include_dashboard=True, dashboard_host="127.0.0.1",
+                                         dashboard_port=port)
 
         try:
             _retry_startup(head)
@@ -158,8 +159,10 @@ def test_sigkilled_worker_is_retried_as_preemption(clean, tmp_path):
 
     killer = threading.Thread(target=kill_first_worker, daemon=True)
     killer.start()
-    st = RayExecutor.execute_resumable(_sleep_on_first_try, CpuAcceleratorConfig(core_count=1), max_retries_preemption=2,
-                                       max_retries_failure=0, retry_delay_s=0.1, timeout_s=150, state_dir=str(tmp_path))
+    st = RayExecutor.execute_resumable(_sleep_on_first_try, CpuAcceleratorConfig(core_count=1),
+                                       max_retries_preemption=2, max_retries_failure=0, retry_delay_s=0.1,
+                                       timeout_s=150,
+                                       state_dir=str(tmp_path))
     killer.join(timeout=10)
     assert st.ok, st
     assert st.result == [{"attempt": 1, "slice": None}]
@@ -225,7 +228,8 @@ def _multislice_fn(state_dir: str) -> dict:
     if slice_id == "1" and runs == 0:
         _wait_for_file(os.path.join(state_dir, "s0-0"), timeout=60, nonempty=False)  # slice 0 is running too
         raise RuntimeError("slice 1 fails once")
-    return {k: v for k, v in os.environ.items() if k.startswith("MEGASCALE_")} | {"slice": os.environ["EFORMER_SLICE_NAME"]}
+    megascale = {k: v for k, v in os.environ.items() if k.startswith("MEGASCALE_")}
+    return megascale | {"slice": os.environ["EFORMER_SLICE_NAME"]}
 
 
 def test_multislice_one_slice_failing_restarts_all(clean, tmp_path):

@@ -501,6 +501,9 @@ def save_checkpoint(
     return save_checkpoint_dir(tree, path, metadata=metadata, dtype=float_dtype, write_index=write_index_file)()
 
 
+# fastcore's `cls_method=True` installs its own descriptor; make it a real classmethod, as eformer's is
+CheckpointManager.save_checkpoint = classmethod(vars(CheckpointManager)["save_checkpoint"].f)
+
 # %% ../../nbs/10b_serialization.base_manager.ipynb #b96e74f9
 @patch
 def save_state_to_gcs_msgpack(
