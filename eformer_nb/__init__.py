@@ -1,4 +1,5 @@
-"""A batteries-included JAX toolkit for building, quantizing, scaling, checkpointing and running transformer workloads, written notebook-first."""
+"""A batteries-included JAX toolkit for building, quantizing, scaling, checkpointing and running transformer
+workloads, written notebook-first."""
 
 # eformer's top-level packages, importable as attributes (`import eformer_nb; eformer_nb.pytree.tree_add`) as in
 # eformer; each is imported on first access, so `import eformer_nb` itself stays cheap.
