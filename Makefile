@@ -67,8 +67,11 @@ docs: install
 
 bench: install
 	$(BIN)/python -m pip install -q -e ".[bench]" || echo "bench extras (torch/bitsandbytes) unavailable: peer columns that need them are skipped"
-	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/nbdev-test nbs/benchmarks --flags "bench multidevice hf" --n-workers 0 --save --timing
-	$(BIN)/nbdev-clean
+	# every timing target is judged by eformer_nb.benchmarking: a missed target fails its notebook (nbdev keeps that
+	# notebook's previous outputs and prints the error) and this target, after nbdev-clean; "too noisy to judge" is
+	# printed, not failed. Quantization alone took 14-16 min at load ~30 on the shared 2-core box.
+	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/nbdev-test nbs/benchmarks --flags "bench multidevice hf" --n-workers 0 --save --timing; \
+	rc=$$?; $(BIN)/nbdev-clean; exit $$rc
 
 # Not part of `make test` (one notebook/test run per mutation). Report: _mutate/report.md.
 mutate: install
