@@ -175,11 +175,9 @@ def _offline_nbdev(ini: dict):
         def _repr_markdown_(self):
             md = super()._repr_markdown_()
             if self.is_class: md = md.replace("```python\ndef ", "```python\nclass ", 1)
-            md = re.sub(r"<dataclasses\._MISSING_TYPE object at 0x[0-9a-f]+>", "MISSING", md)
-            md = re.sub(r"<([\w.]+) object at 0x[0-9a-f]+>", r"\1(...)", md)
-            md = _public_jax_names(md)
-            if self.tbl is not None and self.tbl.has_docment:
-                md += "\n\n" + _public_jax_names(self.tbl._repr_markdown_())
+            md = _clean_reprs(md)
+            if self.tbl is not None and self.tbl.has_docment:  # the table shows the same defaults
+                md += "\n\n" + _clean_reprs(self.tbl._repr_markdown_())
             return md
 
     sd.BasicMarkdownRenderer = Renderer
@@ -219,6 +217,13 @@ def _ctor_signature(cls, name):
         if p.default is not inspect.Parameter.empty: s += f" = {p.default!r}"
         parts.append(s)
     return f"class {name}({', '.join(parts)})"
+
+
+def _clean_reprs(md: str) -> str:
+    "Default values as a reader writes them: `MISSING`, `Name(...)` for other objects, public jax names"
+    md = re.sub(r"(?:<|&lt;)dataclasses\._MISSING_TYPE object at 0x[0-9a-f]+(?:>|&gt;)", "MISSING", md)
+    md = re.sub(r"(?:<|&lt;)([\w.]+) object at 0x[0-9a-f]+(?:>|&gt;)", r"\1(...)", md)
+    return _public_jax_names(md)
 
 
 _jax_names = {}

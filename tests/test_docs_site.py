@@ -151,7 +151,8 @@ def _assert_clean(name: str, page: _Page):
     prose = "".join(page.prose_text)  # `#| bench` in inline code is prose about the flag, not a directive
     at = prose.find("#|")
     assert at < 0, f"{name} shows a directive: ...{prose[max(0, at - 80):at + 80]}..."
-    lines = [l.strip() for l in page.visible().splitlines()]
+    # prose only: a line of code may start `title: str = None,  # ...`
+    lines = [l.strip() for l in "\n".join(page.prose_text).splitlines()]
     front = ("output-file:", "title:", "description:")
     assert not any(l.startswith(front) for l in lines), f"{name} shows raw front matter"
     entries = "".join(page.entry_text)
