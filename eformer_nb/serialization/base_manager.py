@@ -285,7 +285,6 @@ class CheckpointManager:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.base)!r}, steps={self.all_steps()})"
 
-
     # --- eformer's CheckpointManager API ---
     @staticmethod
     def create_gcs_client(

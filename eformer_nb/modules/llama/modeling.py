@@ -497,7 +497,6 @@ class LlamaForCausalLM(nnx.Module, BaseModuleProtocol):
 
     def __str__(self) -> str: return printify_nnx(self)
 
-    # -- parameters, dtypes, sharding (this module) -------------------------------------------
     graphdef = property(lambda self: nnx.graphdef(self), doc="The nnx `GraphDef` (structure without arrays).")
     graphstate = property(lambda self: nnx.state(self, nnx.Param), doc="The parameters (LoRA factors included).")
     graphother = property(lambda self: nnx.state(self, nnx.Not(nnx.Param)), doc="Every non-parameter variable.")
