@@ -5,6 +5,10 @@
    imports only (unless it is exported, or marked `#| exec_doc` because the docs need it to run).
 3. Cells behind a test flag (slow, gpu, tpu, multidevice, bench, hf) hold no import statements:
    the docs build would run them anyway.
+4. Every cell has an id, and no notebook that exports a module has "auto" in its path: nbdev 3 writes
+   `# %% nb.ipynb #id` headers, and its `_modidx` builder drops a whole module when one header lacks the
+   id, and every cell of a notebook whose path contains "auto" (it takes them for its own `__all__` cell),
+   so the names of that module would never link in the docs.
 """
 import ast, json, re, sys
 from collections import defaultdict
@@ -19,7 +23,15 @@ seen, errors = defaultdict(list), []
 for nb in sorted(root.rglob("*.ipynb")):
     if any(p.startswith((".", "_")) for p in nb.relative_to(root).parts):
         continue
-    cells = [c for c in json.loads(nb.read_text(encoding="utf-8"))["cells"] if c["cell_type"] == "code"]
+    all_cells = json.loads(nb.read_text(encoding="utf-8"))["cells"]
+    no_id = [i for i, c in enumerate(all_cells) if not c.get("id")]
+    if no_id:
+        errors.append(f"{nb} cells {no_id} have no id; nbdev's _modidx skips a module exported from such a cell "
+                      "(give each an 8-hex-digit id)")
+    cells = [c for c in all_cells if c["cell_type"] == "code"]
+    if "auto" in str(nb.relative_to(root)) and any(default_exp.search("".join(c["source"])) for c in cells):
+        errors.append(f"{nb} exports a module from a path containing 'auto'; nbdev's _modidx skips every cell of "
+                      "it: rename the notebook")
     for i, cell in enumerate(cells):
         src = "".join(cell["source"])
         for m in default_exp.findall(src):

@@ -280,3 +280,25 @@ def test_show_doc_renderer():
     finally:
         restore()
     assert show_doc.__globals__["BasicMarkdownRenderer"].__name__ == "BasicMarkdownRenderer"
+
+
+def test_modidx_lists_every_module():
+    "every module nbdev can index is in the committed `_modidx.py`, with the names it defines (they link in the docs)"
+    import ast
+    from eformer_nb._modidx import d
+    pkg = ROOT / "eformer_nb"
+    missing, thin = [], []
+    for py in sorted(pkg.rglob("*.py")):
+        if py.name.startswith("_"): continue  # nbdev's builder skips `_*.py` (`__init__.py` included)
+        mod = ".".join(py.relative_to(ROOT).with_suffix("").parts)
+        tree = ast.parse(py.read_text(encoding="utf-8"))
+        defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+        # fastcore `@patch` methods are indexed as `Class.name`; dispatch-registered overloads share a name
+        patched = lambda n: any("patch" in ast.unparse(x) or ".register" in ast.unparse(x) for x in n.decorator_list)
+        defined = {n.name for n in defs if not patched(n)}
+        if not defined: continue  # nothing to index (a re-export module)
+        if mod not in d["syms"]: missing.append(mod); continue
+        absent = sorted(n for n in defined if f"{mod}.{n}" not in d["syms"][mod])
+        if absent: thin.append(f"{mod}: {absent[:5]}")
+    assert not missing, f"modules missing from eformer_nb/_modidx.py (see .ci/check_notebooks.py rule 4): {missing}"
+    assert not thin, f"names missing from eformer_nb/_modidx.py: {thin}"

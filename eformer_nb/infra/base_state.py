@@ -133,7 +133,7 @@ def _size(self) -> int:
     "Bytes of every array of the state: step, parameters, other variables and optimizer state."
     return tree_bytes((self.step, self.graphstate, self.graphother, self.opt_state))
 
-# %% ../../nbs/13a_infra.base_state.ipynb
+# %% ../../nbs/13a_infra.base_state.ipynb #6ee65d63
 def _mesh_of(tree) -> Mesh | None:
     "The mesh of the first leaf placed with a `NamedSharding`, if any."
     for x in jax.tree_util.tree_leaves(tree):

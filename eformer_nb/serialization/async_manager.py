@@ -24,7 +24,7 @@ from .serialization import INDEX_FILE, read_index
 # %% auto #0
 __all__ = ['BackgroundSaveError', 'AsyncCheckpointManager']
 
-# %% ../../nbs/10d_serialization.async_manager.ipynb
+# %% ../../nbs/10d_serialization.async_manager.ipynb #1621f286
 class _EformerAsyncAPI:
     "eformer's AsyncCheckpointManager methods, on top of save_pytree / load_pytree."
 

@@ -72,7 +72,7 @@ def find_latest_checkpoint(
     found = list_checkpoints(base, step_format)
     return found[-1][1] if found else None
 
-# %% ../../nbs/10c_serialization.checkpointer.ipynb
+# %% ../../nbs/10c_serialization.checkpointer.ipynb #e247dd4a
 def _is_mesh(x: tp.Any) -> bool:
     from jax.sharding import AbstractMesh, Mesh
 

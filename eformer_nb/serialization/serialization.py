@@ -55,7 +55,7 @@ def leaf_key_paths(
 
     return jax.tree_util.tree_map_with_path(name, pytree, is_leaf=is_leaf)
 
-# %% ../../nbs/10a_serialization.serialization.ipynb
+# %% ../../nbs/10a_serialization.serialization.ipynb #1091c044
 INLINE_BYTES = 4096  # replicated arrays up to this size live inside index.json
 MAX_CHUNK_BYTES = 256 << 20  # a saved shard larger than this is split into several chunks
 FORMAT_NAME, FORMAT_VERSION = "eformer_nb.tree", 1

@@ -116,7 +116,7 @@ class ForwardProtocol:
     def get_static_arguments(self) -> tuple:
         "Names of the call arguments that are static for `jax.jit`."
 
-# %% ../../../nbs/11a_infra.mixins.protocol.ipynb
+# %% ../../../nbs/11a_infra.mixins.protocol.ipynb #a0531bb5
 class StateProtocol:
     "The model as nnx graph and state: structure, parameters, the rest, and their sharding."
     @property

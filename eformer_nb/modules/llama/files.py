@@ -191,7 +191,7 @@ def _weight_files(d: ePath) -> list[ePath]:
 
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")  # buffers older transformers checkpoints carry
 
-# %% ../../../nbs/12e_modules.llama.files.ipynb
+# %% ../../../nbs/12e_modules.llama.files.ipynb #a1d5d4ca
 def _read_weights(d: ePath, files: list, by_hf: dict, flat_shapes: dict, place: dict, config: object,
                   param_dtype: object) -> tuple[dict, list]:
     "The tensors of the safetensors `files`, checked against the model's shapes and placed; and the unexpected ones."

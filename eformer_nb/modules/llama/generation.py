@@ -197,7 +197,7 @@ def select_tokens(
         else jnp.argmax(logits, -1).astype(jnp.int32)
     )
 
-# %% ../../../nbs/12c_modules.llama.generation.ipynb
+# %% ../../../nbs/12c_modules.llama.generation.ipynb #662a6cf8
 def _pick(i, logits, carry, g: GenerationConfig, t: int, processor, eos, pad):
     seqs, valid, done, scores, ngen, key = carry
     key, sub = jax.random.split(key)

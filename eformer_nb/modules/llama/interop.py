@@ -55,7 +55,7 @@ def state_dict_to_params(
         node[keys[-1]] = np.ascontiguousarray(arr.T) if transpose else arr
     return nested
 
-# %% ../../../nbs/12f_modules.llama.interop.ipynb
+# %% ../../../nbs/12f_modules.llama.interop.ipynb #cad25cc3
 def get_torch_loader(cls=None):
     "transformers' `AutoModelForCausalLM`, the loader of the PyTorch counterpart."
     from transformers import AutoModelForCausalLM
