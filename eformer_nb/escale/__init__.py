@@ -40,6 +40,11 @@ __all__ = ['MeshPartitionHelper', 'DEFAULT_AXIS_DIMS', 'DEFAULT_AXIS_NAMES', 'cr
            'get_names_from_partition_spec', 'get_partition_spec', 'get_shardings_with_structure',
            'get_submesh_device_index', 'lax_reshard', 'names_in_current_mesh', 'shard_nbytes']
 
+# %% ../../nbs/09g_escale.__init__.ipynb #29303186
+from . import mesh as _mesh
+
+_mesh.MeshPartitionHelper = MeshPartitionHelper  # eformer's `escale.mesh` exports it; its home is `escale.helpers`
+
 # %% ../../nbs/09g_escale.__init__.ipynb #96b024c3
 from jax.sharding import NamedSharding, PartitionSpec
 

@@ -272,10 +272,3 @@ def cpu_context(
     mesh = create_cpu_mesh(axis_dims, axis_names)
     with force_cpu(), jax.set_mesh(mesh):
         yield mesh
-
-
-def __getattr__(name: str):
-    if name == "MeshPartitionHelper":  # eformer's escale.mesh exports it; it lives in escale.helpers
-        from eformer_nb.escale.helpers import MeshPartitionHelper
-        return MeshPartitionHelper
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

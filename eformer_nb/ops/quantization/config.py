@@ -22,7 +22,8 @@ from ...jaximus import ImplicitArray, materialize, register
 __all__ = ['GRANULARITIES', 'NONFINITE_MODES', 'BLOCK_MULTIPLE', 'SMALL_ROW_BLOCK', 'QuantizationType', 'QuantizationConfig',
            'check_float_input', 'split_nonfinite', 'restore_nonfinite', 'check_block_size', 'pad_last',
            'QuantizedArray', 'leaf_shardings', 'with_sharding', 'with_mesh_and_axis', 'delete', 'eformer_quantize_args',
-           'kernels_module', 'dot_out_dtype', 'plain_matmul_kind', 'jaxpr_equations', 'check_matmul_program']
+           'register_kernels', 'kernels_module', 'dot_out_dtype', 'plain_matmul_kind', 'jaxpr_equations',
+           'check_matmul_program']
 
 # %% ../../../nbs/06a_ops.quantization.config.ipynb #d9500117
 class QuantizationType(str, enum.Enum):
@@ -308,10 +309,23 @@ def eformer_quantize_args(
     return block_size, dtype
 
 # %% ../../../nbs/06a_ops.quantization.config.ipynb #8ec77a11
+_fused_kernels = None  # set by `register_kernels`, which the `ops.quantization` package calls on import
+
+
+def register_kernels(
+    module,  # the fused NF4/INT8 matmuls: `nf4_matmul`, `nf4_matmul_t`, `int8_matmul`, `int8_matmul_t`
+) -> None:
+    "Hand the fused matmuls (`ops.quantization.kernels`, a later chapter) to the formats' matmul rules."
+    global _fused_kernels
+    _fused_kernels = module
+
+
 def kernels_module():
-    "The `ops.quantization.kernels` module (fused NF4/INT8 matmuls), imported on first use."
-    from eformer_nb.ops.quantization import kernels  # imported lazily: kernels imports the package too
-    return kernels
+    "The fused matmuls registered by `register_kernels` (`import eformer_nb.ops.quantization` registers them)."
+    if _fused_kernels is None:
+        raise RuntimeError("no fused kernels registered: importing the `eformer_nb.ops.quantization` package "
+                           "registers `ops.quantization.kernels` through `register_kernels`")
+    return _fused_kernels
 
 
 def dot_out_dtype(lhs, rhs, params: dict):
