@@ -40,6 +40,8 @@ from nbdev.serve import proc_nbs
 
 ROOT = Path(__file__).resolve().parents[1]
 cfg = get_config(ROOT)
+sys.path.insert(0, str(ROOT / ".ci"))  # pyproject's `doc_procs` (docs_outputs:CachedOutputs) lives here
+import docs_outputs  # noqa: E402
 
 
 def _write_nbdev_yml():
@@ -67,6 +69,7 @@ def _forget_readme_nb():
 
 def readme(check: bool) -> int:
     os.chdir(ROOT)
+    os.environ["DOCS_OUTPUTS"] = "0"  # README.md does not depend on which notebook runs are cached
     _forget_readme_nb()
     cache = proc_nbs(file_glob=Path(cfg.readme_nb).name, n_workers=0)
     nb = nbformat.read(cache / cfg.readme_nb, as_version=4)
@@ -480,7 +483,7 @@ def _rel(from_page: str, to: str) -> str:
     return os.path.relpath(to, start=str(PurePosixPath(from_page).parent) or ".").replace(os.sep, "/")
 
 
-def site() -> int:
+def site(execute=None) -> int:
     from bs4 import BeautifulSoup
     from nbdev.doclinks import NbdevLookup
     from nbconvert.filters.markdown_mistune import markdown2html_mistune
@@ -488,13 +491,19 @@ def site() -> int:
 
     t0 = time.time()
     os.chdir(ROOT)
+    failed = docs_outputs.execute(execute) if execute != ["none"] else 0
+    t_exec = time.time() - t0
     ini = _settings_ini()
     _write_nbdev_yml()
     _offline_nbdev(ini)
     # proc_nbs only redoes notebooks newer than their processed copy; the show_doc renderer above
     # changes every page, so pages processed by another build (or an older version of this file) are redone
     import hashlib
-    stamp, mark = ROOT / "_proc" / ".offline-site", hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    # (and a page whose notebook has a new cached run is redone too: the runs' names are in the mark)
+    runs = sorted(p.name for p in docs_outputs.CACHE.glob("*.ipynb")) if docs_outputs.CACHE.exists() else []
+    mark = hashlib.sha256(Path(__file__).read_bytes() + Path(docs_outputs.__file__).read_bytes()
+                          + "".join(runs).encode()).hexdigest()
+    stamp = ROOT / "_proc" / ".offline-site"
     force = not stamp.exists() or stamp.read_text() != mark
     _forget_readme_nb()
     cache = proc_nbs(n_workers=0, force=force)
@@ -669,15 +678,19 @@ def site() -> int:
         f'<meta http-equiv="refresh" content="0; url={pages[home]["out"]}"></head>'
         f'<body><a href="{pages[home]["out"]}">{html.escape(web.get("title", cfg.title))}</a></body></html>',
         encoding="utf-8")
-    print(f"wrote {len(pages)} pages to {dest}/ in {time.time() - t0:.0f}s: nbdev's processors {t_proc:.0f}s"
+    print(f"wrote {len(pages)} pages to {dest}/ in {time.time() - t0:.0f}s: notebook runs {t_exec:.0f}s"
+          f"{f' ({failed} FAILED)' if failed else ''}, nbdev's processors {t_proc - t_exec:.0f}s"
           f"{' (all notebooks)' if force else ' (changed notebooks)'}, pages {time.time() - t0 - t_proc:.0f}s"
           f" (open {dest}/index.html)")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("what", choices=["readme", "site"])
     ap.add_argument("--check", action="store_true", help="readme: fail if README.md is out of date")
+    ap.add_argument("--execute", nargs="*", default=None,
+                    help="site: globs of the notebooks to run for their outputs (default: docs_outputs.DEFAULT; "
+                         "'none': only what is cached)")
     a = ap.parse_args()
-    sys.exit(readme(a.check) if a.what == "readme" else site())
+    sys.exit(readme(a.check) if a.what == "readme" else site(a.execute))

@@ -1,0 +1,128 @@
+"""Real, current outputs on every page, without committing outputs: the notebooks are executed for the docs the way
+`nbdev-test` executes them, and each run is cached under a key made of the notebook's bytes, the package's source
+and the flags; a page never shows results from other code.
+
+    python .ci/docs_outputs.py execute [GLOB ...]   run the notebooks whose cached run is missing or stale
+    python .ci/docs_outputs.py run SRC DST          run one notebook (a fresh process each, as nbdev-test's workers)
+
+`CachedOutputs` is an nbdev doc processor (`doc_procs` in pyproject's `[tool.nbdev]`, with `.ci` on `PYTHONPATH`):
+nbdev's own processing pipeline -- `proc_nbs`, so `nbdev-docs` / Quarto and `.ci/docs.py site` alike -- puts the
+cached outputs back into each code cell by cell id, trimmed: warnings dropped, a long text output cut to its
+first lines. A notebook with no current cached run keeps what it has (the benchmarks keep their saved runs).
+"""
+import hashlib, json, os, re, subprocess, sys, time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = ROOT / ".docs-cache"
+# `make nbtest` runs the multidevice cells on 8 host devices; the other flagged cells (slow, gpu, tpu, bench, hf,
+# notest) are skipped, so a page shows their code only
+FORCE_FLAGS = ["multidevice"]
+ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+DEFAULT = ["nbs/*.ipynb", "nbs/tutorials/*.ipynb"]  # the benchmarks keep their saved runs (`make bench`)
+MAX_LINES = 40
+
+
+def key(nb: Path) -> str:
+    "sha256 of the notebook, every package source file and the flags"
+    h = hashlib.sha256()
+    for p in [Path(nb).resolve(), *sorted((ROOT / "eformer_nb").rglob("*.py"))]:
+        h.update(str(p.relative_to(ROOT)).encode()); h.update(p.read_bytes())
+    h.update(json.dumps([FORCE_FLAGS, ENV]).encode())
+    return h.hexdigest()
+
+
+def cached(nb: Path) -> Path:
+    return CACHE / f"{key(nb)}.ipynb"
+
+
+def run(src: Path, dst: Path) -> int:
+    "execute `src` as nbdev-test does (its skip/force flags, its working directory); outputs to `dst` on success"
+    from execnb.shell import CaptureShell
+    from fastcore.nbio import write_nb
+    from nbdev.config import get_config
+    from nbdev.process import NBProcessor
+    from nbdev.test import _skip_cell
+    from fastcore.xtras import working_directory
+    cfg = get_config()
+    flags = cfg.tst_flags.split() if isinstance(cfg.tst_flags, str) else list(cfg.tst_flags)
+    nb = NBProcessor(src, rm_directives=False, process=True).nb
+    os.environ["IN_TEST"] = "1"
+    shell = CaptureShell(src)
+    with working_directory(src.parent):
+        shell.run_all(nb, exc_stop=True, preproc=_skip_cell(nb, flags, FORCE_FLAGS), cell_timeout=cfg.cell_timeout)
+    if shell.exc: return 1
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_suffix(".tmp")
+    write_nb(nb, tmp)
+    tmp.replace(dst)
+    return 0
+
+
+def execute(globs=None) -> int:
+    "run every notebook matching `globs` whose cached run is missing; returns the number that failed"
+    nbs = sorted({p for g in (globs or DEFAULT) for p in ROOT.glob(g) if p.is_file()})
+    todo = [nb for nb in nbs if not cached(nb).exists()]
+    print(f"docs outputs: {len(nbs) - len(todo)} of {len(nbs)} notebooks cached, running {len(todo)}")
+    env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    failed = 0
+    for nb in todo:
+        t0 = time.time()
+        r = subprocess.run([sys.executable, __file__, "run", str(nb), str(cached(nb))], cwd=ROOT, env=env,
+                           capture_output=True, text=True)
+        ok = r.returncode == 0 and cached(nb).exists()
+        print(f"  {nb.relative_to(ROOT)}: {'ok' if ok else 'FAILED'} in {time.time() - t0:.0f}s")
+        if not ok:
+            failed += 1
+            print(f"{r.stdout[-1500:]}\n{r.stderr[-3000:]}")
+    return failed
+
+
+_re_warning = re.compile(r"^.*(?:Warning|warnings\.warn)\b.*$")
+
+
+def trim(outputs: list) -> list:
+    "warnings dropped from stderr; a text output longer than MAX_LINES cut, saying how much was left out"
+    res = []
+    for o in outputs:
+        o = dict(o)
+        if o.get("output_type") == "stream":
+            lines, keep, skip_next = "".join(o.get("text", "")).splitlines(), [], False
+            for line in lines:
+                if skip_next and line.startswith((" ", "\t")): skip_next = False; continue
+                skip_next = False
+                if o.get("name") == "stderr" and _re_warning.match(line): skip_next = True; continue
+                keep.append(line.rsplit("\r", 1)[-1])  # a progress bar: its last state
+            if not keep: continue
+            if len(keep) > MAX_LINES: keep = keep[:MAX_LINES] + [f"... ({len(keep) - MAX_LINES} more lines)"]
+            o["text"] = "\n".join(keep) + "\n"
+        elif "text/plain" in o.get("data", {}) and len(o["data"]) == 1:
+            text = "".join(o["data"]["text/plain"]).splitlines()
+            if len(text) > MAX_LINES:
+                o["data"] = {"text/plain": "\n".join(text[:MAX_LINES] + [f"... ({len(text) - MAX_LINES} more lines)"])}
+        res.append(o)
+    return res
+
+
+class CachedOutputs:
+    "nbdev doc processor: each code cell gets the outputs of the notebook's current cached run (by cell id)"
+    def __init__(self, nb):
+        self.outs = {}
+        if os.environ.get("DOCS_OUTPUTS") == "0": return  # README.md: the same text whatever is cached
+        src = Path(getattr(nb, "path_", "") or "")
+        if src.suffix != ".ipynb" or not src.exists(): return
+        run = cached(src)
+        if not run.exists(): return
+        for c in json.loads(run.read_text(encoding="utf-8"))["cells"]:
+            if c["cell_type"] == "code" and c.get("outputs"): self.outs[c.get("id")] = c["outputs"]
+
+    def __call__(self, cell):
+        if cell.cell_type != "code" or cell.get("outputs") or cell.get("id") not in self.outs: return
+        from fastcore.basics import AttrDict
+        cell.outputs = [AttrDict(o) for o in trim(self.outs[cell.id])]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["run"]: sys.exit(run(Path(sys.argv[2]).resolve(), Path(sys.argv[3]).resolve()))
+    if sys.argv[1:2] == ["execute"]: sys.exit(1 if execute(sys.argv[2:] or None) else 0)
+    sys.exit(__doc__)
