@@ -20,16 +20,15 @@ linked through `_modidx`). This script then does what Quarto does with that outp
 - rewrites links: `.ipynb` to the page it became, doc links to site-relative ones, other
   repository files to the repository (settings.ini `git_url`).
 
-Three things are set for this build only, in this process: nbdev 3 takes `git_url` and the docs URL
+Two things are set for this build only, in this process: nbdev 3 takes `git_url` and the docs URL
 from pyproject's `[project.urls]`, which are dynamic here (settings.ini holds them), so they are
-handed to nbdev's doc-link table from settings.ini (source links, doc links); names in prose are
+handed to nbdev's doc-link table from settings.ini (source links, doc links); and names in prose are
 looked up without the `eformer_nb.` prefix (nbdev's `strip_libs`, which defaults to the project
-name `eformer-nb`, not the package's entry-point name); and show_doc's
-renderer adds fastcore's parameter table (`DocmentTbl`) under nbdev's signature when parameters
-carry docments, and drops the annotations fastcore infers from a default's type
-(`jax._src...._ScalarMeta`, `_Empty`, `NoneType`), which are not in the code.
+name `eformer-nb`, not the package's entry-point name). The show_doc renderer (parameter tables,
+wrapped signatures) and the cell outputs are nbdev settings (`renderer`, `doc_procs`) that live in
+`.ci/docs_render.py` and `.ci/docs_outputs.py`, so a Quarto build shows the same.
 """
-import argparse, configparser, html, inspect, os, re, shutil, sys, time
+import argparse, configparser, html, os, re, shutil, sys, time
 from pathlib import Path, PurePosixPath
 
 import nbformat
@@ -99,24 +98,22 @@ def _settings_ini() -> dict:
 
 
 def _offline_nbdev(ini: dict):
-    """Hand settings.ini's URLs to nbdev's doc-link table and give show_doc a parameter table.
+    """Hand settings.ini's URLs to nbdev's doc-link table and strip the package prefix of names in prose.
 
     Both are patches of this process only (proc_nbs runs with n_workers=0, so nbdev's processors and
     the show_doc cells they execute run here); returns a function that undoes them."""
     import nbdev.doclinks as dl
-    import nbdev.showdoc as sd
-    from fastcore.docments import DocmentTbl, DocmentText
 
-    saved = dl._qual_syms, sd.BasicMarkdownRenderer, dl._build_lookup_table
+    saved = dl._qual_syms, dl._build_lookup_table
     def restore():
         "undo the patches (the test of this file uses them in its own process)"
-        dl._qual_syms, sd.BasicMarkdownRenderer, dl._build_lookup_table = saved
+        dl._qual_syms, dl._build_lookup_table = saved
         dl._build_lookup_table.cache_clear()
 
     # nbdev strips the package prefix of names in prose by the entry-point name (`eformer_nb`); its
     # default is the project name (`eformer-nb`), so `ePath` would not link. Not set in pyproject:
     # README.md (nbdev-readme, Quarto's nbdev-docs) would then link names to root-absolute URLs.
-    table = saved[2]
+    table = saved[1]
     if not getattr(table, "_offline", False):
         def _build_lookup_table(strip_libs=None, incl_libs=None, skip_mods=None):
             return table(cfg.lib_path.name if strip_libs is None else strip_libs, incl_libs, skip_mods)
@@ -140,113 +137,7 @@ def _offline_nbdev(ini: dict):
         dl._qual_syms = _qual_syms
         dl._build_lookup_table.cache_clear()
 
-    base = sd.BasicMarkdownRenderer
-    if getattr(base, "_offline", False): return restore
-
-    def _drop_inferred_annos(sym, dm):
-        "fastcore annotates a parameter that has none with its default's type; the code says nothing of it"
-        try: sig = inspect.signature(sym)
-        except (TypeError, ValueError): return
-        for name, p in sig.parameters.items():
-            if name in dm and p.annotation is inspect.Parameter.empty:
-                dm[name]["anno"] = inspect.Parameter.empty
-
-    class Renderer(base):
-        "nbdev's show_doc renderer, plus fastcore's parameter table when parameters carry docments"
-        _offline = True
-
-        def __init__(self, sym, name=None, title_level=3, maxline=110):
-            _signature_from_init(sym)
-            super().__init__(sym, name=name, title_level=title_level, maxline=maxline)
-            target = self.sym
-            self.is_class = inspect.isclass(target)
-            if isinstance(self.dm, DocmentText):
-                _drop_inferred_annos(target, self.dm.dm)
-                names = [k for k in self.dm.dm if k != "return"]
-                if self.is_class and names == ["args", "kwargs"]:
-                    # a NamedTuple / __new__-built class: the constructor's real signature
-                    self.dm = _ctor_signature(target, self.nm) or self.dm
-            try:
-                self.tbl = DocmentTbl(target)
-                _drop_inferred_annos(target, self.tbl.dm)
-            except Exception as e:  # a symbol fastcore cannot read stays without a table, and says so
-                print(f"docs: no parameter table for {self.nm}: {type(e).__name__}: {e}", file=sys.stderr)
-                self.tbl = None
-            if self.tbl is not None and self.tbl.has_docment and isinstance(self.dm, DocmentText):
-                for v in self.dm.dm.values(): v["docment"] = None  # the table holds them; the signature stays short
-
-        def _repr_markdown_(self):
-            md = super()._repr_markdown_()
-            if self.is_class: md = md.replace("```python\ndef ", "```python\nclass ", 1)
-            md = _clean_reprs(md)
-            if self.tbl is not None and self.tbl.has_docment:  # the table shows the same defaults
-                md += "\n\n" + _clean_reprs(self.tbl._repr_markdown_())
-            return md
-
-    sd.BasicMarkdownRenderer = Renderer
     return restore
-
-
-def _signature_from_init(sym):
-    """A class whose signature annotations cannot be evaluated (flax nnx modules: `inspect.signature` lands on
-    `PytreeMeta.__call__`, annotated with a name flax does not define) is documented by its `__init__` instead."""
-    if not inspect.isclass(sym) or "__signature__" in vars(sym):
-        return
-    try:
-        inspect.signature(sym, eval_str=True)
-    except NameError:
-        init = inspect.signature(sym.__init__)
-        sym.__signature__ = init.replace(parameters=list(init.parameters.values())[1:])
-    except (TypeError, ValueError):
-        pass  # no signature at all: nbdev's renderer shows the name alone
-
-
-def _ctor_signature(cls, name):
-    "`class Name(a: int, b: str = 'x')` from what calling `cls` takes, annotations resolved; None when unknown"
-    import typing
-    try: sig = inspect.signature(cls)
-    except (TypeError, ValueError): return None
-    kinds = [p.kind for p in sig.parameters.values()]
-    if kinds == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]: return None
-    try: hints = typing.get_type_hints(cls)
-    except (NameError, TypeError, AttributeError): hints = {}  # unresolvable names: the annotations as written
-    parts = []
-    for p in sig.parameters.values():
-        a = hints.get(p.name, p.annotation)
-        s = ("*" if p.kind is p.VAR_POSITIONAL else "**" if p.kind is p.VAR_KEYWORD else "") + p.name
-        if a is not inspect.Parameter.empty:
-            a = getattr(a, "__forward_arg__", a)
-            s += ": " + (a if isinstance(a, str) else inspect.formatannotation(a))
-        if p.default is not inspect.Parameter.empty: s += f" = {p.default!r}"
-        parts.append(s)
-    return f"class {name}({', '.join(parts)})"
-
-
-def _clean_reprs(md: str) -> str:
-    "Default values as a reader writes them: `MISSING`, `Name(...)` for other objects, public jax names"
-    md = re.sub(r"(?:<|&lt;)dataclasses\._MISSING_TYPE object at 0x[0-9a-f]+(?:>|&gt;)", "MISSING", md)
-    md = re.sub(r"(?:<|&lt;)([\w.]+) object at 0x[0-9a-f]+(?:>|&gt;)", r"\1(...)", md)
-    return _public_jax_names(md)
-
-
-_jax_names = {}
-def _public_jax_names(text: str) -> str:
-    "`jax._src.x.y.Name` -> the public name of the same object (`jax.Array`, `jax.sharding.Mesh`, ...) if any"
-    def sub(m):
-        path = m.group(0)
-        if path not in _jax_names:
-            _jax_names[path] = path
-            mod, _, attr = path.rpartition(".")
-            try:
-                import importlib
-                obj = getattr(importlib.import_module(mod), attr)
-                for pub in ("jax", "jax.numpy", "jax.sharding", "jax.typing", "jax.lax", "jax.tree_util", "jax.stages"):
-                    pm = importlib.import_module(pub)
-                    hit = next((n for n in dir(pm) if not n.startswith("_") and getattr(pm, n, None) is obj), None)
-                    if hit: _jax_names[path] = f"{pub}.{hit}"; break
-            except (ImportError, AttributeError): pass
-        return _jax_names[path]
-    return re.sub(r"\bjax\._src(?:\.\w+)+", sub, text)
 
 
 # ---------------------------------------------------------------- pages
@@ -412,6 +303,12 @@ header.navbar { position:fixed; top:0; left:0; right:0; height:var(--nav-h); bac
 header.navbar a { color:rgba(255,255,255,.9); } header.navbar a:hover { color:#fff; text-decoration:none; }
 header.navbar .brand { font-weight:600; font-size:1.2rem; color:#fff; }
 header.navbar nav { display:flex; gap:1.1rem; } header.navbar .right { margin-left:auto; }
+header.navbar .search { position:relative; width:340px; margin-left:auto; --pagefind-ui-scale:.7;
+       --pagefind-ui-background:#fff; } header.navbar .search + .right { margin-left:0; }
+header.navbar .search .pagefind-ui__drawer { position:absolute; top:100%; width:560px; max-height:70vh; overflow-y:auto;
+       background:#fff; color:var(--text); border:1px solid var(--border); border-radius:6px; padding:0 1rem;
+       box-shadow:0 4px 12px rgba(0,0,0,.15); }
+header.navbar .search .pagefind-ui__drawer a { color:var(--primary); }
 .layout { display:grid; grid-template-columns: 270px minmax(0, 1fr) 230px; gap:2rem; max-width:1480px;
        margin:0 auto; padding: calc(var(--nav-h) + 1.5rem) 1.25rem 3rem; }
 aside.sidebar { position:sticky; top:calc(var(--nav-h) + 1.5rem); align-self:start;
@@ -467,6 +364,11 @@ footer { max-width:860px; margin:2.5rem 0 0; padding-top:1rem; border-top:1px so
 
 JS = r"""
 document.addEventListener('DOMContentLoaded', () => {
+  if (window.PagefindUI && document.getElementById('search')) {
+    const ui = new PagefindUI({ element: '#search', showSubResults: true, showImages: false, resetStyles: false });
+    const q = new URLSearchParams(location.search).get('q');
+    if (q) ui.triggerSearch(q);
+  }
   const box = document.getElementById('sidebar-filter');
   if (box) box.addEventListener('input', () => {
     const q = box.value.toLowerCase();
@@ -476,6 +378,16 @@ document.addEventListener('DOMContentLoaded', () => {
   });
 });
 """
+
+
+def _pagefind(dest: Path) -> int:
+    "Full-text search over every page, offline: Pagefind's index and UI in `dest/pagefind/` (pagefind-bin from PyPI)"
+    import subprocess
+    r = subprocess.run([sys.executable, "-m", "pagefind_bin", "--site", str(dest), "--glob", "nbs/**/*.html",
+                        "--include-characters", "_.", "--quiet"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"pagefind failed ({r.returncode}): {r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    return len(list(dest.glob("nbs/**/*.html")))
 
 
 def _rel(from_page: str, to: str) -> str:
@@ -594,7 +506,9 @@ def site(execute=None) -> int:
         right = "".join(item(i) for i in nav.get("right", []))
         home_url = _rel(page_out, pages[home]["out"])
         brand = f'<a class="brand" href="{home_url}">{html.escape(web.get("title", cfg.title))}</a>'
-        return f'<header class="navbar">{brand}<nav>{left}</nav><nav class="right">{right}</nav></header>'
+        search = '<div id="search" class="search" role="search"></div>' if nav.get("search") else ""
+        return (f'<header class="navbar">{brand}<nav>{left}</nav>{search}'
+                f'<nav class="right">{right}</nav></header>')
 
     n_links = 0
     for rel, p in pages.items():
@@ -655,11 +569,13 @@ def site(execute=None) -> int:
 <title>{html.escape(title)}</title>
 <meta name="description" content="{html.escape(plain_desc)}">
 <link rel="stylesheet" href="{css}"><script src="{js}"></script>
+<link rel="stylesheet" href="{_rel(p["out"], "pagefind/pagefind-ui.css")}">
+<script src="{_rel(p["out"], "pagefind/pagefind-ui.js")}"></script>
 </head><body>
 {navbar_html(p["out"])}
 <div class="layout">
 {sidebar_html(rel)}
-<main class="content" id="quarto-document-content">
+<main class="content" id="quarto-document-content" data-pagefind-body>
 <h1 class="title">{html.escape(p["title"])}</h1>
 {desc_html}
 {soup}
@@ -672,6 +588,9 @@ def site(execute=None) -> int:
         out_path = dest / p["out"]
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(page, encoding="utf-8")
+    t_index = time.time()
+    n_indexed = _pagefind(dest)
+    t_index = time.time() - t_index
     # the site root: Quarto puts nbs/index.ipynb at nbs/index.html; the root sends readers there
     (dest / "index.html").write_text(
         f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{html.escape(web.get("title", cfg.title))}</title>'
@@ -681,7 +600,7 @@ def site(execute=None) -> int:
     print(f"wrote {len(pages)} pages to {dest}/ in {time.time() - t0:.0f}s: notebook runs {t_exec:.0f}s"
           f"{f' ({failed} FAILED)' if failed else ''}, nbdev's processors {t_proc - t_exec:.0f}s"
           f"{' (all notebooks)' if force else ' (changed notebooks)'}, pages {time.time() - t0 - t_proc:.0f}s"
-          f" (open {dest}/index.html)")
+          f", search index {t_index:.0f}s ({n_indexed} pages) (open {dest}/index.html)")
     return 1 if failed else 0
 
 

@@ -258,28 +258,38 @@ def _scaled(x: float,  # the value to scale
     return x * factor
 
 
-def test_show_doc_renderer():
-    "parameter table where docments exist, no invented annotations, real constructor signatures"
+def _wide(first_parameter: int = 1, second_parameter: str = "two", third_parameter: float = 3.0,
+          fourth_parameter: tuple = (4, 4)) -> None:
+    "A signature longer than a line."
+
+
+def test_show_doc_renderer(monkeypatch):
+    "pyproject's renderer: parameter table where docments exist, no invented annotations, real constructor signatures"
     import jax.numpy as jnp
     from nbdev.showdoc import show_doc
+    from eformer_nb.paths import ePath
 
+    monkeypatch.syspath_prepend(str(ROOT / ".ci"))
+    monkeypatch.chdir(ROOT)
     def cast(x, dtype=jnp.float32): return x
-    restore = _docs_module()._offline_nbdev({"git_url": REPO, "branch": "main"})
-    try:
-        md = show_doc(_scaled)._repr_markdown_()
-        assert "| **Type** | **Default** | **Details** |" in md, md
-        assert "| x | float |  | the value to scale |" in md, md
-        assert "| factor | float | 2.0 | multiplied with `x` |" in md, md
-        assert "dtype=None" in md and "NoneType" not in md, md
-        sig = md.split("```python")[1].split("```")[0]
-        assert "#" not in sig, f"the table holds the docments, the signature stays short: {sig}"
-        md = show_doc(cast)._repr_markdown_()
-        assert "_ScalarMeta" not in md and "jax._src" not in md and "dtype=float32" in md, md
-        md = show_doc(_Point)._repr_markdown_()
-        assert "class _Point(x: int, label: str = 'origin')" in md, md
-    finally:
-        restore()
-    assert show_doc.__globals__["BasicMarkdownRenderer"].__name__ == "BasicMarkdownRenderer"
+    md = show_doc(_scaled)._repr_markdown_()
+    assert type(show_doc(_scaled)).__module__ == "docs_render", "show_doc does not use pyproject's renderer"
+    assert "| **Type** | **Default** | **Details** |" in md, md
+    assert "| x | float |  | the value to scale |" in md, md
+    assert "| factor | float | 2.0 | multiplied with `x` |" in md, md
+    assert "dtype=None" in md and "NoneType" not in md, md
+    sig = md.split("```python")[1].split("```")[0]
+    assert "#" not in sig, f"the table holds the docments, the signature stays short: {sig}"
+    md = show_doc(cast)._repr_markdown_()
+    assert "_ScalarMeta" not in md and "jax._src" not in md and "dtype=float32" in md, md
+    md = show_doc(_Point)._repr_markdown_()
+    assert "class _Point(x: int, label: str = 'origin')" in md, md
+    md = show_doc(ePath.__truediv__)._repr_markdown_()
+    assert "### ePath.\\_\\_truediv\\_\\_" in md, md  # not bold `truediv` in Markdown
+    md = show_doc(ePath)._repr_markdown_()
+    assert "->None" not in md and md.count("```python\nclass ePath(") == 1, md
+    sig = show_doc(_wide)._repr_markdown_().split("```python")[1].split("```")[0]
+    assert max(map(len, sig.splitlines())) <= 80 and sig.count("\n") >= 5, f"not one parameter a line:{sig}"
 
 
 def test_modidx_lists_every_module():
