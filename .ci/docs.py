@@ -204,7 +204,7 @@ def _prepare(nb):
             out += [_showdoc_html(md) for o in outputs if (md := _md_text(o)) is not None]
             if echo: out.append(_code_html(src, []))
             continue
-        if echo or outputs: out.append(_code_html(src if echo else "", outputs))
+        if echo or outputs: out.append(_code_html(src if echo else "", outputs, c.get("id")))
     return meta, out
 
 
@@ -213,7 +213,7 @@ def _markdown_html(md: str) -> str:
     return f'<div class="cell markdown">{markdown2html_mistune(md)}</div>'
 
 
-def _code_html(src: str, outputs) -> str:
+def _code_html(src: str, outputs, cell_id=None) -> str:
     "A code cell: its source highlighted, then its outputs (richest representation first)"
     from nbconvert.filters.ansi import ansi2html
     from pygments import highlight
@@ -239,7 +239,8 @@ def _code_html(src: str, outputs) -> str:
                 parts.append(f'<div class="output">{val("text/html")}</div>')
             elif "text/markdown" in d: parts.append(f'<div class="output">{_markdown_html(val("text/markdown"))}</div>')
             elif "text/plain" in d: parts.append(f'<pre class="output">{ansi2html(val("text/plain"))}</pre>')
-    return f'<div class="cell code">{"".join(parts)}</div>'
+    cid = f' data-cell-id="{html.escape(cell_id)}"' if cell_id else ""
+    return f'<div class="cell code"{cid}>{"".join(parts)}</div>'
 
 
 def _pandoc_id(text: str, seen: dict) -> str:
@@ -546,7 +547,8 @@ def site(execute=None) -> int:
                 target = (os.path.normpath(str(PurePosixPath(p["out"]).parent / path)).replace(os.sep, "/")
                           if path else p["out"])
                 if target in by_out and frag not in pages[by_out[target]]["ids"]:
-                    a.unwrap(); unlinked += 1
+                    if any(w.startswith("_") for w in a.get_text().split(".")): a.unwrap(); unlinked += 1
+                    else: a["href"] = path or "#"  # a public name documented in prose only: its page
     if unlinked: print(f"docs: {unlinked} links to names without an entry left as text")
 
     for rel, p in pages.items():
