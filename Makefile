@@ -61,8 +61,11 @@ test: check-sync check-notebooks check-readme lint nbtest pytest
 readme: install
 	$(BIN)/python .ci/docs.py readme
 
+# Both builds run the notebooks for their outputs first (cached by content hash in .docs-cache/) and use the nbdev
+# settings `renderer` and `doc_procs` from .ci/ (hence PYTHONPATH), so Quarto and the offline build show the same pages.
 docs: install
-	@if command -v quarto >/dev/null 2>&1; then $(BIN)/nbdev-docs; \
+	@if command -v quarto >/dev/null 2>&1; then $(BIN)/python .ci/docs_outputs.py execute && \
+	PYTHONPATH=.ci$${PYTHONPATH:+:$$PYTHONPATH} $(BIN)/nbdev-docs && $(BIN)/python .ci/docs.py root; \
 	else echo "Quarto not found: nbdev's processors, then .ci/docs.py renders the site"; $(BIN)/python .ci/docs.py site; fi
 
 bench: install

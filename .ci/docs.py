@@ -1,7 +1,9 @@
 """Docs without Quarto: nbdev's preprocessing, then a small static-site step in place of Quarto's render.
 
     python .ci/docs.py readme [--check]   README.md from nbs/index.ipynb (processed as nbdev would)
-    python .ci/docs.py site               the docs site in _docs/, as Quarto would lay it out
+    python .ci/docs.py site [--execute GLOB ...]   the docs site in _docs/, as Quarto would lay it out, with the
+                                          notebooks' current outputs (.ci/docs_outputs.py) and Pagefind search
+    python .ci/docs.py root               only _docs/index.html, the root page (after a Quarto build)
 
 nbdev-readme and nbdev-docs need Quarto, which cannot be installed on every machine (our CI has
 none); `make docs` uses them when Quarto is there. Without it, the preprocessing is still nbdev's
@@ -381,6 +383,16 @@ document.addEventListener('DOMContentLoaded', () => {
 """
 
 
+def root_page(dest: Path, home: str = "nbs/index.html", title: str = "") -> Path:
+    "The site root: Quarto puts nbs/index.ipynb at nbs/index.html and may write no root page; it sends readers there"
+    title = html.escape(title or cfg.title)
+    (dest / "index.html").write_text(
+        f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{title}</title>'
+        f'<meta http-equiv="refresh" content="0; url={home}"></head>'
+        f'<body><a href="{home}">{title}</a></body></html>', encoding="utf-8")
+    return dest / "index.html"
+
+
 def _pagefind(dest: Path) -> int:
     "Full-text search over every page, offline: Pagefind's index and UI in `dest/pagefind/` (pagefind-bin from PyPI)"
     import subprocess
@@ -593,12 +605,7 @@ def site(execute=None) -> int:
     t_index = time.time()
     n_indexed = _pagefind(dest)
     t_index = time.time() - t_index
-    # the site root: Quarto puts nbs/index.ipynb at nbs/index.html; the root sends readers there
-    (dest / "index.html").write_text(
-        f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{html.escape(web.get("title", cfg.title))}</title>'
-        f'<meta http-equiv="refresh" content="0; url={pages[home]["out"]}"></head>'
-        f'<body><a href="{pages[home]["out"]}">{html.escape(web.get("title", cfg.title))}</a></body></html>',
-        encoding="utf-8")
+    root_page(dest, pages[home]["out"], web.get("title", cfg.title))
     print(f"wrote {len(pages)} pages to {dest}/ in {time.time() - t0:.0f}s: notebook runs {t_exec:.0f}s"
           f"{f' ({failed} FAILED)' if failed else ''}, nbdev's processors {t_proc - t_exec:.0f}s"
           f"{' (all notebooks)' if force else ' (changed notebooks)'}, pages {time.time() - t0 - t_proc:.0f}s"
@@ -608,10 +615,14 @@ def site(execute=None) -> int:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["readme", "site"])
+    ap.add_argument("what", choices=["readme", "site", "root"], help="root: only the site root page (after nbdev-docs)")
     ap.add_argument("--check", action="store_true", help="readme: fail if README.md is out of date")
     ap.add_argument("--execute", nargs="*", default=None,
                     help="site: globs of the notebooks to run for their outputs (default: docs_outputs.DEFAULT; "
                          "'none': only what is cached)")
     a = ap.parse_args()
+    if a.what == "root":
+        home = ROOT / cfg.doc_path.name / "nbs" / "index.html"
+        if not home.exists(): sys.exit(f"no {home}: build the site first")
+        sys.exit(print(f"wrote {root_page(ROOT / cfg.doc_path.name)}"))
     sys.exit(readme(a.check) if a.what == "readme" else site(a.execute))
