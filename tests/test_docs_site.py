@@ -473,3 +473,34 @@ def test_reader_view(site, chromium):
             if c.find_parent(["pre", "a", "h1", "h2", "h3", "h4"]): continue
             if c.get_text().strip().removeprefix("eformer_nb.") in public: plain.append(f"{path.name}: {c.get_text()}")
     assert not plain, f"{len(plain)} backticked public names are not links: {plain[:20]}"
+
+
+def _show_doc_md(nb) -> list:
+    "the show_doc entries of a processed notebook, links reduced to their text (the link tables differ, see below)"
+    import re
+    res = []
+    for c in nb["cells"]:
+        for o in c.get("outputs", []):
+            md = o.get("data", {}).get("text/markdown")
+            if md is None or "```python" not in "".join(md): continue
+            md = re.sub(r"^\[source\]\([^)]*\)\{[^}]*\}\n*", "", "".join(md), flags=re.M)
+            res.append(re.sub(r"\[(`[^`]*`)\]\([^)]*\)", r"\1", md))
+    return res
+
+
+def test_quarto_and_preview_show_the_same_entries(site):
+    "one notebook through nbdev's own Quarto-bound processors (`FilterDefaults`, what nbdev-docs runs, with the "
+    "pyproject settings only) and through the preview: the same show_doc entries"
+    import json
+    code = ("import json, sys; from fastcore.nbio import read_nb; from nbdev.processors import FilterDefaults\n"
+            "nb = read_nb(sys.argv[1]); FilterDefaults()(nb)\n"
+            "print(json.dumps([{'outputs': [dict(o) for o in c.get('outputs', [])]} for c in nb.cells]))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / ".ci")])}
+    r = subprocess.run([sys.executable, "-c", code, "nbs/04_paths.ipynb"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    quarto = _show_doc_md({"cells": json.loads(r.stdout.strip().splitlines()[-1])})
+    preview = _show_doc_md(json.loads((ROOT / "_proc" / "nbs" / "04_paths.ipynb").read_text(encoding="utf-8")))
+    assert len(quarto) >= 10 and "| **Type** | **Default** | **Details** |" in "".join(quarto)
+    assert quarto == preview, next(f"{q}\n!=\n{p}" for q, p in zip(quarto, preview) if q != p) if \
+        len(quarto) == len(preview) else f"{len(quarto)} entries != {len(preview)}"
