@@ -223,7 +223,10 @@ def grouped_attention(
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #a06be002
 def _shard(config, x, preset):
-    "Constrain `x` with the config's `PartitionManager` when a mesh is active (no-op otherwise)."
+    "Constrain `x` with the config's `PartitionManager` when a mesh is active; without one, `x` as it is, silently."
+    from eformer_nb.escale import get_current_mesh
+    if get_current_mesh() is None:  # a plain single-device call: nothing to constrain, nothing to warn about
+        return x
     return config.partition_manager.shard(x, dynamic_axes=preset)
 
 
