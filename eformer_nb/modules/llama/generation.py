@@ -126,10 +126,10 @@ class GenerationConfig:
     use_cache: bool = True  # decode with the KV cache (False recomputes the whole sequence each step)
 
     def __post_init__(self):
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r}; expected an int >= 1")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature={self.temperature!r}; expected > 0")
+        if not (isinstance(self.temperature, (int, float)) and 0 < self.temperature < float("inf")):
+            raise ValueError(f"temperature={self.temperature!r}; expected a finite number > 0")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p!r}; expected a value in (0, 1]")
         if self.top_k < 0 or self.num_beams < 1:
@@ -161,6 +161,9 @@ def resolve_generation_config(
         if g.pad_token_id is not None
         else (model.config.pad_token_id if model.config.pad_token_id is not None else 0)
     )
+    vocab = model.config.vocab_size
+    if not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < vocab:
+        raise ValueError(f"pad_token_id={pad!r}; expected a token id in [0, vocab_size={vocab})")
     return dataclasses.replace(g, eos_token_id=tuple(eos) if isinstance(eos, (list, tuple)) else eos, pad_token_id=pad)
 
 # %% ../../../nbs/12c_modules.llama.generation.ipynb #dd8f1ac4
@@ -288,6 +291,18 @@ def _eos_pad(g: GenerationConfig) -> tuple[jax.Array, jax.Array, GenerationConfi
     return eos_arr, jnp.asarray(g.pad_token_id, jnp.int32), dataclasses.replace(g, eos_token_id=None, pad_token_id=None)
 
 
+# %% ../../../nbs/12c_modules.llama.generation.ipynb #a65ab02b
+def _check_budget(model, input_ids, g: GenerationConfig):
+    "Prompt ids in the vocabulary (when known on the host), prompt + new tokens within the position table."
+    from eformer_nb.modules.llama.modeling import _check_values
+    c = model.config
+    total = input_ids.shape[1] + g.max_new_tokens
+    if total > c.max_position_embeddings:
+        raise ValueError(f"prompt length {input_ids.shape[1]} + max_new_tokens={g.max_new_tokens} = {total} is more "
+                         f"than max_position_embeddings={c.max_position_embeddings}; lower max_new_tokens to at most "
+                         f"{c.max_position_embeddings - input_ids.shape[1]}")
+    _check_values(c, input_ids, None)
+
 # %% ../../../nbs/12c_modules.llama.generation.ipynb #24d2dc8f
 def _check_prompt(input_ids, attention_mask):
     if getattr(input_ids, "ndim", None) != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
@@ -331,6 +346,7 @@ def generate(
     as transformers' streamers expect, and `end()` at the end."""
     mask = _check_prompt(input_ids, attention_mask)
     g = resolve_generation_config(model, generation_config, **kwargs)
+    _check_budget(model, input_ids, g)
     graphdef, state = nnx.split(model)
     key = jax.random.key(0) if prng_key is None else prng_key
     if g.num_beams > 1:
