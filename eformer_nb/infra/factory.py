@@ -10,6 +10,7 @@ import enum
 import importlib
 import importlib.util
 import os
+import re
 import threading
 import typing as tp
 
@@ -17,8 +18,8 @@ from .base_config import EasyDeLBaseConfig, config_file
 from ..paths import ePath
 
 # %% auto #0
-__all__ = ['TaskType', 'register_config', 'register_module', 'get_config_class', 'get_module_class', 'AutoConfig',
-           'AutoModelForCausalLM', 'AutoModel']
+__all__ = ['TaskType', 'register_config', 'register_module', 'get_config_class', 'get_module_class', 'resolve_pretrained',
+           'AutoConfig', 'AutoModelForCausalLM', 'AutoModel']
 
 # %% ../../nbs/11c_infra.factory.ipynb #5a38ff72
 class TaskType(str, enum.Enum):
@@ -140,8 +141,43 @@ def get_module_class(
                        f"registered for this task: {have}")
     return _MODULES[(task, model_type)]
 
+# %% ../../nbs/11c_infra.factory.ipynb #29785031
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # a Hub repo id: org/name
+
+
+def resolve_pretrained(
+    name_or_path: str | os.PathLike | ePath,  # a local folder or file, or a Hub repo id 'org/name'
+    allow_patterns: list[str] | None = None,  # files of the repo to fetch (None: all)
+    cache_dir: str | None = None,  # Hugging Face cache folder (None: huggingface_hub's default)
+    revision: str | None = None,  # branch, tag or commit (None: 'main')
+    token=None,  # Hugging Face token
+    local_files_only: bool = False,  # only the local cache (HF_HUB_OFFLINE=1 has the same effect)
+) -> ePath:
+    """A local path (or one that is not a repo id) as it is; otherwise the folder of Hub repo `name_or_path` in
+    the Hugging Face cache, found by `huggingface_hub.snapshot_download` (the cache first; the Hub only for files
+    the cache lacks)."""
+    if isinstance(name_or_path, ePath) or os.path.exists(os.fspath(name_or_path)):
+        return name_or_path if isinstance(name_or_path, ePath) else ePath(name_or_path)
+    name = os.fspath(name_or_path)
+    if not _REPO_ID.fullmatch(name):  # a path that does not exist (yet): the loader names what is missing
+        return ePath(name)
+    from huggingface_hub import snapshot_download
+    try:
+        folder = snapshot_download(name, allow_patterns=allow_patterns, cache_dir=cache_dir, revision=revision,
+                                   token=token, local_files_only=local_files_only)
+    except Exception as e:  # huggingface_hub raises several types (offline, not found, HTTP); keep the cause
+        raise FileNotFoundError(f"{name!r} is not a local path, and the Hub repo {name!r} is neither in the local "
+                                f"cache ({cache_dir or 'the default cache'}) nor downloadable: {e}") from e
+    return ePath(folder)
+
 # %% ../../nbs/11c_infra.factory.ipynb #29df3985
-def _read_model_type(path) -> str:
+def _read_model_type(path, gguf_file: str | None = None) -> str:
+    if gguf_file is not None:  # a GGUF file names its architecture in its metadata
+        from gguf import GGUFReader
+        field = GGUFReader(os.path.join(os.fspath(path), gguf_file), "r").fields.get("general.architecture")
+        if field is None:
+            raise ValueError(f"{gguf_file!r} in {str(path)!r} has no 'general.architecture' metadata")
+        return field.contents()
     data = config_file(path).load_dict(format="json")
     if "model_type" not in data:
         raise ValueError(f"{str(config_file(path))!r} has no 'model_type' key; cannot tell which model it describes")
@@ -171,9 +207,13 @@ class _AutoModel:
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike | ePath, **kwargs):
-        "Load with the module class registered for this task and the folder's `model_type`."
-        module = get_module_class(cls.task, _read_model_type(pretrained_model_name_or_path))
-        return module.from_pretrained(pretrained_model_name_or_path, **kwargs)
+        "Load with the module class registered for this task and the folder's `model_type` (or the GGUF file's)."
+        hub = {k: kwargs.pop(k) for k in ("cache_dir", "revision", "token", "local_files_only") if k in kwargs}
+        gguf_file = kwargs.get("gguf_file")
+        path = resolve_pretrained(pretrained_model_name_or_path,
+                                  allow_patterns=[gguf_file] if gguf_file else ["*.json", "*.safetensors"], **hub)
+        module = get_module_class(cls.task, _read_model_type(path, gguf_file))
+        return module.from_pretrained(path, **kwargs)  # the path is local now: the hub arguments are spent
 
     @classmethod
     def from_config(cls, config: EasyDeLBaseConfig, **kwargs):

@@ -5,13 +5,19 @@
 # %% ../../../nbs/12a_modules.llama.configuration.ipynb #1d153b2a
 from __future__ import annotations
 
+import contextvars
+import difflib
+import math
 import typing as tp
 
 from ...infra.base_config import EasyDeLBaseConfig
 from ...infra.factory import register_config
+from ...loggings import get_logger
+
+logger = get_logger(__name__)
 
 # %% auto #0
-__all__ = ['ACTIVATIONS', 'ROPE_TYPES', 'LlamaConfig']
+__all__ = ['logger', 'ACTIVATIONS', 'ROPE_TYPES', 'LlamaConfig']
 
 # %% ../../../nbs/12a_modules.llama.configuration.ipynb #0e84bdcc
 ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
@@ -52,6 +58,7 @@ class LlamaConfig(EasyDeLBaseConfig):
         self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
         self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
         self.head_dim = head_dim if head_dim is not None else hidden_size // max(num_attention_heads, 1)
+        self._derived_head_dim = head_dim is None  # then hidden_size must split evenly into the heads
         self.hidden_act, self.max_position_embeddings = hidden_act, max_position_embeddings
         if (
             rope_parameters
@@ -95,10 +102,58 @@ def _validate(self: LlamaConfig) -> LlamaConfig:
             raise ValueError(f"LlamaConfig.rope_scaling rope_type={kind!r}; valid choices are {list(ROPE_TYPES)}")
         if kind in ("linear", "llama3") and not self.rope_scaling.get("factor", 0) > 0:
             raise ValueError(f"LlamaConfig.rope_scaling={self.rope_scaling!r} needs a positive 'factor'")
-    return self
+    return _validate_values(self)
 
 
 LlamaConfig.validate = _validate
+
+# %% ../../../nbs/12a_modules.llama.configuration.ipynb #3f939a56
+_READING_FILE = contextvars.ContextVar("llama_config_reading_file", default=False)
+
+
+def _finite(v, above: float, inclusive: bool = False) -> bool:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return ok and (v >= above if inclusive else v > above)
+
+
+def _validate_values(self: LlamaConfig) -> LlamaConfig:
+    "The numeric fields, the special token ids, and (for a config built in code) unknown fields, checked by name."
+    if self._derived_head_dim and self.hidden_size % self.num_attention_heads:
+        raise ValueError(f"LlamaConfig.hidden_size={self.hidden_size} does not split into num_attention_heads="
+                         f"{self.num_attention_heads} heads (hidden_size % heads = "
+                         f"{self.hidden_size % self.num_attention_heads}); change one, or pass head_dim explicitly")
+    for name, above, incl in (("rope_theta", 0.0, False), ("rms_norm_eps", 0.0, False), ("initializer_range", 0.0, True)):
+        if not _finite(getattr(self, name), above, incl):
+            raise ValueError(f"LlamaConfig.{name}={getattr(self, name)!r}; expected a finite number "
+                             f"{'>=' if incl else '>'} {above}")
+    eos = self.eos_token_id if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
+    for name, ids in (("bos_token_id", [self.bos_token_id]), ("eos_token_id", eos), ("pad_token_id", [self.pad_token_id])):
+        bad = [i for i in ids if i is not None
+               and (not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.vocab_size)]
+        if bad:
+            raise ValueError(f"LlamaConfig.{name}={getattr(self, name)!r}; token ids must be ints in [0, vocab_size="
+                             f"{self.vocab_size}) or None")
+    if not _READING_FILE.get():  # a file may carry keys of other tools; a config built in code may not have typos
+        known = set(type(self).known_keys())
+        for key in sorted(k for k in vars(self) if not k.startswith("_") and k not in known):
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
+            if close:
+                raise ValueError(f"LlamaConfig got the unknown field {key!r}; did you mean {close[0]!r}? "
+                                 f"(fields: {sorted(known)})")
+            logger.warning_once(f"LlamaConfig: {key!r} is not a LlamaConfig field; kept as an attribute")
+    return self
+
+# %% ../../../nbs/12a_modules.llama.configuration.ipynb #a85a31b8
+def _llama_from_dict(cls, data: dict, strict: bool = False, **overrides):
+    "`EasyDeLBaseConfig.from_dict`, tolerating the extra keys a file may carry (unless `strict`)."
+    token = _READING_FILE.set(True)
+    try:
+        return EasyDeLBaseConfig.from_dict.__func__(cls, data, strict=strict, **overrides)
+    finally:
+        _READING_FILE.reset(token)
+
+
+LlamaConfig.from_dict = classmethod(_llama_from_dict)
 
 # %% ../../../nbs/12a_modules.llama.configuration.ipynb #7851c2ba
 def _llama_partition_rules(

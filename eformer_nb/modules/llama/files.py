@@ -19,7 +19,7 @@ logger = get_logger(__name__)
 
 # %% auto #0
 __all__ = ['logger', 'WEIGHTS_NAME', 'WEIGHTS_INDEX_NAME', 'safetensors_dumps', 'safetensors_loads', 'hf_name',
-           'to_hf_state_dict', 'parse_size', 'save_pretrained', 'from_pretrained', 'push_to_hub']
+           'to_hf_state_dict', 'parse_size', 'save_pretrained', 'load_weights', 'from_pretrained', 'push_to_hub']
 
 # %% ../../../nbs/12e_modules.llama.files.ipynb #cb732a9b
 WEIGHTS_NAME = "model.safetensors"
@@ -192,14 +192,15 @@ def _weight_files(d: ePath) -> list[ePath]:
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")  # buffers older transformers checkpoints carry
 
 # %% ../../../nbs/12e_modules.llama.files.ipynb #a1d5d4ca
-def _read_weights(d: ePath, files: list, by_hf: dict, flat_shapes: dict, place: dict, config: object,
+def _read_weights(sources: list, by_hf: dict, flat_shapes: dict, place: dict, config: object,
                   param_dtype: object) -> tuple[dict, list]:
-    "The tensors of the safetensors `files`, checked against the model's shapes and placed; and the unexpected ones."
+    """The tensors of `sources`, `(label, loader)` pairs whose `loader()` gives `{transformers name: array}`, checked
+    against the model's shapes and placed; and the names the model does not have."""
     import jax.numpy as jnp
 
     values, unexpected = {}, []
-    for f in files:
-        for name, arr in safetensors_loads(f.read_bytes()).items():
+    for label, load in sources:
+        for name, arr in load().items():
             if _IGNORED.search(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
                 continue
             path = by_hf.get(name)
@@ -211,7 +212,7 @@ def _read_weights(d: ePath, files: list, by_hf: dict, flat_shapes: dict, place: 
             want_file = want[::-1] if transposed else want
             if tuple(arr.shape) != want_file:
                 raise ValueError(
-                    f"{str(f)!r}: tensor {name!r} has shape {tuple(arr.shape)}, the model expects {want_file} "
+                    f"{label!r}: tensor {name!r} has shape {tuple(arr.shape)}, the model expects {want_file} "
                     f"(config: hidden_size={config.hidden_size}, vocab_size={config.vocab_size}, "
                     f"intermediate_size={config.intermediate_size}); config and weights do not match"
                 )
@@ -220,6 +221,46 @@ def _read_weights(d: ePath, files: list, by_hf: dict, flat_shapes: dict, place: 
             values[path] = place[path](arr) if path in place else jnp.asarray(arr)
     return values, unexpected
 
+# %% ../../../nbs/12e_modules.llama.files.ipynb #843f6a06
+def load_weights(
+    cls,  # the model class
+    config,  # its config
+    sources: list,  # `(label, loader)` pairs; `loader()` gives `{transformers name: array}`
+    label: str,  # where the weights come from, for messages
+    dtype=None,  # compute dtype
+    param_dtype=None,  # parameter dtype
+    precision=None,  # `jax.lax.Precision` of the matmuls
+    rngs=None,  # initialisation randomness
+    mesh=None,  # a mesh to shard onto
+    partition_rules=None,  # `[(regex, PartitionSpec)]` (None: the config's)
+):
+    """A model of class `cls` for `config` holding the tensors of `sources`: each checked against the model's shape
+    and placed on `mesh` with `partition_rules` (the config's by default); nothing may be missing or left over."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from eformer_nb.escale import make_shard_and_gather_fns, match_partition_rules
+
+    param_dtype = jnp.dtype(param_dtype or jnp.float32)
+    model = cls.lazy_init(config, dtype=dtype or jnp.float32, param_dtype=param_dtype, precision=precision, rngs=rngs)
+    state = nnx.state(model, nnx.Param)
+    shapes = nnx.to_pure_dict(state)
+    flat_shapes = flatten_params(shapes)
+    by_hf = {hf_name(p)[0]: p for p in flat_shapes}
+    place = {}
+    if mesh is not None:
+        rules = config.get_partition_rules() if partition_rules is None else partition_rules
+        place = flatten_params(make_shard_and_gather_fns(match_partition_rules(rules, shapes), mesh)[0])
+    values, unexpected = _read_weights(sources, by_hf, flat_shapes, place, config, param_dtype)
+    missing = sorted(hf_name(p)[0] for p in flat_shapes if p not in values)
+    if missing or unexpected:
+        raise ValueError(f"weights in {label!r} do not match the model: missing {len(missing)} {missing[:5]}, "
+                         f"unexpected {len(unexpected)} {sorted(unexpected)[:5]}")
+    nested = jax.tree_util.tree_map_with_path(lambda kp, _: values["/".join(str(getattr(k, "key", k)) for k in kp)],
+                                              shapes)
+    nnx.replace_by_pure_dict(state, nested)
+    nnx.update(model, state)
+    return model
 
 # %% ../../../nbs/12e_modules.llama.files.ipynb #b579e3b8
 def from_pretrained(
@@ -233,43 +274,29 @@ def from_pretrained(
     partition_rules=None,  # `[(regex, PartitionSpec)]` (None: the config's)
     config_kwargs: dict | None = None,  # overrides of the saved config
     strict_config: bool = False,  # refuse unknown config keys
+    gguf_file: str | None = None,  # read this GGUF file in the folder instead (see `modules.llama.gguf`)
+    cache_dir: str | None = None,  # Hugging Face cache folder (None: huggingface_hub's default)
+    revision: str | None = None,  # Hub branch, tag or commit
+    token=None,  # Hugging Face token
+    local_files_only: bool = False,  # use only the local Hub cache (as HF_HUB_OFFLINE=1 does)
 ):
-    """Load a folder written by `save_pretrained` (or transformers): the config, then each tensor checked against
-    the model and placed on `mesh` with `partition_rules` (the config's by default), or on the default device."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from eformer_nb.escale import make_shard_and_gather_fns, match_partition_rules
+    """Load a folder written by `save_pretrained` (or transformers), or a GGUF file with `gguf_file=`: the config,
+    then each tensor checked against the model and placed on `mesh` with `partition_rules` (the config's by
+    default), or on the default device. A Hub repo id (`'org/name'`) is read from the local Hub cache, downloaded
+    when missing there (see `infra.factory.resolve_pretrained`)."""
+    from eformer_nb.infra.factory import resolve_pretrained
 
-    d = pretrained_model_name_or_path
-    d = d if isinstance(d, ePath) else ePath(d)
+    patterns = [gguf_file] if gguf_file is not None else ["*.json", "*.safetensors"]
+    d = resolve_pretrained(pretrained_model_name_or_path, allow_patterns=patterns, cache_dir=cache_dir,
+                           revision=revision, token=token, local_files_only=local_files_only)
+    if gguf_file is not None or str(d).endswith(".gguf"):
+        from eformer_nb.modules.llama.gguf import from_gguf
+        return from_gguf(cls, str(d), gguf_file, dtype=dtype, param_dtype=param_dtype, precision=precision,
+                         rngs=rngs, mesh=mesh, partition_rules=partition_rules, config_kwargs=config_kwargs)
     config = cls.config_class.from_pretrained(d, strict=strict_config, **(config_kwargs or {}))
-    files = _weight_files(d)
-    param_dtype = jnp.dtype(param_dtype or jnp.float32)
-    model = cls.lazy_init(config, dtype=dtype or jnp.float32, param_dtype=param_dtype, precision=precision, rngs=rngs)
-    state = nnx.state(model, nnx.Param)
-    shapes = nnx.to_pure_dict(state)
-    flat_shapes = flatten_params(shapes)
-    by_hf = {hf_name(p)[0]: p for p in flat_shapes}
-    place = {}
-    if mesh is not None:
-        specs = match_partition_rules(
-            config.get_partition_rules() if partition_rules is None else partition_rules, shapes
-        )
-        place = flatten_params(make_shard_and_gather_fns(specs, mesh)[0])
-    values, unexpected = _read_weights(d, files, by_hf, flat_shapes, place, config, param_dtype)
-    missing = sorted(hf_name(p)[0] for p in flat_shapes if p not in values)
-    if missing or unexpected:
-        raise ValueError(
-            f"weights in {str(d)!r} do not match the model: missing {len(missing)} {missing[:5]}, "
-            f"unexpected {len(unexpected)} {sorted(unexpected)[:5]}"
-        )
-    nested = jax.tree_util.tree_map_with_path(
-        lambda kp, _: values["/".join(str(getattr(k, "key", k)) for k in kp)], shapes
-    )
-    nnx.replace_by_pure_dict(state, nested)
-    nnx.update(model, state)
-    return model
+    sources = [(str(f), lambda f=f: safetensors_loads(f.read_bytes())) for f in _weight_files(d)]
+    return load_weights(cls, config, sources, str(d), dtype=dtype, param_dtype=param_dtype, precision=precision,
+                        rngs=rngs, mesh=mesh, partition_rules=partition_rules)
 
 # %% ../../../nbs/12e_modules.llama.files.ipynb #a1fb1449
 def _upload_folder(

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import typing as tp
 
 import flax.struct
@@ -125,10 +126,10 @@ class GenerationConfig:
     use_cache: bool = True  # decode with the KV cache (False recomputes the whole sequence each step)
 
     def __post_init__(self):
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r}; expected an int >= 1")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature={self.temperature!r}; expected > 0")
+        if not (isinstance(self.temperature, (int, float)) and 0 < self.temperature < float("inf")):
+            raise ValueError(f"temperature={self.temperature!r}; expected a finite number > 0")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p!r}; expected a value in (0, 1]")
         if self.top_k < 0 or self.num_beams < 1:
@@ -160,6 +161,9 @@ def resolve_generation_config(
         if g.pad_token_id is not None
         else (model.config.pad_token_id if model.config.pad_token_id is not None else 0)
     )
+    vocab = model.config.vocab_size
+    if not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < vocab:
+        raise ValueError(f"pad_token_id={pad!r}; expected a token id in [0, vocab_size={vocab})")
     return dataclasses.replace(g, eos_token_id=tuple(eos) if isinstance(eos, (list, tuple)) else eos, pad_token_id=pad)
 
 # %% ../../../nbs/12c_modules.llama.generation.ipynb #dd8f1ac4
@@ -198,7 +202,18 @@ def select_tokens(
     )
 
 # %% ../../../nbs/12c_modules.llama.generation.ipynb #662a6cf8
-def _pick(i, logits, carry, g: GenerationConfig, t: int, processor, eos, pad):
+_STREAMERS: dict[int, tp.Any] = {}  # stream id -> the streamer of a running `generate`
+_STREAM_IDS = itertools.count(1)
+
+
+def _emit(stream_id, tokens):
+    "Host side of the streaming callback: hand one step's tokens to the streamer registered under `stream_id`."
+    streamer = _STREAMERS.get(int(stream_id))
+    if streamer is not None:
+        (streamer.put if hasattr(streamer, "put") else streamer)(np.asarray(tokens))
+
+
+def _pick(i, logits, carry, g: GenerationConfig, t: int, processor, eos, pad, stream_id=None):
     seqs, valid, done, scores, ngen, key = carry
     key, sub = jax.random.split(key)
     if processor is not None:
@@ -211,6 +226,8 @@ def _pick(i, logits, carry, g: GenerationConfig, t: int, processor, eos, pad):
     ngen = ngen + (~done).astype(jnp.int32)
     seqs = jax.lax.dynamic_update_slice(seqs, tok[:, None], (0, t + i))
     valid = jax.lax.dynamic_update_slice(valid, ~done[:, None], (0, t + i))
+    if stream_id is not None:  # ordered: the host sees the steps in order
+        jax.debug.callback(_emit, stream_id, tok, ordered=True)
     done = done | jnp.isin(tok, eos)
     return seqs, valid, done, scores, ngen, key
 
@@ -226,6 +243,7 @@ def decode_loop(
     pad,  # the padding id
     g: GenerationConfig,  # the resolved `GenerationConfig`
     processor=None,  # logits processor or None
+    stream_id=None,  # an int32 id of a registered streamer (None: no streaming)
 ) -> GenerateOutput:
     """Prefill and decode `g.max_new_tokens` tokens. Pure: `generate` jits it with `graphdef`, `g` and `processor`
     static; the EOS ids `eos (k,)` and the pad id `pad ()` are traced, so changing them compiles nothing."""
@@ -240,7 +258,7 @@ def decode_loop(
     else:
         out, cache = model(input_ids=input_ids, attention_mask=attention_mask), None
     carry = (seqs, valid, jnp.zeros((b,), bool), jnp.zeros((b,), jnp.float32), jnp.zeros((b,), jnp.int32), key)
-    carry = _pick(0, out.logits[:, -1], carry, g, t, processor, eos, pad)
+    carry = _pick(0, out.logits[:, -1], carry, g, t, processor, eos, pad, stream_id)
 
     def cond(state):
         i, _, carry = state
@@ -256,7 +274,7 @@ def decode_loop(
         else:
             all_logits = model(input_ids=seqs, attention_mask=valid).logits
             logits = jax.lax.dynamic_index_in_dim(all_logits, t + i - 1, axis=1, keepdims=False)
-        return i + 1, cache, _pick(i, logits, carry, g, t, processor, eos, pad)
+        return i + 1, cache, _pick(i, logits, carry, g, t, processor, eos, pad, stream_id)
 
     _, _, carry = jax.lax.while_loop(cond, body, (jnp.int32(1), cache, carry))
     seqs, _, _, scores, ngen, _ = carry
@@ -272,6 +290,18 @@ def _eos_pad(g: GenerationConfig) -> tuple[jax.Array, jax.Array, GenerationConfi
     eos_arr = jnp.asarray(eos if eos else (-1,), jnp.int32)  # -1 is never a token: no EOS
     return eos_arr, jnp.asarray(g.pad_token_id, jnp.int32), dataclasses.replace(g, eos_token_id=None, pad_token_id=None)
 
+
+# %% ../../../nbs/12c_modules.llama.generation.ipynb #a65ab02b
+def _check_budget(model, input_ids, g: GenerationConfig):
+    "Prompt ids in the vocabulary (when known on the host), prompt + new tokens within the position table."
+    from eformer_nb.modules.llama.modeling import _check_values
+    c = model.config
+    total = input_ids.shape[1] + g.max_new_tokens
+    if total > c.max_position_embeddings:
+        raise ValueError(f"prompt length {input_ids.shape[1]} + max_new_tokens={g.max_new_tokens} = {total} is more "
+                         f"than max_position_embeddings={c.max_position_embeddings}; lower max_new_tokens to at most "
+                         f"{c.max_position_embeddings - input_ids.shape[1]}")
+    _check_values(c, input_ids, None)
 
 # %% ../../../nbs/12c_modules.llama.generation.ipynb #24d2dc8f
 def _check_prompt(input_ids, attention_mask):
@@ -306,20 +336,48 @@ def generate(
     trace: bool = True,  # compile the decode loop once with `jax.jit`
     logits_processor: tp.Callable | None = None,  # callable(logits) -> logits, applied each step
     attention_mask=None,  # 1 for real tokens, 0 for padding
+    streamer=None,  # `streamer(tokens)` each step, or an object with transformers' `put`/`end` (a `TextStreamer`)
     **kwargs,  # more keyword arguments (see the description)
 ) -> GenerateOutput:
     """Generate after the left-padded prompt `input_ids`; `kwargs` override `generation_config` fields. Sampling uses
     `prng_key` (default `jax.random.key(0)`); `logits_processor(sequences, logits) -> logits` runs before the pick.
-    `trace=False` runs the loop without `jax.jit` (for debugging)."""
+    `trace=False` runs the loop without `jax.jit` (for debugging). `streamer` receives each step's new tokens
+    `(batch,)` as they are picked (finished rows get the pad id); an object with `put`/`end` first gets the prompt,
+    as transformers' streamers expect, and `end()` at the end."""
     mask = _check_prompt(input_ids, attention_mask)
     g = resolve_generation_config(model, generation_config, **kwargs)
+    _check_budget(model, input_ids, g)
     graphdef, state = nnx.split(model)
     key = jax.random.key(0) if prng_key is None else prng_key
     if g.num_beams > 1:
+        if streamer is not None:
+            raise ValueError("streamer works with greedy decoding and sampling, not with beam search (num_beams > 1)")
         return beam_search(model, jnp.asarray(input_ids), mask, g, trace)
     eos, pad, static = _eos_pad(g)
     fn = _decode_jit if trace else decode_loop
-    return fn(graphdef, state, jnp.asarray(input_ids), mask, key, eos, pad, static, logits_processor)
+    args = (graphdef, state, jnp.asarray(input_ids), mask, key, eos, pad, static, logits_processor)
+    if streamer is None:
+        return fn(*args)
+    return _generate_streaming(fn, args, streamer, input_ids)
+
+# %% ../../../nbs/12c_modules.llama.generation.ipynb #084e9fcb
+def _generate_streaming(fn, args: tuple, streamer, input_ids) -> GenerateOutput:
+    "Run the decode loop `fn(*args)` with `streamer` registered; every step is delivered before this returns."
+    if not (callable(streamer) or hasattr(streamer, "put")):
+        raise TypeError(f"streamer must be callable or have put/end methods (transformers' streamers), "
+                        f"got {type(streamer).__name__}")
+    sid = next(_STREAM_IDS)
+    _STREAMERS[sid] = streamer
+    try:
+        if hasattr(streamer, "put"):
+            streamer.put(np.asarray(input_ids))
+        out = jax.block_until_ready(fn(*args, jnp.int32(sid)))
+        jax.effects_barrier()
+    finally:
+        _STREAMERS.pop(sid, None)
+    if hasattr(streamer, "end"):
+        streamer.end()
+    return out
 
 # %% ../../../nbs/12c_modules.llama.generation.ipynb #a345439d
 def _gather_beams(x, parent, b: int, k: int):

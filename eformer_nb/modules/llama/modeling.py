@@ -223,7 +223,10 @@ def grouped_attention(
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #a06be002
 def _shard(config, x, preset):
-    "Constrain `x` with the config's `PartitionManager` when a mesh is active (no-op otherwise)."
+    "Constrain `x` with the config's `PartitionManager` when a mesh is active; without one, `x` as it is, silently."
+    from eformer_nb.escale import get_current_mesh
+    if get_current_mesh() is None:  # a plain single-device call: nothing to constrain, nothing to warn about
+        return x
     return config.partition_manager.shard(x, dynamic_axes=preset)
 
 
@@ -374,7 +377,31 @@ def _check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids
             )
         if shape[1] > cache.max_length:
             raise ValueError(f"{shape[1]} tokens do not fit a cache of max_length {cache.max_length}")
+    if position_ids is None and cache is None and shape[1] > config.max_position_embeddings:
+        raise ValueError(f"{shape[1]} tokens are more than max_position_embeddings={config.max_position_embeddings}")
+    _check_values(config, input_ids, position_ids)
     return shape
+
+# %% ../../../nbs/12b_modules.llama.modeling.ipynb #bddc138b
+def _concrete(x) -> bool:
+    return x is not None and not isinstance(x, jax.core.Tracer)
+
+
+def _check_values(config, input_ids, position_ids):
+    """On the host, when the values are known (not under `jit`): ids in `[0, vocab_size)` and positions in
+    `[0, max_position_embeddings)`, else a ValueError naming the offending entries. Under `jit`, wrap the call in
+    `jax.experimental.checkify` with your own checks, or check the batch before it enters the compiled step."""
+    import numpy as np
+    for name, value, hi in (("input_ids", input_ids, config.vocab_size),
+                            ("position_ids", position_ids, config.max_position_embeddings)):
+        if not _concrete(value):
+            continue
+        v = np.asarray(value)
+        bad = np.argwhere((v < 0) | (v >= hi))
+        if len(bad):
+            where = ", ".join(f"[{r}, {c}]={v[r, c]}" for r, c in bad[:5].tolist())
+            raise ValueError(f"{name} out of range at {len(bad)} place(s) ({where}); expected values in [0, {hi}) "
+                             f"({'vocab_size' if name == 'input_ids' else 'max_position_embeddings'}={hi})")
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #4b718f2e
 class LlamaModel(nnx.Module):
