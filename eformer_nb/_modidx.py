@@ -689,6 +689,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                                               'eformer_nb/executor/ray/resource_manager.py'),
                                                           'eformer_nb.executor.ray.resource_manager._cancel_all_futures': ( 'nbs/executor.ray.resource_manager.html#_cancel_all_futures',
                                                                                                                             'eformer_nb/executor/ray/resource_manager.py'),
+                                                          'eformer_nb.executor.ray.resource_manager._check_amount': ( 'nbs/executor.ray.resource_manager.html#_check_amount',
+                                                                                                                      'eformer_nb/executor/ray/resource_manager.py'),
                                                           'eformer_nb.executor.ray.resource_manager._check_env': ( 'nbs/executor.ray.resource_manager.html#_check_env',
                                                                                                                    'eformer_nb/executor/ray/resource_manager.py'),
                                                           'eformer_nb.executor.ray.resource_manager._check_positive_int': ( 'nbs/executor.ray.resource_manager.html#_check_positive_int',
