@@ -236,11 +236,12 @@ class RayClusterHandle:
     def shutdown(
         self,
         grace_s: float = 10.0,  # a local Ray's processes get SIGTERM, then SIGKILL after this many seconds
-    ) -> None:
+    ) -> list[int]:
         """Disconnect if this call connected; stop Ray only if this call started it (`ray stop` for a SLURM head;
-        every process of a local Ray). Calling it again does nothing."""
+        every process of a local Ray). The pids that needed SIGKILL; calling it again does nothing."""
         import ray
 
+        killed = []
         if self.connected_here and ray.is_initialized():
             ray.shutdown()
         self.connected_here = False
@@ -255,6 +256,7 @@ class RayClusterHandle:
                 _remove_dir(self.temp_dir)
             self.temp_dir = None
         self.started_here = False
+        return killed
 
 
 @contextlib.contextmanager
