@@ -7,21 +7,21 @@ from __future__ import annotations
 
 from . import ray
 from eformer_nb.executor.cluster_util import (
-    DistributedConfig, RayClusterConfig, RayClusterHandle, auto_ray_cluster, eSlurmCluster, expand_hostlist,
-    resolve_ray_address,
+    DistributedConfig, RayClusterConfig, RayClusterHandle, RayStartError, auto_ray_cluster, eSlurmCluster,
+    expand_hostlist, resolve_ray_address,
 )
 from eformer_nb.executor.ray import (
     ComputeResourceConfig, CpuAcceleratorConfig, GpuAcceleratorConfig, RayExecutor, TpuAcceleratorConfig,
     autoscale_execute, autoscale_execute_resumable, execute, execute_resumable,
 )
 
-_all_ = ["ray", "DistributedConfig", "RayClusterConfig", "RayClusterHandle", "auto_ray_cluster", "eSlurmCluster",
-         "expand_hostlist", "resolve_ray_address", "ComputeResourceConfig", "CpuAcceleratorConfig",
+_all_ = ["ray", "DistributedConfig", "RayClusterConfig", "RayClusterHandle", "RayStartError", "auto_ray_cluster",
+         "eSlurmCluster", "expand_hostlist", "resolve_ray_address", "ComputeResourceConfig", "CpuAcceleratorConfig",
          "GpuAcceleratorConfig", "RayExecutor", "TpuAcceleratorConfig", "autoscale_execute",
          "autoscale_execute_resumable", "execute", "execute_resumable"]
 
 # %% auto #0
-__all__ = ['ray', 'DistributedConfig', 'RayClusterConfig', 'RayClusterHandle', 'auto_ray_cluster', 'eSlurmCluster',
-           'expand_hostlist', 'resolve_ray_address', 'ComputeResourceConfig', 'CpuAcceleratorConfig',
+__all__ = ['ray', 'DistributedConfig', 'RayClusterConfig', 'RayClusterHandle', 'RayStartError', 'auto_ray_cluster',
+           'eSlurmCluster', 'expand_hostlist', 'resolve_ray_address', 'ComputeResourceConfig', 'CpuAcceleratorConfig',
            'GpuAcceleratorConfig', 'RayExecutor', 'TpuAcceleratorConfig', 'autoscale_execute',
            'autoscale_execute_resumable', 'execute', 'execute_resumable']

@@ -5,12 +5,17 @@
 # %% ../../nbs/14f_executor.cluster_util.ipynb #16cd32d1
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses as dc
+import glob
 import itertools
 import os
 import re
+import shutil
 import subprocess
+import tempfile
+import time
 import typing as tp
 
 from fastcore.basics import patch
@@ -22,7 +27,8 @@ logger = get_logger("eformer_nb.executor")
 
 # %% auto #0
 __all__ = ['logger', 'expand_hostlist', 'eSlurmCluster', 'DistributedConfig', 'resolve_ray_address', 'ray_start_command',
-           'RayClusterHandle', 'auto_ray_cluster', 'RayClusterConfig']
+           'RayClusterHandle', 'RayStartError', 'ray_processes', 'stop_processes', 'auto_ray_cluster',
+           'RayClusterConfig']
 
 # %% ../../nbs/14f_executor.cluster_util.ipynb #e8c0ea5b
 _GROUP = re.compile(r"\[([^\[\]]*)\]")
@@ -224,15 +230,33 @@ class RayClusterHandle:
     address: str | None  # the GCS address of the cluster
     started_here: bool  # did this call start Ray (so `shutdown` may stop it)?
     connected_here: bool  # did this call connect this driver (so `shutdown` may disconnect it)?
+    temp_dir: str | None = None  # a local Ray's private temp dir (session logs under it); None when not local
+    owns_temp_dir: bool = False  # was `temp_dir` made by this call (so `shutdown` removes it)?
 
-    def shutdown(self) -> None:
-        "Disconnect if this call connected; stop Ray only if this call started it (`ray stop` for a SLURM head)."
+    def shutdown(
+        self,
+        grace_s: float = 10.0,  # a local Ray's processes get SIGTERM, then SIGKILL after this many seconds
+    ) -> list[int]:
+        """Disconnect if this call connected; stop Ray only if this call started it (`ray stop` for a SLURM head;
+        every process of a local Ray). The pids that needed SIGKILL; calling it again does nothing."""
         import ray
 
+        killed = []
         if self.connected_here and ray.is_initialized():
             ray.shutdown()
+        self.connected_here = False
         if self.started_here and self.plan[0] == "slurm-head":
             subprocess.run(["ray", "stop"], check=True, timeout=120)
+        if self.started_here and self.temp_dir is not None:
+            killed = stop_processes(ray_processes(self.temp_dir), grace_s)
+            if killed:
+                logger.warning(f"RayClusterHandle.shutdown: {len(killed)} Ray processes ignored SIGTERM for "
+                               f"{grace_s}s and were killed: {killed}")
+            if self.owns_temp_dir:
+                _remove_dir(self.temp_dir)
+            self.temp_dir = None
+        self.started_here = False
+        return killed
 
 
 @contextlib.contextmanager
@@ -246,8 +270,6 @@ def _local_start_lock(
         yield
         return
     import fcntl
-    import tempfile
-    import time
 
     with open(path or os.path.join(tempfile.gettempdir(), "eformer_nb_ray_start.lock"), "a") as f:
         deadline = time.monotonic() + timeout_s
@@ -264,62 +286,184 @@ def _local_start_lock(
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
 
+# %% ../../nbs/14f_executor.cluster_util.ipynb #7f5a4c2a
+class RayStartError(RuntimeError):
+    """A local Ray did not start: one line with what happened, the likely cause and the session logs
+    (`temp_dirs` lists the private temp dir of every try; they are kept for reading)."""
+
+    def __init__(self, message: str, temp_dirs: tp.Sequence[str] = ()):
+        super().__init__(message)
+        self.temp_dirs = list(temp_dirs)
+
+
+_MARK = "EFORMER_NB_RAY_DIR"  # in the environment of every process of a local Ray started here: its temp dir
+
+
+def ray_processes(
+    temp_dir: str,  # the private temp dir of a local Ray (`RayClusterHandle.temp_dir`)
+) -> list:
+    """The live processes of the local Ray in `temp_dir` (`psutil.Process`): those whose environment or command
+    line names it, and their descendants; never this process."""
+    import psutil
+
+    found = {}
+    for p in psutil.process_iter(["cmdline", "environ", "status"]):
+        if p.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        if (p.info["environ"] or {}).get(_MARK) == temp_dir or temp_dir in " ".join(p.info["cmdline"] or []):
+            found[p.pid] = p
+            with contextlib.suppress(psutil.Error):  # it ended while we looked: nothing below it to find
+                found.update({c.pid: c for c in p.children(recursive=True)})
+    found.pop(os.getpid(), None)
+    return list(found.values())
+
+
+def stop_processes(
+    procs: tp.Sequence,  # `psutil.Process` objects, such as `ray_processes` returns
+    grace_s: float = 10.0,  # seconds between SIGTERM and SIGKILL
+) -> list[int]:
+    "SIGTERM every process, SIGKILL the ones alive after `grace_s`; the pids that needed SIGKILL."
+    import psutil
+
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):  # already gone: what we wanted
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(alive, timeout=grace_s)
+    return sorted(p.pid for p in alive)
+
+
+def _remove_dir(path: str) -> None:
+    "Remove a temp dir this module made; a failure is logged, never raised (the Ray is already stopped)."
+    try:
+        shutil.rmtree(path)
+    except OSError as e:
+        logger.warning(f"could not remove the Ray temp dir {path}: {e}")
+
 # %% ../../nbs/14f_executor.cluster_util.ipynb #cbcabc5a
-def _init_local_with_retries(
-    plan: tuple[str, str | None],  # from `resolve_ray_address`
+_START_ENV = {  # Ray's own start-up timeouts (RayConfig entries, read from `RAY_<name>` by every Ray process)
+    "RAY_agent_register_timeout_ms": "120000",  # the raylet's wait for its dashboard and runtime-env agents
+    "RAY_raylet_start_wait_time_s": "120",  # a driver's wait for its raylet (default 10)
+    "RAY_gcs_rpc_server_reconnect_timeout_s": "120",  # how long a raylet or driver keeps trying to reach the GCS
+    "RAY_gcs_server_request_timeout_seconds": "120",  # the bound on one request to the GCS
+}
+
+
+@contextlib.contextmanager
+def _local_start_env(temp_dir: str):
+    "The environment a local start runs in: the process mark and the raised timeouts (a value already set wins)."
+    added = {k: v for k, v in _START_ENV.items() if k not in os.environ}
+    before = os.environ.get(_MARK)
+    os.environ.update({**added, _MARK: temp_dir})
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+        if before is None:
+            os.environ.pop(_MARK, None)
+        else:
+            os.environ[_MARK] = before
+
+
+def _likely_cause(temp_dir: str) -> str:
+    "Why a local start failed, most specific first: a crash in the session logs, a busy port, low memory, load."
+    import psutil
+
+    for path in sorted(glob.glob(os.path.join(temp_dir, "session_*", "logs", "*"))):
+        with contextlib.suppress(OSError), open(path, errors="replace") as f:  # a log that is gone says nothing
+            for line in f.read()[-200_000:].splitlines():
+                if "Address already in use" in line:
+                    return f"a port already in use ({os.path.basename(path)})"
+                if "Check failed" in line or "FATAL" in line:
+                    return f"a Ray process failed at start ({os.path.basename(path)}: {line.strip()[-200:]})"
+    free = psutil.virtual_memory().available
+    if free < 2**30:
+        return f"low memory ({free / 2**30:.2f} GiB available)"
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > cores:
+        return f"an overloaded machine (load {load:.1f} on {cores} cores)"
+    return f"not found in the logs (load {load:.1f} on {cores} cores)"
+
+# %% ../../nbs/14f_executor.cluster_util.ipynb #6e0b4286
+def _start_local(
+    address: str | None,  # from the plan: None or 'local'
     namespace: str,  # the Ray namespace
-    start_retries: int,  # extra tries of a local start that misses Ray's start-up window
-    **kwargs,  # more `ray.init` arguments
-) -> None:
-    "`ray.init` for `plan`; a local start that times out is shut down and tried again, `start_retries` more times."
+    start_retries: int,  # extra tries after a failed start
+    grace_s: float,  # SIGTERM -> SIGKILL grace when a failed try is cleaned up
+    kwargs: dict,  # more `ray.init` arguments
+) -> tuple[str, bool]:
+    """Start a local Ray, each try in a fresh private temp dir; `(temp_dir, made_here)` of the try that started.
+    A failed try's processes are all stopped before the next; after the last, `RayStartError`."""
     import ray
 
-    tries = 1 + (start_retries if plan[0] == "local" else 0)
+    kwargs = {"include_dashboard": False, **kwargs}
+    given = kwargs.pop("_temp_dir", None)
+    tries, t0, dirs, last = 1 + start_retries, time.monotonic(), [], None
     for i in range(tries):
+        temp_dir = given or tempfile.mkdtemp(prefix="eformer-ray-")
+        dirs.append(temp_dir)
         try:
-            with _local_start_lock(plan[0] == "local"):
-                ray.init(address=plan[1], namespace=namespace, **kwargs)
-            return
-        except Exception as e:  # only Ray's start-up timeout of a local node is retried; the rest is raised
-            if "timed out during startup" not in str(e) or i == tries - 1:
-                raise
-            logger.warning(f"auto_ray_cluster: local Ray did not start in time ({e}); try {i + 2} of {tries}")
+            with _local_start_lock(True), _local_start_env(temp_dir):
+                ray.init(address=address, namespace=namespace, _temp_dir=temp_dir, **kwargs)
+            return temp_dir, given is None
+        except Exception as e:  # each failure is logged, its processes stopped; bad arguments are raised at once
             ray.shutdown()
+            killed = stop_processes(ray_processes(temp_dir), grace_s)
+            if isinstance(e, (TypeError, ValueError)):
+                raise
+            last = e
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            logger.warning(f"auto_ray_cluster: local Ray start {i + 1} of {tries} failed after "
+                           f"{time.monotonic() - t0:.0f}s ({first}); its processes stopped "
+                           f"({len(killed)} needed SIGKILL); logs in {temp_dir}")
+            if i + 1 < tries:
+                time.sleep(min(2.0 ** i, 10.0))
+    raise RayStartError(f"auto_ray_cluster: local Ray did not start ({tries} tries, {time.monotonic() - t0:.0f}s; "
+                        f"last: {first}); likely cause: {_likely_cause(dirs[-1])}; "
+                        f"session logs: {os.path.join(dirs[-1], 'session_latest', 'logs')}", dirs) from last
 
-
+# %% ../../nbs/14f_executor.cluster_util.ipynb #4898d252
 def auto_ray_cluster(
     address: str | None = None,  # a cluster to join; None: `$RAY_ADDRESS`, a SLURM allocation, or a new local Ray
     namespace: str = "eray-executor",  # the Ray namespace of this driver
     start_workers: bool = True,  # on a SLURM worker node, start its `ray start --block` worker
     fail_if_cluster_already_initialized: bool = False,  # raise when Ray is already initialized in this process
     auto_start: bool = True,  # start a local Ray when nothing else is configured
-    start_retries: int = 2,  # extra tries of a local start that misses Ray's 30 s registration window
-    **kwargs,  # more `ray.init` arguments (`num_cpus`, `resources`, `include_dashboard`, ...)
+    start_retries: int = 2,  # extra tries of a local start that fails (each in a fresh temp dir, logged)
+    stop_grace_s: float = 10.0,  # SIGTERM -> SIGKILL grace when a local Ray is stopped
+    **kwargs,  # more `ray.init` arguments (`num_cpus`, `resources`, `include_dashboard`, `_temp_dir`, ...)
 ) -> RayClusterHandle:
     """Connect this process to Ray: the one already initialized, `address`/`$RAY_ADDRESS`, a SLURM allocation, or a new
-    local Ray."""
+    local Ray (`RayStartError`, one line, when it cannot start)."""
     import ray
 
+    if not (isinstance(start_retries, int) and not isinstance(start_retries, bool) and 0 <= start_retries <= 20):
+        raise ValueError(f"auto_ray_cluster: start_retries must be an int in [0, 20], got {start_retries!r}")
     if ray.is_initialized():
         if fail_if_cluster_already_initialized:
             raise RuntimeError("auto_ray_cluster: Ray is already initialized in this process "
                                "(fail_if_cluster_already_initialized=True)")
         return RayClusterHandle(("existing", None), ray.get_runtime_context().gcs_address, False, False)
     plan = resolve_ray_address(address)
-    started = False
-    if plan[0] == "slurm-head":
-        subprocess.run(ray_start_command(plan), check=True, timeout=300)
-        started = True
-    elif plan[0] == "slurm-worker":
+    if plan[0] == "slurm-worker":
         if start_workers:
             subprocess.Popen(ray_start_command(plan, block=True))
         return RayClusterHandle(plan, plan[1], False, False)  # workers serve the head; the driver runs there
-    elif plan[0] == "local":
+    if plan[0] == "local":
         if not auto_start:
             raise RuntimeError("auto_ray_cluster: no address, $RAY_ADDRESS or SLURM allocation, and auto_start=False")
-        started = True
-    _init_local_with_retries(plan, namespace, start_retries, **kwargs)
-    return RayClusterHandle(plan, ray.get_runtime_context().gcs_address, started, True)
+        temp_dir, owned = _start_local(plan[1], namespace, start_retries, stop_grace_s, kwargs)
+        handle = RayClusterHandle(plan, ray.get_runtime_context().gcs_address, True, True, temp_dir, owned)
+        atexit.register(handle.shutdown, stop_grace_s)  # a driver that exits without `shutdown` stops it too
+        return handle
+    if plan[0] == "slurm-head":
+        subprocess.run(ray_start_command(plan), check=True, timeout=300)
+    ray.init(address=plan[1], namespace=namespace, **kwargs)
+    return RayClusterHandle(plan, ray.get_runtime_context().gcs_address, plan[0] == "slurm-head", True)
 
 # %% ../../nbs/14f_executor.cluster_util.ipynb #ba6e955f
 @dc.dataclass

@@ -21,8 +21,8 @@ from eformer_nb.executor.ray.resource_manager import (
     HardwareType, RayResources, TpuAcceleratorConfig, TpuSpec, available_cpu_cores, tpu_spec,
 )
 from eformer_nb.executor.ray.types import (
-    DONE, Attempt, DoneSentinel, ExceptionInfo, JobCancelled, JobError, JobFailed, JobInfo, JobPreempted, JobStatus,
-    JobSucceeded, MultisliceInfo, RefBox, RemoteTraceback, SliceInfo, SnitchRecipient, StopwatchActor,
+    DONE, Attempt, DoneSentinel, ExceptionInfo, InfeasibleRequestError, JobCancelled, JobError, JobFailed, JobInfo,
+    JobPreempted, JobStatus, JobSucceeded, MultisliceInfo, RefBox, RemoteTraceback, SliceInfo, SnitchRecipient, StopwatchActor,
     classify_ray_error, current_actor_handle, handle_ray_error, log_failures_to, print_remote_raise,
 )
 
@@ -33,8 +33,8 @@ _all_ = ["DockerConfig", "build_and_push_docker_image", "docker_build_commands",
          "ResourcePoolManager", "SlicePoolManager", "slice_name_of_node", "TPU_GENERATIONS", "AcceleratorConfigType",
          "ComputeResourceConfig", "CpuAcceleratorConfig", "GpuAcceleratorConfig", "HardwareType", "RayResources",
          "TpuAcceleratorConfig", "TpuSpec", "available_cpu_cores", "tpu_spec", "DONE", "Attempt", "DoneSentinel",
-         "ExceptionInfo", "JobCancelled", "JobError", "JobFailed", "JobInfo", "JobPreempted", "JobStatus",
-         "JobSucceeded", "MultisliceInfo", "RefBox", "RemoteTraceback", "SliceInfo", "SnitchRecipient",
+         "ExceptionInfo", "InfeasibleRequestError", "JobCancelled", "JobError", "JobFailed", "JobInfo", "JobPreempted",
+         "JobStatus", "JobSucceeded", "MultisliceInfo", "RefBox", "RemoteTraceback", "SliceInfo", "SnitchRecipient",
          "StopwatchActor", "classify_ray_error", "current_actor_handle", "handle_ray_error", "log_failures_to",
          "print_remote_raise"]
 
@@ -46,7 +46,7 @@ __all__ = ['DockerConfig', 'build_and_push_docker_image', 'docker_build_commands
            'ResourcePoolManager', 'SlicePoolManager', 'slice_name_of_node', 'TPU_GENERATIONS', 'AcceleratorConfigType',
            'ComputeResourceConfig', 'CpuAcceleratorConfig', 'GpuAcceleratorConfig', 'HardwareType', 'RayResources',
            'TpuAcceleratorConfig', 'TpuSpec', 'available_cpu_cores', 'tpu_spec', 'DONE', 'Attempt', 'DoneSentinel',
-           'ExceptionInfo', 'JobCancelled', 'JobError', 'JobFailed', 'JobInfo', 'JobPreempted', 'JobStatus',
-           'JobSucceeded', 'MultisliceInfo', 'RefBox', 'RemoteTraceback', 'SliceInfo', 'SnitchRecipient',
-           'StopwatchActor', 'classify_ray_error', 'current_actor_handle', 'handle_ray_error', 'log_failures_to',
-           'print_remote_raise']
+           'ExceptionInfo', 'InfeasibleRequestError', 'JobCancelled', 'JobError', 'JobFailed', 'JobInfo',
+           'JobPreempted', 'JobStatus', 'JobSucceeded', 'MultisliceInfo', 'RefBox', 'RemoteTraceback', 'SliceInfo',
+           'SnitchRecipient', 'StopwatchActor', 'classify_ray_error', 'current_actor_handle', 'handle_ray_error',
+           'log_failures_to', 'print_remote_raise']

@@ -21,15 +21,15 @@ from eformer_nb.executor.ray.resource_manager import (
     _fresh_process_fn, _merge_env,
 )
 from eformer_nb.executor.ray.types import (
-    Attempt, JobInfo, JobStatus, JobSucceeded, MultisliceInfo, classify_ray_error, handle_ray_error,
+    Attempt, InfeasibleRequestError, JobInfo, JobStatus, JobSucceeded, MultisliceInfo, classify_ray_error, handle_ray_error,
 )
 from ...loggings import get_logger
 
 logger = get_logger("eformer_nb.executor")
 
 # %% auto #0
-__all__ = ['logger', 'RayExecutor', 'execute', 'execute_resumable', 'autoscale_execute', 'autoscale_execute_resumable',
-           'device_remote', 'execute_multislice', 'execute_multislice_resumable']
+__all__ = ['logger', 'PROGRESS_EVERY_S', 'RayExecutor', 'execute', 'execute_resumable', 'autoscale_execute',
+           'autoscale_execute_resumable', 'device_remote', 'execute_multislice', 'execute_multislice_resumable']
 
 # %% ../../../nbs/14d_executor.ray.executor.ipynb #24cdd3f2
 @dc.dataclass
@@ -38,6 +38,7 @@ class _Launch:
     refs: list
     rows: list[int] | None = None  # hosts per slice, for TPU jobs
     cleanup: list[tp.Callable[[], None]] = dc.field(default_factory=list)
+    check: tp.Callable[[], None] | None = None  # run once when the workers are slow to finish (a feasibility check)
 
 
 _REMOTE_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # plain function -> its Ray remote function
@@ -83,6 +84,40 @@ def _coordinator_probe() -> str:
         s.bind((ip, 0))
         return f"{ip}:{s.getsockname()[1]}"
 
+# %% ../../../nbs/14d_executor.ray.executor.ipynb #a21eaef1
+_FEASIBILITY_AFTER_S = 1.0  # a single worker not finished by then is checked for feasibility
+PROGRESS_EVERY_S = 60.0  # a waiting attempt logs a progress line this often (seconds)
+
+
+def _unplaceable(
+    cfg: ComputeResourceConfig,  # the workers' config
+    nodes: list[dict[str, float]],  # each alive node's total resources (`ray.nodes()[i]["Resources"]`)
+    slices: int = 1,  # slices needed at once (TPU); CPU/GPU jobs: 1
+) -> str | None:
+    "Why `slices * worker_count` workers of `cfg` can never be placed on `nodes`, or None when they can."
+    ask = cfg.to_ray_resources().to_resource_dict()
+    need = cfg.worker_count * slices
+    room = sum(min((int(n.get(k, 0) // v) for k, v in ask.items()), default=need) for n in nodes)
+    why = []
+    if room < need:
+        why.append(f"{need} worker(s) of {ask} each, room for {room}")
+    if cfg.head_name is not None and sum(n.get(cfg.head_name, 0) for n in nodes) < cfg.head_workers * slices:
+        why.append(f"{slices} slice(s) ({cfg.head_workers * slices} x {cfg.head_name!r})")
+    if not why:
+        return None
+    keys = [*ask, *([cfg.head_name] if cfg.head_name else [])]
+    offers = [{k: n.get(k, 0) for k in keys} for n in nodes]
+    return f"asked for {' and '.join(why)}, but the cluster's {len(nodes)} alive node(s) offer {offers} in total"
+
+
+def _check_feasible(cfg: ComputeResourceConfig, name: str, slices: int = 1) -> None:
+    "`InfeasibleRequestError` when the cluster's alive nodes can never place the workers of `cfg`."
+    import ray
+
+    why = _unplaceable(cfg, [n["Resources"] for n in ray.nodes() if n["Alive"]], slices)
+    if why is not None:
+        raise InfeasibleRequestError(f"{name}: {why}")
+
 # %% ../../../nbs/14d_executor.ray.executor.ipynb #47c08889
 def _launch_gang(remote_fn: tp.Any, cfg: ComputeResourceConfig, args: tuple, kwargs: dict,
                  schedule_timeout_s: float, strategy: str = "PACK") -> _Launch:
@@ -100,7 +135,8 @@ def _launch_gang(remote_fn: tp.Any, cfg: ComputeResourceConfig, args: tuple, kwa
             fn = _with_options(remote_fn, json.dumps(single, sort_keys=True))
         except TypeError:  # options that are not JSON (a RuntimeEnv object, say): not cached
             fn = remote_fn.options(**single)
-        return _Launch([fn.remote(*args, **kwargs)])
+        return _Launch([fn.remote(*args, **kwargs)], check=lambda: _check_feasible(cfg, _job_name(remote_fn, None)))
+    _check_feasible(cfg, _job_name(remote_fn, None))
     bundle = cfg.to_ray_resources().to_resource_dict()
     pg = placement_group([bundle] * n, strategy=strategy)
     launch = _Launch([], cleanup=[lambda: remove_placement_group(pg)])
@@ -128,6 +164,7 @@ def _launch_slices(remote_fn: tp.Any, cfg: TpuAcceleratorConfig, args: tuple, kw
     each host."""
     import ray
 
+    _check_feasible(cfg, _job_name(remote_fn, None), slices=1 if claim_free else num_slices)
     pool = SlicePoolManager(cfg.tpu_version, start_timeout_s=schedule_timeout_s, head_workers=cfg.head_workers)
     launch = _Launch([], cleanup=[pool.cancel_and_drain])
     try:
@@ -185,24 +222,39 @@ def _cleanup(launch: _Launch, finished: bool = False) -> None:
         raise RuntimeError(f"RayExecutor: {len(errors)} clean-up actions failed: {errors}") from errors[0]
 
 
-def _await(launch: _Launch, timeout_s: float | None) -> list:
-    "Wait for every worker; raise the first failure (in completion order) or `TimeoutError` after `timeout_s`."
+def _await(launch: _Launch, timeout_s: float | None, name: str = "job") -> list:
+    """Wait for every worker; raise the first failure (in completion order) or `TimeoutError` after `timeout_s`.
+    A slow attempt runs `launch.check` once and logs a progress line every `PROGRESS_EVERY_S`."""
     import ray
 
-    if len(launch.refs) == 1 and launch.rows is None:  # one worker: one call
-        try:
-            return [ray.get(launch.refs[0], timeout=timeout_s)]
-        except ray.exceptions.GetTimeoutError as e:
-            raise TimeoutError(f"the job did not finish within timeout_s={timeout_s}s (1 worker still running)") from e
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    pending = list(launch.refs)
+    t0 = time.monotonic()
+    deadline = None if timeout_s is None else t0 + timeout_s
+    check_at = None if launch.check is None else t0 + _FEASIBILITY_AFTER_S
+    log_at, pending = t0 + PROGRESS_EVERY_S, list(launch.refs)
     while pending:
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
-        if not ready:
+        until = min(t for t in (deadline, check_at, log_at) if t is not None)
+        wait = max(0.0, until - time.monotonic())
+        if len(launch.refs) == 1 and launch.rows is None:  # one worker: one call, as cheap as a plain `ray.get`
+            try:
+                return [ray.get(pending[0], timeout=wait)]
+            except ray.exceptions.GetTimeoutError:
+                pass
+        else:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=wait)
+            if ready:
+                ray.get(ready)  # raises the worker's error
+                continue
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
             raise TimeoutError(f"the job did not finish within timeout_s={timeout_s}s "
-                               f"({len(pending)} workers still running)")
-        ray.get(ready)  # raises the worker's error
+                               f"({len(pending)} worker{'s' * (len(pending) > 1)} still running)")
+        if check_at is not None and now >= check_at:
+            check_at = None
+            launch.check()
+        if now >= log_at:
+            logger.info(f"{name}: still running after {now - t0:.0f}s ({len(pending)} of {len(launch.refs)} "
+                        "workers not finished)")
+            log_at += PROGRESS_EVERY_S
     results = ray.get(launch.refs)
     if launch.rows is None:
         return results
@@ -227,7 +279,7 @@ def _attempt(remote_fn: tp.Any, cfg: ComputeResourceConfig, args: tuple, kwargs:
                                     schedule_timeout_s, claim_free=autoscale)
         else:
             launch = _launch_gang(remote_fn, cfg, args, kwargs, schedule_timeout_s)
-        result = _await(launch, timeout_s)
+        result = _await(launch, timeout_s, info.name)
         status, reason = JobSucceeded(dc.replace(info, state="succeeded"), result=result), ""
         finished = True
     except Exception as e:  # classified, never swallowed: the status carries the error
@@ -283,7 +335,9 @@ def _resumable(run_one: tp.Callable[[int], JobStatus], max_retries_preemption: i
         status = run_one(len(attempts))
         attempts += status.attempts
         status.attempts = list(attempts)
-        kind = status.info.state
+        kind, last = status.info.state, attempts[-1]
+        logger.info(f"{status.info.name}: attempt {last.index} {kind} after {last.seconds:.1f}s"
+                    + (f" ({last.reason})" if last.reason else ""))
         if kind not in used:  # succeeded, cancelled or error: done
             return status
         used[kind] += 1

@@ -240,6 +240,17 @@ def _check_positive_int(owner: str, name: str, value: tp.Any) -> None:
         raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
 
 
+def _check_amount(owner: str, name: str, value: tp.Any, positive: bool) -> None:
+    """`ValueError` naming `owner.name` unless `value` is a finite real number, > 0 when `positive` else >= 0
+    (Ray accepts fractions of a CPU, such as 0.5)."""
+    import math
+
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not (ok and (value > 0 if positive else value >= 0)):
+        raise ValueError(f"{owner}: {name} must be a finite number {'> 0' if positive else '>= 0'} "
+                         f"(fractions such as 0.5 allowed), got {value!r}")
+
+
 def _check_env(owner: str, execution_env: tp.Any) -> None:
     "`TypeError` unless `execution_env` is a mapping (a dict or a Ray `RuntimeEnv`)."
     if not isinstance(execution_env, tp.Mapping):
@@ -341,8 +352,7 @@ class CpuAcceleratorConfig(ComputeResourceConfig):
     def __post_init__(self):
         _check_positive_int("CpuAcceleratorConfig", "worker_count", self.worker_count)
         _check_env("CpuAcceleratorConfig", self.execution_env)
-        if not self.core_count or self.core_count <= 0:
-            raise ValueError(f"CpuAcceleratorConfig: core_count must be positive, got {self.core_count!r}")
+        _check_amount("CpuAcceleratorConfig", "core_count", self.core_count, positive=True)
 
     def hardware_identifier(self) -> str:
         return "CPU"
@@ -372,8 +382,10 @@ class GpuAcceleratorConfig(ComputeResourceConfig):
         if self.gpu_model is not None and not (isinstance(self.gpu_model, str) and self.gpu_model.strip()):
             raise ValueError(f"GpuAcceleratorConfig: gpu_model must be a non-empty string such as 'A100', "
                              f"got {self.gpu_model!r}")
+        _check_amount("GpuAcceleratorConfig", "cpu_count", self.cpu_count, positive=False)
         if self.chips_per_host is None:
             self.chips_per_host = self.device_count
+        _check_positive_int("GpuAcceleratorConfig", "chips_per_host", self.chips_per_host)
 
     def hardware_identifier(self) -> str:
         return f"GPU-{self.gpu_model}" if self.gpu_model else "GPU"
@@ -409,8 +421,11 @@ class TpuAcceleratorConfig(ComputeResourceConfig):
                              f"type='v4-8'; generations: {sorted(TPU_GENERATIONS)}")
         self.spec = tpu_spec(name)
         self.tpu_version = self.spec.tpu_type
-        self.chips_per_host = self.chips_per_host or self.spec.chips_per_host
-        self.worker_count = self.worker_count or self.spec.num_hosts
+        self.chips_per_host = self.spec.chips_per_host if self.chips_per_host is None else self.chips_per_host
+        self.worker_count = self.spec.num_hosts if self.worker_count is None else self.worker_count
+        _check_positive_int("TpuAcceleratorConfig", "chips_per_host", self.chips_per_host)
+        _check_positive_int("TpuAcceleratorConfig", "worker_count", self.worker_count)
+        _check_amount("TpuAcceleratorConfig", "cpu_count", self.cpu_count, positive=False)
         _check_positive_int("TpuAcceleratorConfig", "pod_count", self.pod_count)
         _check_positive_int("TpuAcceleratorConfig", "head_workers", self.head_workers)
         _check_env("TpuAcceleratorConfig", self.execution_env)

@@ -17,9 +17,10 @@ from ...loggings import get_logger
 
 # %% auto #0
 __all__ = ['JOB_STATES', 'OUTCOMES', 'DONE', 'JobInfo', 'Attempt', 'JobStatus', 'JobSucceeded', 'JobFailed', 'JobPreempted',
-           'JobError', 'JobCancelled', 'RemoteTraceback', 'ExceptionInfo', 'classify_ray_error', 'handle_ray_error',
-           'print_remote_raise', 'DoneSentinel', 'RefBox', 'current_actor_handle', 'MultisliceInfo', 'SliceInfo',
-           'SnitchRecipient', 'log_failures_to', 'StopwatchActor']
+           'JobError', 'JobCancelled', 'RemoteTraceback', 'ExceptionInfo', 'InfeasibleRequestError',
+           'classify_ray_error', 'handle_ray_error', 'print_remote_raise', 'DoneSentinel', 'RefBox',
+           'current_actor_handle', 'MultisliceInfo', 'SliceInfo', 'SnitchRecipient', 'log_failures_to',
+           'StopwatchActor']
 
 # %% ../../../nbs/14a_executor.ray.types.ipynb #2c0a157a
 JOB_STATES = ("running", "succeeded", "failed", "preempted", "error", "cancelled")  # the values of `JobInfo.state`
@@ -140,6 +141,10 @@ class ExceptionInfo:
         raise self.restore()
 
 # %% ../../../nbs/14a_executor.ray.types.ipynb #8fdf0fbe
+class InfeasibleRequestError(ValueError):
+    "No node of the cluster could ever run a worker as asked (the message names the ask and what the nodes offer)."
+
+
 def classify_ray_error(
     e: BaseException,  # an exception raised by `ray.get` (or any other)
 ) -> tuple[str, str]:
@@ -160,6 +165,8 @@ def classify_ray_error(
         return "preempted", "object-lost"
     if isinstance(e, rex.RayTaskError):
         return "failed", "remote-exception"
+    if isinstance(e, InfeasibleRequestError):
+        return "error", "infeasible"
     if isinstance(e, (rex.GetTimeoutError, TimeoutError)):
         return "error", "timeout"
     return "error", type(e).__name__
