@@ -111,8 +111,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                          'eformer_nb.common_types.DynamicShardingAxes.validate': ( 'nbs/common_types.html#dynamicshardingaxes.validate',
                                                                                                    'eformer_nb/common_types.py'),
                                          'eformer_nb.common_types._Empty': ('nbs/common_types.html#_empty', 'eformer_nb/common_types.py'),
-                                         'eformer_nb.common_types._Empty.__bool__': ( 'nbs/common_types.html#_empty.__bool__',
-                                                                                      'eformer_nb/common_types.py'),
                                          'eformer_nb.common_types._Empty.__copy__': ( 'nbs/common_types.html#_empty.__copy__',
                                                                                       'eformer_nb/common_types.py'),
                                          'eformer_nb.common_types._Empty.__deepcopy__': ( 'nbs/common_types.html#_empty.__deepcopy__',
