@@ -15,20 +15,21 @@ from eformer_nb.pytree import auto_pytree, field
 
 
 def test_auto_pytree_init_false_field_on_this_jax():
-    # jax 0.9.2's register_dataclass unpacked each drop_fields name into characters ("Unexpected fields: {'n'}")
+    # jax 0.9.2's register_dataclass unpacked each drop_fields name into characters: the init=False field `count`
+    # dropped the data field `n` ("Unexpected fields: {'n'}") when auto_pytree passed drop_fields
     @auto_pytree
     class Block:
-        w: jax.Array
+        n: jax.Array
         name: str = field(pytree_node=False, default="b")
-        n: int = dataclasses.field(init=False, default=0)
+        count: int = dataclasses.field(init=False, default=0)
 
         def __post_init__(self):
-            self.n = int(self.w.size)
+            self.count = int(self.n.size)
 
     b = jax.tree.map(lambda a: jnp.concatenate([a, a]), Block(jnp.ones(3)))
-    assert (b.n, b.name, b.w.shape) == (6, "b", (6,))
-    assert Block.__pytree_meta__ == {"data_fields": ("w",), "meta_fields": ("name",), "frozen": False}
-    out = jax.jit(lambda blk: blk.w * 2)(b)
+    assert (b.count, b.name, b.n.shape) == (6, "b", (6,))
+    assert Block.__pytree_meta__ == {"data_fields": ("n",), "meta_fields": ("name",), "frozen": False}
+    out = jax.jit(lambda blk: blk.n * 2)(b)
     np.testing.assert_array_equal(np.asarray(out), np.full(6, 2.0, np.float32))
 
 
