@@ -6,12 +6,15 @@ skipped; with `EFORMER_NB_CLIENT=1` (set by `make client`) a missing EasyDeL is 
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import importlib.metadata
 import importlib.util
 import os
 import re
+import shutil
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -34,6 +37,11 @@ def _pinned_eformer_version() -> str:
 
 
 eformer_alias.install(_pinned_eformer_version())
+# EasyDeL and ejkernel keep compiled executables under ~/.cache (COMPILE_FUNC_DIR) and load them in later runs; a fresh
+# directory per session keeps this test from reading what another run, jax or machine compiled.
+_COMPILE_DIR = tempfile.mkdtemp(prefix="easydel-compiled-")
+atexit.register(shutil.rmtree, _COMPILE_DIR, True)
+os.environ["COMPILE_FUNC_DIR"] = _COMPILE_DIR
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
