@@ -715,7 +715,8 @@ def write_bytes(self: ePath,
 def write_bytes(self: LocalPath,
                 data: bytes,  # any bytes-like object
                 ) -> int:  # the number of bytes written
-    "Write `data` to the file atomically (a temporary renamed over it; see `atomic_write_local`)."
+    "Write `data` to the file atomically (a temporary renamed over it; see `atomic_write_local`), creating missing parents."
+    self.parent.mkdir(parents=True, exist_ok=True)  # as eformer's ePath: a file under new directories just works
     return _atomic_local_write(self, data)
 
 # %% ../nbs/04_paths.ipynb #904781b1
