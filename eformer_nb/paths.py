@@ -23,7 +23,7 @@ import numpy as np
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['LOCAL_PROTOCOLS', 'GCS_PROTOCOLS', 'UniversalPath', 'path_protocol', 'is_remote_path', 'is_local_path',
+__all__ = ['LOCAL_PROTOCOLS', 'GCS_PROTOCOLS', 'UniversalPath', 'ePathLike', 'path_protocol', 'is_remote_path', 'is_local_path',
            'make_gcs_filesystem', 'set_gcs_filesystem', 'get_gcs_filesystem', 'PathStat', 'ePath', 'LocalPath',
            'atomic_write_local', 'FsspecPath', 'GCSPath', 'save_jax_array', 'load_jax_array', 'save_dict', 'load_dict',
            'PathManager', 'MLUtilPath']
@@ -715,7 +715,8 @@ def write_bytes(self: ePath,
 def write_bytes(self: LocalPath,
                 data: bytes,  # any bytes-like object
                 ) -> int:  # the number of bytes written
-    "Write `data` to the file atomically (a temporary renamed over it; see `atomic_write_local`)."
+    "Write `data` to the file atomically (a temporary renamed over it; see `atomic_write_local`), creating missing parents."
+    self.parent.mkdir(parents=True, exist_ok=True)  # as eformer's ePath: a file under new directories just works
     return _atomic_local_write(self, data)
 
 # %% ../nbs/04_paths.ipynb #904781b1
@@ -1486,6 +1487,7 @@ def load_dict(self: ePath,
 
 # %% ../nbs/04_paths.ipynb #f009957b
 UniversalPath = ePath  # eformer's name for the path base class
+ePathLike = tp.Union[str, os.PathLike, ePath]  # what `ePath(...)` accepts: the annotation for "any path"
 
 # %% ../nbs/04_paths.ipynb #e049d808
 class PathManager:

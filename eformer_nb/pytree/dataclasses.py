@@ -277,14 +277,17 @@ def auto_pytree(
             klass = dataclasses.dataclass(klass, frozen=frozen)
         if max_print_length is not None and "__repr__" in klass.__dict__:
             klass.__repr__ = _short_repr(klass.__dict__["__repr__"], max_print_length)
-        split, dropped = _split_fields(klass, tuple(meta_fields))
+        split, _ = _split_fields(klass, tuple(meta_fields))
         methods = ["replace"] + (["to_dict", "from_dict", "to_json", "from_json"] if json_serializable else [])
         for name in methods:
             if not hasattr(klass, name):  # keep a class's own (or an inherited) method
                 setattr(klass, name, _PyTreeMethods.__dict__[name])
         klass.__pytree_fields__ = split
-        jax.tree_util.register_dataclass(klass, data_fields=list(split.data), meta_fields=list(split.meta),
-                                         drop_fields=list(dropped))
+        klass.__pytree_meta__ = {"data_fields": split.data, "meta_fields": split.meta,  # eformer's introspection dict
+                                 "frozen": klass.__dataclass_params__.frozen}
+        # `init=False` fields are left out of both lists and rebuilt by `__init__`/`__post_init__`. No `drop_fields=`:
+        # it only silences a check they never reach, and jax 0.9.2 unpacks each of its names into characters.
+        jax.tree_util.register_dataclass(klass, data_fields=list(split.data), meta_fields=list(split.meta))
         return klass
 
     return wrap if cls is None else wrap(cls)

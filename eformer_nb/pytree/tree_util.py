@@ -342,9 +342,12 @@ def tree_mask(
     if callable(where) and not isinstance(where, (bool, np.bool_)):
         def check(leaf):
             out = where(leaf)
+            if isinstance(out, (jax.Array, np.ndarray)) and out.shape == () and out.dtype == np.bool_ \
+                    and not isinstance(out, jax.core.Tracer):
+                return bool(out)  # a concrete 0-d bool (`jnp.all(x > 0)`), as eformer accepts
             if not isinstance(out, (bool, np.bool_)):
-                raise TypeError(f"the `where` predicate must return a Python bool, got {type(out).__name__} "
-                                f"({out!r}) for a leaf of type {type(leaf).__name__}")
+                raise TypeError(f"the `where` predicate must return a bool (or a concrete 0-d bool array), got "
+                                f"{type(out).__name__} ({out!r}) for a leaf of type {type(leaf).__name__}")
             return bool(out)
         return jax.tree.map(check, tree, is_leaf=is_leaf)
     # a mask tree: a prefix of `tree` whose leaves are bools, broadcast over each subtree

@@ -20,7 +20,7 @@ from fastcore.basics import patch
 from jax.sharding import PartitionSpec
 
 from eformer_nb.common_types import (
-    BATCH, BIAS_HEAD_SEQ, BIAS_KV_SEQ, DP, EMBED, EMPTY, EMPTY_VAL, EP, EXPERT, EXPERT_GATE, FSDP, GENERATION_MODES,
+    BATCH, BIAS_HEAD_SEQ, BIAS_KV_SEQ, DP, EMBED, EMPTY, EP, EXPERT, EXPERT_GATE, FSDP, GENERATION_MODES,
     HEAD, HEAD_DIM, KV_HEAD, KV_HEAD_DIM, KV_LENGTH, LENGTH, MLP_INTERMEDIATE, MODE_DECODE, MODE_TRAIN, NOT_GIVEN,
     QUERY_LENGTH, RUNTIME_MODES, SP, TP, VOCAB, AxisType, DynamicShardingAxes, RUNTIME_MODE_TYPES,
 )
@@ -83,7 +83,7 @@ def _normalize_field(name: str, value):
 
 
 def _fill_partition_defaults(self) -> None:
-    "Check the mesh fields; fill every field left at EMPTY_VAL from the mesh fields (decode fields from train ones)."
+    "Check the mesh fields; fill every field left at NOT_GIVEN from the mesh fields (decode fields from train ones)."
     for name in _MESH_FIELDS:
         value = getattr(self, name)
         if not isinstance(value, str) or not value:
@@ -94,10 +94,10 @@ def _fill_partition_defaults(self) -> None:
                       "head_axis": tp_, "kv_head_axis": tp_, "key_sequence_axis": sp, "hidden_state_axis": tp_,
                       "mlp_intermediate_axis": tp_, "vocab_axis": tp_, "expert_axis": ep}
     for name, default in train_defaults.items():
-        if getattr(self, name) is EMPTY_VAL:
+        if getattr(self, name) is NOT_GIVEN:
             object.__setattr__(self, name, default)
     for train, decode in _DECODE_FIELDS.items():
-        if getattr(self, decode) is EMPTY_VAL:
+        if getattr(self, decode) is NOT_GIVEN:
             object.__setattr__(self, decode, getattr(self, train))
     for f in dataclasses.fields(self):
         if f.name not in _MESH_FIELDS:
@@ -113,26 +113,26 @@ class PartitionAxis:
     tensor_parallel_axis: str = "tp"
     sequence_parallel_axis: str = "sp"
     expert_parallel_axis: str = "ep"
-    batch_axis: _AxisRule = EMPTY_VAL  # default (fsdp, dp)
-    sequence_axis: _AxisRule = EMPTY_VAL  # default sp
-    query_sequence_axis: _AxisRule = EMPTY_VAL  # default sp
-    head_axis: _AxisRule = EMPTY_VAL  # default tp
-    kv_head_axis: _AxisRule = EMPTY_VAL  # default tp
-    key_sequence_axis: _AxisRule = EMPTY_VAL  # default sp
-    hidden_state_axis: _AxisRule = EMPTY_VAL  # default tp
-    mlp_intermediate_axis: _AxisRule = EMPTY_VAL  # default tp
-    vocab_axis: _AxisRule = EMPTY_VAL  # default tp
-    expert_axis: _AxisRule = EMPTY_VAL  # default ep
+    batch_axis: _AxisRule = NOT_GIVEN  # default (fsdp, dp)
+    sequence_axis: _AxisRule = NOT_GIVEN  # default sp
+    query_sequence_axis: _AxisRule = NOT_GIVEN  # default sp
+    head_axis: _AxisRule = NOT_GIVEN  # default tp
+    kv_head_axis: _AxisRule = NOT_GIVEN  # default tp
+    key_sequence_axis: _AxisRule = NOT_GIVEN  # default sp
+    hidden_state_axis: _AxisRule = NOT_GIVEN  # default tp
+    mlp_intermediate_axis: _AxisRule = NOT_GIVEN  # default tp
+    vocab_axis: _AxisRule = NOT_GIVEN  # default tp
+    expert_axis: _AxisRule = NOT_GIVEN  # default ep
     expert_gate_axis: _AxisRule = None
     attention_dim_axis: _AxisRule = None
     attention_kv_dim_axis: _AxisRule = None
     bias_head_sequence_axis: _AxisRule = None
     bias_key_sequence_axis: _AxisRule = None
-    decode_batch_axis: _AxisRule = EMPTY_VAL  # default: batch_axis
+    decode_batch_axis: _AxisRule = NOT_GIVEN  # default: batch_axis
     decode_query_sequence_axis: _AxisRule = None
-    decode_head_axis: _AxisRule = EMPTY_VAL  # default: head_axis
-    decode_kv_head_axis: _AxisRule = EMPTY_VAL  # default: kv_head_axis
-    decode_key_sequence_axis: _AxisRule = EMPTY_VAL  # default: key_sequence_axis
+    decode_head_axis: _AxisRule = NOT_GIVEN  # default: head_axis
+    decode_kv_head_axis: _AxisRule = NOT_GIVEN  # default: kv_head_axis
+    decode_key_sequence_axis: _AxisRule = NOT_GIVEN  # default: key_sequence_axis
     decode_attention_dim_axis: _AxisRule = None
     decode_attention_kv_dim_axis: _AxisRule = None
 
@@ -318,7 +318,7 @@ def _check_rule(rule, what: str):
 
 
 @patch(cls_method=True)
-def register(cls: PartitionAxis, semantic_axis: str, axis_rule, *, generation_axis_rule=EMPTY_VAL,
+def register(cls: PartitionAxis, semantic_axis: str, axis_rule, *, generation_axis_rule=NOT_GIVEN,
              override: bool = False) -> None:
     "Register `semantic_axis` for every `PartitionAxis` of this process (`override=True` replaces an existing one)."
     if not isinstance(semantic_axis, str) or not semantic_axis.strip() or semantic_axis == EMPTY:
@@ -326,7 +326,7 @@ def register(cls: PartitionAxis, semantic_axis: str, axis_rule, *, generation_ax
     if semantic_axis in _FIELD_NAMES:
         raise ValueError(f"{semantic_axis!r} is a PartitionAxis field name; pick another semantic axis name")
     rule = _check_rule(axis_rule, "axis_rule")
-    gen = _decode_rule(rule) if generation_axis_rule is EMPTY_VAL else _check_rule(generation_axis_rule,
+    gen = _decode_rule(rule) if generation_axis_rule is NOT_GIVEN else _check_rule(generation_axis_rule,
                                                                                   "generation_axis_rule")
     with cls._registry_lock:
         exists = semantic_axis in cls._registry or semantic_axis in _SEMANTIC_FIELDS
