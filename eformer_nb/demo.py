@@ -634,4 +634,8 @@ def main(
 
 
 if __name__ == "__main__" and "__file__" in globals():  # `python -m eformer_nb.demo`, not a notebook kernel
-    main()
+    from eformer_nb.executor import RayStartError
+    try:
+        main()
+    except RayStartError as e:  # Ray could not start here: one line (cause, session logs), exit status 1
+        raise SystemExit(f"eformer_nb.demo: {e}") from None
