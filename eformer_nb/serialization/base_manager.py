@@ -43,8 +43,8 @@ from eformer_nb.serialization.serialization import (
 
 # %% auto #0
 __all__ = ['METADATA_FILE', 'PARTIAL_SUFFIX', 'CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'MARKER_FILE', 'DEFAULT_STEP_FORMAT',
-           'parse_step', 'read_metadata', 'save_checkpoint_dir', 'list_checkpoints', 'clean_stale', 'apply_by_key',
-           'CheckpointManager']
+           'parse_step', 'read_metadata', 'fresh_work_dir', 'rename_into_place', 'save_checkpoint_dir',
+           'list_checkpoints', 'clean_stale', 'apply_by_key', 'CheckpointManager']
 
 # %% ../../nbs/10b_serialization.base_manager.ipynb #65da9aa0
 METADATA_FILE = "metadata.json"
@@ -133,6 +133,25 @@ def _link_into(src: ePath, names: list[str], dst: ePath) -> None:
             os.link(s, d)
 
 
+# %% ../../nbs/10b_serialization.base_manager.ipynb #233155d0
+def fresh_work_dir(
+    dest: ePath,  # the local directory about to be replaced (hold `exclusive_writer(dest)` around the whole save)
+    keep: list[str] = (),  # the user's entries of `dest`: hard-linked into the work directory, so the swap keeps them
+) -> ePath:
+    """A new, marked, empty `dest.partial` to write the next version of `dest` in (what a crashed save left there is
+    removed only if marked as ours); `rename_into_place(work, dest)` commits it."""
+    work = dest.parent / (dest.name + PARTIAL_SUFFIX)
+    if work.exists():
+        if not (work / MARKER_FILE).exists():
+            raise FileExistsError(f"{str(work)!r} exists and was not made by eformer_nb; move it away first")
+        work.rmtree()
+    work.mkdir(parents=True)
+    (work / MARKER_FILE).write_text(json.dumps({"format": CHECKPOINT_FORMAT, "pid": os.getpid()}))
+    if keep:
+        _link_into(dest, list(keep), work)
+    return work
+
+
 # %% ../../nbs/10b_serialization.base_manager.ipynb #4a8f8b6d
 def _begin_checkpoint(dest: ePath, overwrite: bool = False) -> ePath:
     """The directory a checkpoint is written into: locally a fresh `.partial` sibling holding our marker and links to
@@ -150,14 +169,11 @@ def _begin_checkpoint(dest: ePath, overwrite: bool = False) -> ePath:
             raise FileExistsError(f"{str(dest)!r} holds entries that are not part of an eformer_nb checkpoint: "
                                   f"{foreign[:10]}; save into a new directory, or pass overwrite=True to save beside "
                                   "them (they are never deleted)")
-        if local and work.exists():  # what a crashed save of dest left (we hold dest's lock): ours only if marked
-            if not (work / MARKER_FILE).exists():
-                raise FileExistsError(f"{str(work)!r} exists and was not made by eformer_nb; move it away first")
-            work.rmtree()
-        work.mkdir(parents=True, exist_ok=True)
-        (work / MARKER_FILE).write_text(json.dumps({"format": CHECKPOINT_FORMAT, "pid": os.getpid()}))
-        if local and foreign:
-            _link_into(dest, foreign, work)
+        if local:
+            fresh_work_dir(dest, foreign)
+        else:
+            work.mkdir(parents=True, exist_ok=True)
+            (work / MARKER_FILE).write_text(json.dumps({"format": CHECKPOINT_FORMAT, "pid": os.getpid()}))
     sync_processes("ckpt-begin")
     return work
 
@@ -190,7 +206,7 @@ def _exchange(a: str, b: str) -> bool:
 
 
 # %% ../../nbs/10b_serialization.base_manager.ipynb #4f5abe4f
-def _rename_into_place(work: ePath, dest: ePath) -> None:
+def rename_into_place(work: ePath, dest: ePath) -> None:
     """Put local `work` at `dest` atomically: a rename, or a swap with a committed `dest` (whose old version is then
     removed); without renameat2, two renames, the old one put back if the second fails."""
     _restore_old(dest)
@@ -221,7 +237,7 @@ def _commit_checkpoint(work: ePath, dest: ePath, metadata: dict) -> None:
     if process_info()[0] == 0:
         _write_json(work / METADATA_FILE, metadata)
         if work != dest:  # local: the rename is the commit
-            _rename_into_place(work, dest)
+            rename_into_place(work, dest)
     sync_processes("ckpt-committed")
 
 
