@@ -147,8 +147,9 @@ def fresh_work_dir(
         work.rmtree()
     work.mkdir(parents=True)
     (work / MARKER_FILE).write_text(json.dumps({"format": CHECKPOINT_FORMAT, "pid": os.getpid()}))
+    keep = [n for n in keep if n != MARKER_FILE]  # the new directory has its own
     if keep:
-        _link_into(dest, list(keep), work)
+        _link_into(dest, keep, work)
     return work
 
 
