@@ -364,18 +364,21 @@ def test_sigkill_loop(tmp_path, kind):
     root = tmp_path / "crash"
     kills_mid_save, failures = 0, []
     for trial in range(trials):
+        err = open(tmp_path / f"stderr-{trial}.txt", "w")
         p = subprocess.Popen([sys.executable, str(WORKER), "crashloop", str(root), kind], env=_env(1),
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                             stdout=subprocess.PIPE, stderr=err, text=True)
         try:
             deadline = time.monotonic() + 120
             line = p.stdout.readline()  # "ready N": at least one save of this run committed
-            assert line.startswith("ready"), f"trial {trial}: worker said {line!r}"
+            said = line or (p.wait(timeout=30), (tmp_path / f"stderr-{trial}.txt").read_text()[-2000:])[1]
+            assert line.startswith("ready"), f"trial {trial}: worker said {said!r}"
             assert time.monotonic() < deadline
             time.sleep(rng.uniform(0.0, pause))
         finally:
             p.send_signal(signal.SIGKILL)
             p.wait(timeout=30)
             p.stdout.close()
+            err.close()
         kills_mid_save += _mid_save(root, kind)
         problem = check(root)
         if problem is not None:

@@ -447,9 +447,10 @@ def _state_foreign(directory, overwrite: bool) -> list[str]:
 
 
 def _weight_digests(directory) -> dict[str, str]:
-    "sha256 of every safetensors file in `directory` (recorded at save, checked at load)."
+    "sha256 of the model's files in `directory`: config.json and the safetensors (recorded at save, checked at load)."
     import hashlib
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.glob("model*.safetensors"))}
+    files = sorted(directory.glob("model*.safetensors*")) + [p for p in [directory / "config.json"] if p.exists()]
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
 
 
 def _check_weights(directory, meta: dict) -> None:
@@ -462,7 +463,7 @@ def _check_weights(directory, meta: dict) -> None:
     for name, digest in want.items():
         if have.get(name) != digest:
             raise CorruptCheckpointError(f"{str(directory / name)!r}: sha256 {have.get(name, 'missing')!r}, saved as "
-                                         f"{digest!r}: the weights file was modified or is damaged")
+                                         f"{digest!r}: the model's file was modified or is damaged")
 
 
 # %% ../../nbs/13a_infra.base_state.ipynb #4e56de38

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..loggings import ProgressLogger, get_logger
-from ..paths import atomic_write_local, ePath, is_remote_path
+from ..paths import _TMP_TAG, atomic_write_local, ePath, is_remote_path
 from ..pytree.serialization import dtype_from_tag, dtype_to_tag
 from ..pytree.tree_util import tree_path_to_string
 
@@ -459,12 +459,14 @@ def refuse_destination(
 
 
 def _tree_foreign(d: ePath, index: dict | None) -> list[str]:
-    "Names in `d` that no save of ours made (ours: index.json, array dirs, checkpoint files, lock files, sub-trees)."
+    """Names in `d` that no save of ours made (ours: index.json, array dirs, checkpoint files, lock files, sub-trees,
+    the temporaries of an atomic write that was killed)."""
     if not d.is_dir():
         return []
     ours = {INDEX_FILE, "metadata.json", ".eformer_nb"} | ({index.get("arrays", ARRAYS_DIR)} if index else set())
-    return [p.name for p in d.iterdir() if not (p.name in ours or _ARRAYS_RE.match(p.name) or p.name.endswith(".lock")
-                                                 and p.name.startswith(".") or (p / INDEX_FILE).is_file())]
+    ours_by_name = lambda n: (n in ours or _ARRAYS_RE.match(n) or n.startswith(".") and n.endswith(".lock")  # noqa: E731
+                              or n.endswith(_TMP_TAG))
+    return [p.name for p in d.iterdir() if not (ours_by_name(p.name) or (p / INDEX_FILE).is_file())]
 
 
 def _fsync_dir(path: str) -> None:
