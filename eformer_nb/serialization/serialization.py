@@ -717,6 +717,8 @@ def _place(data: np.ndarray, box: tuple[slice, ...], shape: tuple, sharding: tp.
                     for d, s in enumerate(idx))
         devices.append(dev)
         pieces.append(data[rel])
+    if len(pieces) == 1:  # one device: take the buffer itself where the device is a CPU (no copy)
+        return jax.make_array_from_single_device_arrays(shape, sharding, [_to_device(pieces[0], devices[0])])
     return jax.make_array_from_single_device_arrays(shape, sharding, jax.device_put(pieces, devices))
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #ce700e27
@@ -758,11 +760,36 @@ def _cast_leaf(key: str, data: np.ndarray, want: np.dtype, lossy: bool) -> np.nd
     return out
 
 
+def _aligned_read(arr: tp.Any, box: tuple) -> tuple[tp.Any, np.ndarray]:
+    "Start reading `arr[box]` into a new 64-byte-aligned buffer (which a CPU `jax.Array` can adopt without a copy)."
+    import tensorstore as ts
+
+    sub = arr[box] if box else arr
+    shape, dt = tuple(sub.shape), np.dtype(sub.dtype.numpy_dtype)
+    raw = np.empty(math.prod(shape) * dt.itemsize + 64, np.uint8)
+    off = (-raw.ctypes.data) % 64
+    buf = raw[off:off + math.prod(shape) * dt.itemsize].view(dt).reshape(shape)
+    return ts.array(buf, copy=False).write(sub), buf
+
+
+def _to_device(data: np.ndarray, device: tp.Any = None) -> tp.Any:
+    """`data` on `device` (default: the default one): adopted through DLPack, without a copy, when that is a CPU and
+    `data` is an aligned, contiguous array of a dtype JAX keeps as it is; else `jax.device_put`."""
+    import jax
+
+    device = device if device is not None else jax.devices()[0]
+    if (isinstance(data, np.ndarray) and device.platform == "cpu" and data.size and data.flags.c_contiguous
+            and data.ctypes.data % 64 == 0 and data.dtype.kind in "biuf"
+            and jax.dtypes.canonicalize_dtype(data.dtype) == data.dtype):
+        out = jax.dlpack.from_dlpack(data)
+        if out.devices() == {device}:
+            return out
+    return jax.device_put(data, device)
+
 # %% ../../nbs/10a_serialization.serialization.ipynb #e1479984
 def _read_arrays(tree_dir: ePath, jobs: list[tuple[str, dict, tp.Any, np.dtype, str]], lossy: bool = False
                  ) -> dict[str, tp.Any]:
     "Read every job `(key, record, sharding, dtype, type)` concurrently: one read of this process's box per leaf."
-    import jax
     import tensorstore as ts
 
     from eformer_nb.serialization.fsspec_utils import kvstore_spec
@@ -775,7 +802,7 @@ def _read_arrays(tree_dir: ePath, jobs: list[tuple[str, dict, tp.Any, np.dtype, 
         shape = tuple(rec["shape"])
         idx_map = sharding.addressable_devices_indices_map(shape) if sharding is not None else None
         box = _box(idx_map, shape) if idx_map is not None else tuple(slice(0, n) for n in shape)
-        reads[key] = (arr[box].read() if box else arr.read(), box, idx_map)
+        reads[key] = (*_aligned_read(arr, box), box, idx_map)
     out = {}
     for key, rec, sharding, want, kind in jobs:
         shape = tuple(rec["shape"])
@@ -783,15 +810,15 @@ def _read_arrays(tree_dir: ePath, jobs: list[tuple[str, dict, tp.Any, np.dtype, 
             data, box = _inline_value(rec), tuple(slice(0, n) for n in shape)
             idx_map = sharding.addressable_devices_indices_map(shape) if sharding is not None else None
         else:
-            fut, box, idx_map = reads[key]
-            data = _result(tree_dir, key, rec, fut)
+            fut, data, box, idx_map = reads[key]
+            _result(tree_dir, key, rec, fut)
             if rec["stored_dtype"] != rec["dtype"]:
                 data = data.view(dtype_from_tag(rec["dtype"]))
         data = _cast_leaf(key, data, want, lossy)
         if sharding is not None:
             out[key] = _place(data, box, shape, sharding, idx_map)
         elif kind == "jax":
-            out[key] = jax.device_put(data)
+            out[key] = _to_device(data)
         else:
             out[key] = data[()] if kind == "numpy_scalar" else data
     return out
