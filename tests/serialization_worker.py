@@ -2,9 +2,13 @@
 
 `multiprocess PORT PID DIR`: one of two JAX processes (4 host CPU devices each) on 127.0.0.1: together they save one
 sharded array as a step checkpoint and restore it onto another sharding; each checks the shards it holds.
-`crashloop DIR`: saves step checkpoints 1, 2, 3, ... forever (the test SIGKILLs it); prints "ready" after the first.
-`fsize DIR LIMIT`: under RLIMIT_FSIZE=LIMIT bytes (SIGXFSZ ignored, so a write past it fails with EFBIG) tries to save
-step 2 and to re-save step 1 under DIR; prints a JSON object step -> "saved" or the error raised.
+`crashloop DIR [KIND]`: saves forever (the test SIGKILLs it); prints "ready N" after each save. KIND `ckpt`
+(the default): step checkpoints 1, 2, 3, ..., each re-saved once (an overwrite), old ones deleted; `tree`:
+`tree_serialize_leaves` over the same directory, `expected(N)` each time; `state`: `EasyDeLState.save_state` over
+the same folder, `state_of(N)`.
+`fsize DIR LIMIT [KIND]`: under RLIMIT_FSIZE=LIMIT bytes (SIGXFSZ ignored, so a write past it fails with EFBIG) tries to
+save step 2 and to re-save step 1 under DIR (`ckpt`), to overwrite the tree at DIR (`tree`) or the state at DIR
+(`state`); prints a JSON object attempt -> "saved" or the error raised.
 """
 from __future__ import annotations
 
@@ -18,6 +22,23 @@ def expected(step: int) -> dict:
     rng = np.random.default_rng(step)
     return {"a": rng.standard_normal((256, 256)).astype(np.float32),
             "b": rng.integers(0, 2**31, (128, 512), dtype=np.int64), "step": step}
+
+
+TX_LR = 1e-3
+
+
+def state_of(step: int):
+    "A tiny Llama training state (Adam) whose parameters depend on `step`, at step `step`."
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from eformer_nb.modules.llama import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2)
+    state = LlamaForCausalLM(cfg, rngs=nnx.Rngs(step)).to_state().init_tx(optax.adam(TX_LR))
+    return state.replace(step=jnp.int32(step))
 
 
 def multiprocess(port: int, pid: int, root: str) -> None:
@@ -79,38 +100,51 @@ def policies(pid: int, root: str, arr, full) -> None:
     print(f"process {pid}: policies agreed on {saved}", flush=True)
 
 
-def crashloop(root: str) -> None:
-    from eformer_nb.serialization import CheckpointManager
+def crashloop(root: str, kind: str = "ckpt") -> None:
+    from eformer_nb.serialization import CheckpointManager, tree_serialize_leaves
 
+    if kind == "tree":
+        for step in range(1, 10**9):
+            tree_serialize_leaves(root, expected(step))
+            print("ready", step, flush=True)
+    if kind == "state":
+        for step in range(1, 10**9):
+            state_of(step).save_state(root, verbose=False)
+            print("ready", step, flush=True)
     mgr = CheckpointManager(root)
     step = (mgr.all_steps() or [0])[-1]
     while True:
         step += 1
         mgr.save(expected(step), step)
+        mgr.save(expected(step), step)  # an overwrite of a committed checkpoint: killed half-way too
         if step % 3 == 0 and len(mgr.all_steps()) > 2:
             mgr.delete(mgr.all_steps()[0])  # deletes are killed half-way too
         print("ready", step, flush=True)
 
 
-def fsize(root: str, limit: int) -> None:
+def fsize(root: str, limit: int, kind: str = "ckpt") -> None:
     import json
     import resource
     import signal
 
     import tensorstore  # noqa: F401  (imported before the limit: nothing but the checkpoint's files is written after it)
 
-    from eformer_nb.serialization import CheckpointManager
+    from eformer_nb.serialization import CheckpointManager, tree_serialize_leaves
 
-    mgr = CheckpointManager(root, clean=False)
+    mgr = CheckpointManager(root, clean=False) if kind == "ckpt" else None
+    state = state_of(2) if kind == "state" else None  # built before the limit
+    attempts = {"ckpt": {"2": lambda: mgr.save(expected(2), 2), "1": lambda: mgr.save(expected(1), 1)},
+                "tree": {"2": lambda: tree_serialize_leaves(root, expected(2))},
+                "state": {"2": lambda: state.save_state(root, verbose=False)}}[kind]
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     out = {}
-    for step in (2, 1):  # a new step, then the committed one again
+    for name, attempt in attempts.items():  # ckpt: a new step, then the committed one again
         try:
-            mgr.save(expected(step), step)
-            out[step] = "saved"
+            attempt()
+            out[name] = "saved"
         except (OSError, ValueError) as e:  # reported, and the parent test asserts on it
-            out[step] = f"{type(e).__name__}: {e}"
+            out[name] = f"{type(e).__name__}: {e}"
     print(json.dumps(out), flush=True)
 
 
@@ -119,8 +153,8 @@ if __name__ == "__main__":
     if mode == "multiprocess":
         multiprocess(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
     elif mode == "crashloop":
-        crashloop(sys.argv[2])
+        crashloop(*sys.argv[2:4])
     elif mode == "fsize":
-        fsize(sys.argv[2], int(sys.argv[3]))
+        fsize(sys.argv[2], int(sys.argv[3]), *sys.argv[4:5])
     else:
         sys.exit(f"unknown mode {mode!r}; expected multiprocess, crashloop or fsize")

@@ -121,13 +121,13 @@ def test_injected_failure_keeps_previous(any_root, fault, resave, monkeypatch):
         monkeypatch.setattr(ser_format, "_write_arrays", failing)
     elif fault in ("index.json", "metadata.json"):
         module = ser_format if fault == "index.json" else base_manager
-        real = module.save_dict
+        real = module._write_json
 
-        def failing_save_dict(path, *a, **k):
+        def failing_write_json(path, *a, **k):
             if ePath(path).name == fault:
                 raise OSError(f"injected failure writing {fault}")
             return real(path, *a, **k)
-        monkeypatch.setattr(module, "save_dict", failing_save_dict)
+        monkeypatch.setattr(module, "_write_json", failing_write_json)
     else:
         real_replace = os.replace
 
@@ -135,7 +135,11 @@ def test_injected_failure_keeps_previous(any_root, fault, resave, monkeypatch):
             if str(src).endswith(f"step-{step}.partial"):  # the commit's rename of the work directory
                 raise OSError("injected failure renaming the work directory")
             return real_replace(src, dst)
+
+        def failing_exchange(a, b):  # a re-save swaps the two directories in one renameat2 call
+            raise OSError("injected failure exchanging the work directory")
         monkeypatch.setattr(os, "replace", failing_replace)
+        monkeypatch.setattr(base_manager, "_exchange", failing_exchange)
     with pytest.raises(OSError, match="injected failure"):
         mgr.save(dict(_state(step, mesh), big=np.zeros((60, 50))), step)
     monkeypatch.undo()
@@ -152,19 +156,78 @@ def test_injected_failure_keeps_previous(any_root, fault, resave, monkeypatch):
     assert fresh.all_steps() == [1, 2] and _hashes(any_root / "step-1") == before
 
 
+def _fsize(root, limit: int, kind: str) -> dict:
+    out = subprocess.run([sys.executable, str(WORKER), "fsize", str(root), str(limit), kind], env=_env(1),
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    for attempt, said in result.items():
+        assert "File too large" in said or "os_error_code='27'" in said or "errno 27" in said.lower(), result
+    return result
+
+
+def test_file_size_limit_keeps_previous_tree(tmp_path):
+    """`tree_serialize_leaves` over a saved tree, on a full disk: it raises, and the old tree's files are byte-identical
+    and load (the old code deleted index.json first: the tree was gone)."""
+    root = ePath(tmp_path / "tree")
+    tree_serialize_leaves(root, expected(1))
+    before = _hashes(root)
+    _fsize(root, expected(2)["a"].nbytes // 2, "tree")
+    after = _hashes(root)
+    assert {k: after.get(k) for k in before} == before  # every old file untouched (the failed save's own may remain)
+    assert _bits(tree_deserialize_leaves(root)) == _bits(expected(1))
+    tree_serialize_leaves(root, expected(3))  # the next save works and clears the failed one's arrays
+    assert _bits(tree_deserialize_leaves(root)) == _bits(expected(3))
+    assert sum(p.name.startswith("arrays.") for p in root.iterdir()) == 1
+
+
+def _state_bits(state) -> tuple:
+    return int(state.step), _bits(state.graphstate), _bits(state.opt_state)
+
+
+def test_file_size_limit_keeps_previous_state(tmp_path):
+    """`save_state` over a saved state, on a full disk: it raises, and the previous state loads bit-exactly (the old
+    code had deleted easydel_state.json and model.safetensors)."""
+    import optax
+
+    from eformer_nb.infra.base_state import EasyDeLState
+    from serialization_worker import TX_LR, state_of
+
+    root = ePath(tmp_path / "state")
+    state_of(1).save_state(root, verbose=False)
+    before = _hashes(root)
+    _fsize(root, (root / "model.safetensors").stat().st_size // 2, "state")
+    assert _hashes(root) == before
+    back = EasyDeLState.load_state(root, tx=optax.adam(TX_LR), verbose=False)
+    assert _state_bits(back) == _state_bits(state_of(1))
+
+
+def test_second_writer_of_a_step_is_told(tmp_path):
+    """Two processes saving one step: while this one holds the step (its save lock), another process's save fails
+    with an error naming the step and the other writer, and the committed checkpoint stays whole."""
+    root = ePath(tmp_path / "two")
+    mgr = CheckpointManager(root)
+    mgr.save(expected(1), 1)
+    script = ("import sys; from eformer_nb.serialization import CheckpointManager\n"
+              "from serialization_worker import expected\n"
+              "CheckpointManager(sys.argv[1]).save(expected(1), 1)")
+    with ser_format.exclusive_writer(root / "step-1", "checkpoint"):
+        out = subprocess.run([sys.executable, "-c", script, str(root)], capture_output=True, text=True, timeout=120,
+                             env=dict(_env(1), PYTHONPATH=f"{HERE.parent}:{HERE}"))
+    assert out.returncode != 0
+    said = f"CheckpointLockedError: checkpoint {str(root / 'step-1')!r} is being saved by another writer"
+    assert f"{said} (pid {os.getpid()}" in out.stderr, out.stderr[-2000:]
+    assert _bits(mgr.load(1)) == _bits(expected(1))
+
+
 def test_file_size_limit_keeps_previous(tmp_path):
     """A real write failure: a child process under RLIMIT_FSIZE (below one chunk's size, SIGXFSZ ignored) tries a new
     step and a re-save of the committed one; both raise, nothing new is listed, step-1 stays byte-identical."""
     root = ePath(tmp_path / "fsize")
     CheckpointManager(root).save(expected(1), 1)
     before = _hashes(root / "step-1")
-    limit = expected(2)["a"].nbytes // 2
-    out = subprocess.run([sys.executable, str(WORKER), "fsize", str(root), str(limit)], env=_env(1),
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    for step in ("2", "1"):
-        assert "File too large" in result[step] or "os_error_code='27'" in result[step], result
+    result = _fsize(root, expected(2)["a"].nbytes // 2, "ckpt")
+    assert sorted(result) == ["1", "2"], result
     assert list_checkpoints(root)[-1][0] == 1 and [s for s, _ in list_checkpoints(root)] == [1]
     assert find_latest_checkpoint(root).name == "step-1"
     assert _hashes(root / "step-1") == before
@@ -250,35 +313,79 @@ def _check_after_kill(root: Path) -> str | None:
     return None
 
 
-SIGKILL_TRIALS = 20
+def _check_tree_after_kill(root: Path) -> str | None:
+    "What is wrong with the tree at `root` after a SIGKILL (None: it loads whole, as one of the saved versions)."
+    try:
+        back = tree_deserialize_leaves(root)
+    except (OSError, ValueError, RuntimeError) as e:
+        return f"the tree does not load: {type(e).__name__}: {str(e)[:200]}"
+    same = _bits(back) == _bits(expected(back["step"]))
+    return None if same else f"the tree loads other bytes than step {back['step']}"
+
+
+def _check_state_after_kill(root: Path) -> str | None:
+    "What is wrong with the state folder at `root` after a SIGKILL (None: it loads whole, as one of the saved states)."
+    import optax
+
+    from eformer_nb.infra.base_state import EasyDeLState
+    from serialization_worker import TX_LR, state_of
+    try:
+        back = EasyDeLState.load_state(root, tx=optax.adam(TX_LR), verbose=False)
+    except (OSError, ValueError, RuntimeError) as e:
+        return f"the state does not load: {type(e).__name__}: {str(e)[:200]}"
+    step = int(back.step)
+    return None if _state_bits(back) == _state_bits(state_of(step)) else f"the state loads other bytes than step {step}"
+
+
+def _mid_save(root: Path, kind: str) -> bool:
+    "True when the kill left a save in flight (a work directory, or a second array directory of the tree)."
+    if kind == "tree":
+        return sum(p.name.startswith("arrays.") for p in ePath(root).iterdir()) > 1
+    if kind == "state":
+        return (root.parent / (root.name + ".partial")).exists()
+    return any(c.name.endswith(".partial") for c in ePath(root).iterdir())
+
+
+# kind -> (trials, longest pause after "ready" in s, the check): state saves are slower, so the pauses are longer
+SIGKILL_KINDS = {"ckpt": (20, 0.4, _check_after_kill), "tree": (10, 0.4, _check_tree_after_kill),
+                 "state": (6, 2.0, _check_state_after_kill)}
 
 
 @pytest.mark.timeout(600)  # ~40 s on an idle 2-core machine; 20 JAX start-ups take minutes on a loaded one
-def test_sigkill_loop(tmp_path):
-    """SIGKILL a process that saves (and deletes) checkpoints in a loop, at seeded random moments: every listed
-    checkpoint stays whole. A failing trial is recorded and its directory reset, so the count of failing trials is
-    reported (against a commit that writes metadata.json before the arrays, about half of the 20 trials fail)."""
+@pytest.mark.parametrize("kind", list(SIGKILL_KINDS))
+def test_sigkill_loop(tmp_path, kind):
+    """SIGKILL a process that saves at seeded random moments: step checkpoints (each re-saved once: overwrites) and
+    deletes (`ckpt`), a tree overwritten in place (`tree`), a training state re-saved into one folder (`state`).
+    Every listed checkpoint, the tree, the state stays whole. A failing trial is recorded and its directory reset, so
+    the count of failing trials is reported (against a commit that writes metadata.json before the arrays, about half
+    of the 20 `ckpt` trials fail)."""
+    trials, pause, check = SIGKILL_KINDS[kind]
     rng = random.Random(20261123)
     root = tmp_path / "crash"
     kills_mid_save, failures = 0, []
-    for trial in range(SIGKILL_TRIALS):
-        p = subprocess.Popen([sys.executable, str(WORKER), "crashloop", str(root)], env=_env(1),
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    for trial in range(trials):
+        err = open(tmp_path / f"stderr-{trial}.txt", "w")
+        p = subprocess.Popen([sys.executable, str(WORKER), "crashloop", str(root), kind], env=_env(1),
+                             stdout=subprocess.PIPE, stderr=err, text=True)
         try:
             deadline = time.monotonic() + 120
-            line = p.stdout.readline()  # "ready N": at least one checkpoint of this run committed
-            assert line.startswith("ready"), f"trial {trial}: worker said {line!r}"
+            line = p.stdout.readline()  # "ready N": at least one save of this run committed
+            said = line or (p.wait(timeout=30), (tmp_path / f"stderr-{trial}.txt").read_text()[-2000:])[1]
+            assert line.startswith("ready"), f"trial {trial}: worker said {said!r}"
             assert time.monotonic() < deadline
-            time.sleep(rng.uniform(0.0, 0.4))
+            time.sleep(rng.uniform(0.0, pause))
         finally:
             p.send_signal(signal.SIGKILL)
             p.wait(timeout=30)
             p.stdout.close()
-        kills_mid_save += any(c.name.endswith(".partial") for c in ePath(root).iterdir())
-        problem = _check_after_kill(root)
+            err.close()
+        kills_mid_save += _mid_save(root, kind)
+        problem = check(root)
         if problem is not None:
             failures.append(f"trial {trial}: {problem}")
-            ePath(root).rmtree()  # the next trial starts clean, so each failing trial counts once
-    print(f"{SIGKILL_TRIALS} SIGKILLs, {kills_mid_save} landed inside a save, {len(failures)} trials failed")
-    assert not failures, f"{len(failures)} of {SIGKILL_TRIALS} trials failed:\n" + "\n".join(failures)
+            for d in (root, root.parent / (root.name + ".partial")):
+                if d.exists():
+                    ePath(d).rmtree()  # the next trial starts clean, so each failing trial counts once
+    print(f"{kind}: {trials} SIGKILLs, {kills_mid_save} landed inside a save, {len(failures)} trials failed")
+    assert not failures, f"{len(failures)} of {trials} trials failed:\n" + "\n".join(failures)
     assert kills_mid_save >= 1  # the kills did hit saves in flight

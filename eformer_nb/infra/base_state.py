@@ -5,6 +5,7 @@
 # %% ../../nbs/13a_infra.base_state.ipynb #415b108b
 from __future__ import annotations
 
+import re
 import typing as tp
 
 import jax
@@ -373,7 +374,7 @@ def _shard_with_shape(self, shape: EasyDeLState  # a state-shaped tree of `Shard
 # %% ../../nbs/13a_infra.base_state.ipynb #9df3f4b9
 STATE_FILE = "easydel_state.json"  # step, format and optimizer leaf list of a saved state
 OPTIMIZER_PREFIX = "optimizer"  # the optimizer state's tree, inside the state folder
-STATE_FORMAT, STATE_FORMAT_VERSION = "eformer_nb.EasyDeLState", 1
+STATE_FORMAT, STATE_FORMAT_VERSION = "eformer_nb.EasyDeLState", 2  # 2: digests of the file and the weights
 
 
 def _leaf_specs(tree) -> dict[str, list]:
@@ -381,29 +382,27 @@ def _leaf_specs(tree) -> dict[str, list]:
     return {p: [list(np.shape(x)), np.dtype(x.dtype).name] for p, x in _leaf_paths(tree).items()}
 
 
-def _read_state_file(directory) -> dict:
+def _read_state_file(directory, check_weights: bool = False) -> dict:
     from eformer_nb.paths import ePath, load_dict
-
+    from eformer_nb.serialization.serialization import _check_digest
     path = ePath(directory) / STATE_FILE
     if not path.exists():
-        hint = (
-            (
-                " It holds a model (config.json) but no saved training state: load the model with "
+        hint = (" It holds a model (config.json) but no saved training state: load the model with "
                 "AutoModelForCausalLM.from_pretrained(...) and call .to_state()"
-            )
-            if (ePath(directory) / "config.json").exists()
-            else ""
-        )
+                if (ePath(directory) / "config.json").exists() else "")
         raise FileNotFoundError(
             f"{str(path)!r} does not exist: {str(directory)!r} is not a folder written by "
             f"EasyDeLState.save_state (or its save did not finish).{hint}"
         )
     meta = load_dict(path, format="json")
-    if meta.get("format") != STATE_FORMAT or meta.get("version") != STATE_FORMAT_VERSION:
+    if meta.get("format") != STATE_FORMAT or meta.get("version") not in (1, STATE_FORMAT_VERSION):
         raise ValueError(
             f"{str(path)!r} has format {meta.get('format')!r} version {meta.get('version')!r}; "
-            f"expected {STATE_FORMAT!r} version {STATE_FORMAT_VERSION}"
+            f"expected {STATE_FORMAT!r} version 1 or {STATE_FORMAT_VERSION} (a newer eformer_nb wrote it: upgrade)"
         )
+    _check_digest(meta, path, "state file")
+    if check_weights:  # the safetensors files against the digests recorded at save
+        _check_weights(ePath(directory), meta)
     return meta
 
 
@@ -431,6 +430,59 @@ def _check_optimizer_leaves(saved: dict, expected: dict, directory, tx) -> None:
             "optimizer and model it was saved with, or start a fresh one with state.init_tx(tx)"
         )
 
+# %% ../../nbs/13a_infra.base_state.ipynb #6bab507b
+_STATE_OWNED = re.compile(r"^(easydel_state\.json|config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors"
+                          r"|model\.safetensors\.index\.json|optimizer|\.eformer_nb)$")  # what save_state writes
+
+
+def _state_foreign(directory, overwrite: bool) -> list[str]:
+    "The user's entries of `directory` (kept by a save); an error when it is not a saved state and `overwrite` is off."
+    if not directory.is_dir():
+        return []
+    foreign = sorted(p.name for p in directory.iterdir() if not _STATE_OWNED.match(p.name))
+    if foreign and not overwrite and not (directory / STATE_FILE).exists():
+        raise FileExistsError(f"save_state: {str(directory)!r} is not a saved state and holds {foreign[:10]}; save into "
+                              "a new folder, or pass overwrite=True to save beside them (they are never deleted)")
+    return foreign
+
+
+def _weight_digests(directory) -> dict[str, str]:
+    "sha256 of the model's files in `directory`: config.json and the safetensors (recorded at save, checked at load)."
+    import hashlib
+    files = sorted(directory.glob("model*.safetensors*")) + [p for p in [directory / "config.json"] if p.exists()]
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+def _check_weights(directory, meta: dict) -> None:
+    "A `CorruptCheckpointError` naming the file when a safetensors file is missing or differs from its saved digest."
+    from eformer_nb.serialization.serialization import CorruptCheckpointError
+    want = meta.get("weights")
+    if want is None:  # version 1: saved before digests
+        return
+    have = _weight_digests(directory)
+    for name, digest in want.items():
+        if have.get(name) != digest:
+            raise CorruptCheckpointError(f"{str(directory / name)!r}: sha256 {have.get(name, 'missing')!r}, saved as "
+                                         f"{digest!r}: the model's file was modified or is damaged")
+
+
+# %% ../../nbs/13a_infra.base_state.ipynb #4e56de38
+def _write_state(state, work, float_dtype, save_optimizer: bool) -> tuple[int, dict | None]:
+    "Write the model, the optimizer state and (process 0, last) the state file into `work`; the step and optimizer entry."
+    from eformer_nb.serialization.serialization import _write_json, tree_serialize_leaves
+
+    step = int(jax.device_get(state.step))
+    state.model.save_pretrained(str(work), float_dtype=float_dtype)  # not step=: that would write into run-{step}/
+    optimizer = None
+    if save_optimizer and state.opt_state is not None:
+        tree_serialize_leaves(work, state.opt_state, prefix=OPTIMIZER_PREFIX)
+        optimizer = {"prefix": OPTIMIZER_PREFIX, "tx": type(state.tx).__name__, "leaves": _leaf_specs(state.opt_state)}
+    if jax.process_index() == 0:
+        _write_json(work / STATE_FILE, {"format": STATE_FORMAT, "version": STATE_FORMAT_VERSION, "step": step,
+                                        "optimizer": optimizer, "weights": _weight_digests(work)})
+    return step, optimizer
+
+
 # %% ../../nbs/13a_infra.base_state.ipynb #fe3a2804
 @_method("save_state")
 def _save_state(
@@ -441,44 +493,39 @@ def _save_state(
     mismatch_allowed: bool = True,  # the reference's argument; saving writes exactly the model's parameters
     save_optimizer: bool = True,  # also save the optimizer state (when the state has one)
     enable: bool | None = None,  # False: write nothing; None/True: every process takes part (writes are collective)
+    overwrite: bool = False,  # save into a folder holding other files that is not a saved state (they are kept)
 ):
-    "Save the model (Hugging Face layout, through its `save_pretrained`), the optimizer state and the step."
-    from eformer_nb.paths import ePath, save_dict
-    from eformer_nb.serialization.serialization import tree_serialize_leaves
+    """Save the model (Hugging Face layout, through its `save_pretrained`), the optimizer state and the step; locally
+    into a fresh `.partial` folder swapped in at the end, so a failed re-save leaves the previous state loadable."""
+    from eformer_nb.paths import ePath, is_remote_path
+    from eformer_nb.serialization.base_manager import fresh_work_dir, rename_into_place
+    from eformer_nb.serialization.serialization import exclusive_writer, refuse_destination, sync_processes
 
     if enable is False:
         return None
-    model = self.model
-    if not callable(getattr(model, "save_pretrained", None)):
+    if not callable(getattr(self.model, "save_pretrained", None)):
         raise TypeError(
             f"save_state writes the parameters with the model's save_pretrained (Hugging Face layout); "
-            f"{type(model).__name__} has none. Use an eformer_nb model (e.g. modules.llama.LlamaForCausalLM)"
+            f"{type(self.model).__name__} has none. Use an eformer_nb model (e.g. modules.llama.LlamaForCausalLM)"
         )
-    directory = ePath(save_directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    first = jax.process_index() == 0
-    if first and (directory / STATE_FILE).exists():
-        (directory / STATE_FILE).unlink()  # the folder is not a complete state until the new file is written
-    step = int(jax.device_get(self.step))
-    model.save_pretrained(str(directory), float_dtype=float_dtype)  # not step=: that would write into run-{step}/
-    optimizer = None
-    if save_optimizer and self.opt_state is not None:
-        tree_serialize_leaves(directory, self.opt_state, prefix=OPTIMIZER_PREFIX)
-        optimizer = {"prefix": OPTIMIZER_PREFIX, "tx": type(self.tx).__name__, "leaves": _leaf_specs(self.opt_state)}
-    if first:
-        save_dict(
-            directory / STATE_FILE,
-            {"format": STATE_FORMAT, "version": STATE_FORMAT_VERSION, "step": step, "optimizer": optimizer},
-            format="json",
-        )
+    directory, first = ePath(save_directory), jax.process_index() == 0
+    refuse_destination(directory, "save_state")
+    local = not is_remote_path(directory)
+    with exclusive_writer(directory, "state"):
+        work = directory.parent / (directory.name + ".partial") if local else directory
+        if first:
+            foreign = _state_foreign(directory, overwrite)
+            fresh_work_dir(directory, foreign) if local else directory.mkdir(parents=True, exist_ok=True)
+        sync_processes("state-begin")
+        step, optimizer = _write_state(self, work, float_dtype, save_optimizer)
+        if first and local:
+            rename_into_place(work, directory)
+        sync_processes("state-committed")
     if verbose:
-        _logger.info(
-            "saved state at step %d to %s (model%s)",
-            step,
-            directory,
-            " and optimizer state" if optimizer else "; no optimizer state",
-        )
+        _logger.info("saved state at step %d to %s (model%s)", step, directory,
+                     " and optimizer state" if optimizer else "; no optimizer state")
     return directory
+
 
 # %% ../../nbs/13a_infra.base_state.ipynb #58659812
 @_method("load_optimizer")
@@ -607,7 +654,7 @@ def _load_state(
     "Rebuild the model from `config.json` through the registry, load its weights, step and (with `tx`) optimizer state."
     from eformer_nb.escale.mesh import create_mesh
     from eformer_nb.paths import ePath
-    meta = _read_state_file(load_directory)  # first: a clear error for a folder that is not a saved state
+    meta = _read_state_file(load_directory, check_weights=True)  # first: a clear error for a folder that is not a saved state
     if tx is not None and meta.get("optimizer") is None:
         raise FileNotFoundError(f"load_state(tx=...) asks for the optimizer state, but {str(load_directory)!r} holds "
                                 "none (saved with save_optimizer=False or from a state without one); leave tx out "

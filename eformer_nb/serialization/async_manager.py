@@ -178,6 +178,7 @@ class AsyncCheckpointManager(_EformerAsyncAPI, CheckpointManager):
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self.enable_validation, self.compression = enable_validation, "zstd" if enable_compression else None
+        self._has_base = checkpoint_dir is not None  # without one, save(tree, step) is an error, not ./step-N
         super().__init__(
             checkpoint_dir if checkpoint_dir is not None else ".",
             enable,
@@ -189,7 +190,6 @@ class AsyncCheckpointManager(_EformerAsyncAPI, CheckpointManager):
             step_format=step_format,
             clean=clean and checkpoint_dir is not None,
         )
-        self._has_base = checkpoint_dir is not None
 
     def __enter__(self) -> AsyncCheckpointManager:
         return self

@@ -5,6 +5,8 @@
 # %% ../../nbs/10b_serialization.base_manager.ipynb #f6d0bbc0
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import re
@@ -14,32 +16,41 @@ from collections.abc import Callable, Mapping
 
 from fastcore.basics import patch
 
-from ..paths import LocalPath, ePath, is_remote_path, make_gcs_filesystem, save_dict
+from ..paths import LocalPath, ePath, is_remote_path, make_gcs_filesystem
 from ..pytree.tree_util import tree_path_to_string
 from eformer_nb.serialization.serialization import (
     INDEX_FILE,
+    READ_VERSIONS,
+    CheckpointLockedError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     TornCheckpointError,
+    _check_digest,
     _commit_tree,
     _plan_save,
     _read_json,
     _tree_dir,
+    _tree_foreign,
+    _write_json,
+    exclusive_writer,
     leaf_key_paths,
     process_info,
+    read_index,
+    refuse_destination,
     sync_processes,
     tree_deserialize_leaves,
 )
 
 # %% auto #0
-__all__ = ['METADATA_FILE', 'PARTIAL_SUFFIX', 'CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'DEFAULT_STEP_FORMAT', 'parse_step',
-           'read_metadata', 'save_checkpoint_dir', 'list_checkpoints', 'clean_stale', 'apply_by_key',
-           'CheckpointManager']
+__all__ = ['METADATA_FILE', 'PARTIAL_SUFFIX', 'CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'MARKER_FILE', 'DEFAULT_STEP_FORMAT',
+           'parse_step', 'read_metadata', 'fresh_work_dir', 'rename_into_place', 'save_checkpoint_dir',
+           'list_checkpoints', 'clean_stale', 'apply_by_key', 'CheckpointManager']
 
 # %% ../../nbs/10b_serialization.base_manager.ipynb #65da9aa0
 METADATA_FILE = "metadata.json"
 PARTIAL_SUFFIX = ".partial"
-CHECKPOINT_FORMAT, CHECKPOINT_VERSION = "eformer_nb.checkpoint", 1
+CHECKPOINT_FORMAT, CHECKPOINT_VERSION = "eformer_nb.checkpoint", 2  # 2: metadata.json carries its digest
+MARKER_FILE = ".eformer_nb"  # written first into every checkpoint directory we create: proof that it is ours
 DEFAULT_STEP_FORMAT = "step-{step}"
 
 
@@ -76,9 +87,10 @@ def read_metadata(
     if meta.get("format") != CHECKPOINT_FORMAT or not isinstance(meta.get("version"), int):
         raise CorruptCheckpointError(f"{str(p / METADATA_FILE)!r} is not an {CHECKPOINT_FORMAT} metadata file "
                                      f"(format={meta.get('format')!r}, version={meta.get('version')!r})")
-    if meta["version"] > CHECKPOINT_VERSION:
+    if meta["version"] not in READ_VERSIONS:
         raise CorruptCheckpointError(f"{str(p / METADATA_FILE)!r} has version {meta['version']}; this eformer_nb reads "
-                                     f"up to {CHECKPOINT_VERSION}")
+                                     f"versions {READ_VERSIONS} (a newer eformer_nb wrote it: upgrade to read it)")
+    _check_digest(meta, p / METADATA_FILE, "checkpoint metadata")
     return meta
 
 # %% ../../nbs/10b_serialization.base_manager.ipynb #1b15f49a
@@ -90,22 +102,85 @@ def _fsync_dir(p: LocalPath) -> None:
         os.close(fd)
 
 
-def _begin_checkpoint(dest: ePath) -> ePath:
-    "The directory a checkpoint is written into (a fresh `.partial` sibling locally, `dest` itself remotely)."
+def _checkpoint_foreign(dest: ePath) -> list[str]:
+    "Names in `dest` that are not part of an eformer_nb checkpoint (our files, its trees); [] when `dest` is missing."
+    if not dest.is_dir():
+        return []
+    try:
+        index = read_index(dest) if (dest / INDEX_FILE).exists() else None
+    except CorruptCheckpointError:
+        index = None
+    foreign = _tree_foreign(dest, index)
+    if (dest / METADATA_FILE).exists():
+        try:
+            read_metadata(dest)
+        except CorruptCheckpointError:
+            foreign.append(METADATA_FILE)  # someone else's metadata.json
+    # other checkpoints (step-N/ holding metadata.json) are never trees of this one: saving over base/ is refused
+    return sorted(set(foreign) | {p.name for p in dest.iterdir() if (p / METADATA_FILE).exists()})
+
+
+def _link_into(src: ePath, names: list[str], dst: ePath) -> None:
+    "Hard-link the user's entries `names` of `src` into `dst` (directories recreated, symlinks copied): kept by a swap."
+    for name in names:
+        s, d = os.path.join(os.fspath(src), name), os.path.join(os.fspath(dst), name)
+        if os.path.islink(s):
+            os.symlink(os.readlink(s), d)
+        elif os.path.isdir(s):
+            os.mkdir(d)
+            _link_into(ePath(s), os.listdir(s), ePath(d))
+        else:
+            os.link(s, d)
+
+
+# %% ../../nbs/10b_serialization.base_manager.ipynb #233155d0
+def fresh_work_dir(
+    dest: ePath,  # the local directory about to be replaced (hold `exclusive_writer(dest)` around the whole save)
+    keep: list[str] = (),  # the user's entries of `dest`: hard-linked into the work directory, so the swap keeps them
+) -> ePath:
+    """A new, marked, empty `dest.partial` to write the next version of `dest` in (what a crashed save left there is
+    removed only if marked as ours); `rename_into_place(work, dest)` commits it."""
+    work = dest.parent / (dest.name + PARTIAL_SUFFIX)
+    if work.exists():
+        if not (work / MARKER_FILE).exists():
+            raise FileExistsError(f"{str(work)!r} exists and was not made by eformer_nb; move it away first")
+        work.rmtree()
+    work.mkdir(parents=True)
+    (work / MARKER_FILE).write_text(json.dumps({"format": CHECKPOINT_FORMAT, "pid": os.getpid()}))
+    keep = [n for n in keep if n != MARKER_FILE]  # the new directory has its own
+    if keep:
+        _link_into(dest, keep, work)
+    return work
+
+
+# %% ../../nbs/10b_serialization.base_manager.ipynb #4a8f8b6d
+def _begin_checkpoint(dest: ePath, overwrite: bool = False) -> ePath:
+    """The directory a checkpoint is written into: locally a fresh `.partial` sibling holding our marker and links to
+    the user's files in `dest`; remotely `dest` itself (its trees are replaced atomically one by one)."""
     local = not is_remote_path(dest)
     work = dest.parent / (dest.name + PARTIAL_SUFFIX) if local else dest
     if process_info()[0] == 0:
-        if work == dest and (dest / METADATA_FILE).exists():
-            (dest / METADATA_FILE).unlink()  # uncommit first: from here on, dest is torn until the new commit
-        if work.exists():
-            work.rmtree()
-        work.mkdir(parents=True, exist_ok=True)
+        refuse_destination(dest, "save checkpoint")
+        foreign = _checkpoint_foreign(dest)
+        steps = [n for n in foreign if (dest / n / METADATA_FILE).exists()]
+        if steps:  # Checkpointer(base).save_checkpoint(tree, destination='.') used to replace base and its steps
+            raise FileExistsError(f"{str(dest)!r} holds other checkpoints ({steps[:5]}): it is a directory of "
+                                  "checkpoints, not one; save into a new directory such as one of its step-N")
+        if foreign and not overwrite:
+            raise FileExistsError(f"{str(dest)!r} holds entries that are not part of an eformer_nb checkpoint: "
+                                  f"{foreign[:10]}; save into a new directory, or pass overwrite=True to save beside "
+                                  "them (they are never deleted)")
+        if local:
+            fresh_work_dir(dest, foreign)
+        else:
+            work.mkdir(parents=True, exist_ok=True)
+            (work / MARKER_FILE).write_text(json.dumps({"format": CHECKPOINT_FORMAT, "pid": os.getpid()}))
     sync_processes("ckpt-begin")
     return work
 
 
 # %% ../../nbs/10b_serialization.base_manager.ipynb #2f55620e
-_OLD_SUFFIX = ".old" + PARTIAL_SUFFIX  # where a re-save moves the committed checkpoint of the same step aside
+_OLD_SUFFIX = ".old" + PARTIAL_SUFFIX  # where a re-save moves the committed checkpoint aside (no renameat2 only)
 
 
 def _restore_old(dest: ePath) -> bool:
@@ -118,33 +193,52 @@ def _restore_old(dest: ePath) -> bool:
     return False
 
 
-def _rename_into_place(work: ePath, dest: ePath) -> None:
-    "Rename local `work` to `dest`; a committed `dest` is moved aside first and put back if the rename fails."
+def _exchange(a: str, b: str) -> bool:
+    "Swap two directories in one atomic step (Linux `renameat2(RENAME_EXCHANGE)`); False where that is unavailable."
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        return False
+    if fn(-100, os.fsencode(a), -100, os.fsencode(b), 2) == 0:  # AT_FDCWD, RENAME_EXCHANGE
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), a)
+
+
+# %% ../../nbs/10b_serialization.base_manager.ipynb #4f5abe4f
+def rename_into_place(work: ePath, dest: ePath) -> None:
+    """Put local `work` at `dest` atomically: a rename, or a swap with a committed `dest` (whose old version is then
+    removed); without renameat2, two renames, the old one put back if the second fails."""
     _restore_old(dest)
-    old = dest.parent / (dest.name + _OLD_SUFFIX)
-    if old.exists():
-        old.rmtree()
-    moved = dest.exists()
-    if moved:
-        os.replace(dest.path, old.path)
-    try:
+    if not dest.exists():
         os.replace(work.path, dest.path)
-    except BaseException:
-        if moved:
+    elif _exchange(os.fspath(work), os.fspath(dest)):
+        _fsync_dir(dest.parent)
+        work.rmtree()  # now the old version (a crash here leaves a marked .partial: clean_stale removes it)
+        return
+    else:
+        old = dest.parent / (dest.name + _OLD_SUFFIX)
+        if old.exists():
+            old.rmtree()
+        os.replace(dest.path, old.path)
+        try:
+            os.replace(work.path, dest.path)
+        except BaseException:
             os.replace(old.path, dest.path)
-        raise
-    _fsync_dir(dest.parent)
-    if moved:
+            raise
+        _fsync_dir(dest.parent)
         old.rmtree()
+    _fsync_dir(dest.parent)
 
 
 def _commit_checkpoint(work: ePath, dest: ePath, metadata: dict) -> None:
     "After every process wrote: process 0 writes metadata.json and, locally, renames the work directory into place."
     sync_processes("ckpt-written")
     if process_info()[0] == 0:
-        save_dict(work / METADATA_FILE, metadata, format="json")
+        _write_json(work / METADATA_FILE, metadata)
         if work != dest:  # local: the rename is the commit
-            _rename_into_place(work, dest)
+            rename_into_place(work, dest)
     sync_processes("ckpt-committed")
 
 
@@ -162,9 +256,11 @@ def save_checkpoint_dir(
     write_index: bool = True,  # store the structure (restore without a template)
     copy: bool = False,  # take host copies of the shards (async saves)
     commit_callback: Callable[[], tp.Any] | None = None,  # run after the commit, on every process
+    overwrite: bool = False,  # save into a directory holding files that are not ours (they are kept, never deleted)
 ) -> Callable[[], ePath]:
     "Plan the save of `pytree` as one atomic checkpoint at `dest`; returns the function that writes and commits it."
     dest = dest if isinstance(dest, ePath) else ePath(dest)
+    refuse_destination(dest, "save checkpoint")
     user = dict(metadata or {})
     try:
         json.dumps(user, allow_nan=False)
@@ -185,10 +281,11 @@ def save_checkpoint_dir(
     }
 
     def write() -> ePath:
-        work = _begin_checkpoint(dest)
-        _commit_tree(_tree_dir(work, prefix), plan, compression)
-        meta["time"] = time.time()
-        _commit_checkpoint(work, dest, meta)
+        with exclusive_writer(dest, "checkpoint"):  # a second writer of this step gets a clear error
+            work = _begin_checkpoint(dest, overwrite)
+            _commit_tree(_tree_dir(work, prefix), plan, compression, overwrite)
+            meta["time"] = time.time()
+            _commit_checkpoint(work, dest, meta)
         if commit_callback is not None:
             commit_callback()
         return dest
@@ -216,8 +313,8 @@ def clean_stale(
     base: str | ePath,  # the directory holding the step directories
     step_format: str = DEFAULT_STEP_FORMAT,  # name of a step's directory, with one '{step}'
 ) -> list[str]:
-    """Remove what crashed saves left under `base` (`*.partial`, step directories without metadata.json); returns their
-    names."""
+    """Remove what crashed saves left under `base`: our marked `step-N.partial` directories (and, remotely, marked step
+    directories without metadata.json) that no live writer holds; returns their names."""
     base = base if isinstance(base, ePath) else ePath(base)
     if process_info()[0] != 0 or not base.is_dir():
         return []
@@ -228,9 +325,14 @@ def clean_stale(
     removed = []
     for child in base.iterdir():
         stale = child.name.endswith(PARTIAL_SUFFIX) and parse_step(child.name.split(".")[0], step_format) is not None
-        torn = parse_step(child.name, step_format) is not None and child.name not in committed and child.is_dir()
-        if stale or torn:
-            child.rmtree()
+        torn = (is_remote_path(base) and parse_step(child.name, step_format) is not None  # a remote save's in place
+                and child.name not in committed)
+        if (stale or torn) and (child / MARKER_FILE).exists():  # never a directory we did not make
+            try:
+                with exclusive_writer(base / child.name.split(".")[0]):  # skip one a live writer is writing
+                    child.rmtree()
+            except CheckpointLockedError:
+                continue
             removed.append(child.name)
     return sorted(removed)
 
@@ -276,6 +378,8 @@ class CheckpointManager:
             fs = make_gcs_filesystem(token=gcs_credentials_path) if gcs_credentials_path else None
             checkpoint_dir = ePath(f"gs://{gcs_bucket}/{str(checkpoint_dir).strip('/')}", fs=fs)
         self.base = checkpoint_dir if isinstance(checkpoint_dir, ePath) else ePath(checkpoint_dir)
+        if getattr(self, "_has_base", True):  # an AsyncCheckpointManager() without a directory has none to check
+            refuse_destination(self.base, type(self).__name__)
         self.enable = True if enable is None else bool(enable)
         self.float_dtype, self.save_optimizer_state, self.verbose = float_dtype, save_optimizer_state, verbose
         _step_regex(step_format)
@@ -285,7 +389,6 @@ class CheckpointManager:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.base)!r}, steps={self.all_steps()})"
 
-    # --- eformer's CheckpointManager API ---
     @staticmethod
     def create_gcs_client(
         gcs_credentials_path: str | None = None,  # service-account JSON (None: default credentials)
@@ -322,6 +425,9 @@ def step_path(
     "The directory of the checkpoint of `step`."
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step={step!r}: expected a non-negative int")
+    if not getattr(self, "_has_base", True):
+        raise ValueError(f"{type(self).__name__} was created without checkpoint_dir, so step {step} has no directory: "
+                         "pass checkpoint_dir=... when creating it, or save_pytree(tree, path) with a path")
     return self.base / self.step_format.format(step=step)
 
 
@@ -329,14 +435,14 @@ def step_path(
 @patch
 def all_steps(self: CheckpointManager) -> list[int]:
     "Steps of the committed checkpoints, ascending."
-    return [s for s, _ in list_checkpoints(self.base, self.step_format)]
+    return [s for s, _ in list_checkpoints(self.base, self.step_format)] if getattr(self, "_has_base", True) else []
 
 
 # %% ../../nbs/10b_serialization.base_manager.ipynb #eb999d40
 @patch
 def latest(self: CheckpointManager) -> ePath | None:
     "The newest committed checkpoint, or None."
-    found = list_checkpoints(self.base, self.step_format)
+    found = list_checkpoints(self.base, self.step_format) if getattr(self, "_has_base", True) else []
     return found[-1][1] if found else None
 
 
@@ -363,13 +469,15 @@ def save_pytree(
     temporary: bool = False,  # recorded in metadata.json
     compression: str | None = None,  # None, 'zstd', 'gzip', 'blosc'
     commit_callback: Callable[[], tp.Any] | None = None,  # run after the commit (in the background for async saves)
+    overwrite: bool = False,  # save into a directory holding files that are not ours (they are kept, never deleted)
 ) -> ePath | None:
     "Save `pytree` as one atomic checkpoint at `path`; None when the manager is disabled."
     if not self.enable:
         return None
     write = save_checkpoint_dir(pytree, path, step=step, temporary=temporary, metadata=extras, prefix=prefix,
                                 dtype=dtype if dtype is not None else self.float_dtype, compression=compression,
-                                write_index=write_index, copy=self._copies, commit_callback=commit_callback)
+                                write_index=write_index, copy=self._copies, commit_callback=commit_callback,
+                                overwrite=overwrite)
     if self.verbose:
         from eformer_nb.loggings import get_logger
 
@@ -414,7 +522,11 @@ def load_pytree(
 ) -> tp.Any:
     "Restore the tree of the committed checkpoint at `path` (a torn or missing one raises)."
     path = path if isinstance(path, ePath) else ePath(path)
-    read_metadata(path)  # refuses a torn checkpoint before reading any array
+    meta = read_metadata(path)  # refuses a torn checkpoint before reading any array
+    named = parse_step(path.name, self.step_format)
+    if named is not None and meta.get("step") is not None and meta["step"] != named:
+        raise CorruptCheckpointError(f"{str(path)!r} is the directory of step {named} but its metadata.json says step "
+                                     f"{meta['step']}: it was renamed or edited; load it by path only after checking")
     return tree_deserialize_leaves(path, mesh, prefix=prefix, shardings=shardings, partition_rules=partition_rules,
                                    dtype=dtype, template=template, strict_shapes=strict_shapes, callback=callback,
                                    chunk_size=chunk_size)
@@ -466,12 +578,18 @@ def delete(
     self: CheckpointManager,
     step: int,  # the step to delete
 ) -> None:
-    "Delete the checkpoint of `step` (uncommitted first: its metadata.json goes before its arrays)."
+    """Delete the checkpoint of `step` (uncommitted first: its metadata.json goes before its arrays); a directory
+    holding anything that is not ours is refused, never deleted."""
     path = self.step_path(step)
     if process_info()[0] == 0 and path.exists():
-        if (path / METADATA_FILE).exists():
-            (path / METADATA_FILE).unlink()
-        path.rmtree()
+        with exclusive_writer(path, "checkpoint"):
+            foreign = _checkpoint_foreign(path)
+            if foreign or not ((path / METADATA_FILE).exists() or (path / MARKER_FILE).exists()):
+                raise FileExistsError(f"delete({step}): {str(path)!r} is not (only) an eformer_nb checkpoint: it holds "
+                                      f"{foreign[:10] or sorted(p.name for p in path.iterdir())[:10]}; remove it yourself")
+            if (path / METADATA_FILE).exists():
+                (path / METADATA_FILE).unlink()
+            path.rmtree()
     sync_processes("ckpt-delete")
 
 

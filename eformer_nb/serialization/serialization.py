@@ -6,8 +6,14 @@
 from __future__ import annotations
 
 import base64
+import contextlib
+import hashlib
 import json
 import math
+import os
+import re
+import secrets
+import socket
 import threading
 import typing as tp
 import urllib.parse
@@ -16,15 +22,16 @@ from collections.abc import Callable
 import numpy as np
 
 from ..loggings import ProgressLogger, get_logger
-from ..paths import ePath, save_dict
+from ..paths import _TMP_TAG, atomic_write_local, ePath, is_remote_path
 from ..pytree.serialization import dtype_from_tag, dtype_to_tag
 from ..pytree.tree_util import tree_path_to_string
 
 # %% auto #0
-__all__ = ['INLINE_BYTES', 'MAX_CHUNK_BYTES', 'FORMAT_NAME', 'FORMAT_VERSION', 'INDEX_FILE', 'ARRAYS_DIR', 'BARRIER_TIMEOUT_S',
-           'PROGRESS_BYTES', 'is_array_like', 'leaf_key_paths', 'process_info', 'sync_processes',
+__all__ = ['INLINE_BYTES', 'MAX_CHUNK_BYTES', 'FORMAT_NAME', 'FORMAT_VERSION', 'READ_VERSIONS', 'INDEX_FILE', 'ARRAYS_DIR',
+           'BARRIER_TIMEOUT_S', 'PROGRESS_BYTES', 'is_array_like', 'leaf_key_paths', 'process_info', 'sync_processes',
            'broadcast_from_first', 'CheckpointNotFoundError', 'TornCheckpointError', 'CorruptCheckpointError',
-           'read_index', 'tree_serialize_leaves', 'tree_deserialize_leaves']
+           'CheckpointLockedError', 'read_index', 'refuse_destination', 'exclusive_writer', 'tree_serialize_leaves',
+           'tree_deserialize_leaves']
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #f6e2ad16
 def is_array_like(
@@ -58,8 +65,10 @@ def leaf_key_paths(
 # %% ../../nbs/10a_serialization.serialization.ipynb #1091c044
 INLINE_BYTES = 4096  # replicated arrays up to this size live inside index.json
 MAX_CHUNK_BYTES = 256 << 20  # a saved shard larger than this is split into several chunks
-FORMAT_NAME, FORMAT_VERSION = "eformer_nb.tree", 1
+FORMAT_NAME, FORMAT_VERSION = "eformer_nb.tree", 2  # 2: crc32c chunks, versioned array directory, index digest
+READ_VERSIONS = (1, 2)  # index versions this eformer_nb reads (1: before checksums; still restores)
 INDEX_FILE, ARRAYS_DIR = "index.json", "arrays"
+_ARRAYS_RE = re.compile(r"^arrays\.[0-9a-f]{8}$")  # the array directory of one save: arrays.<token>
 _ts_dtype_ok: dict[str, bool] = {}
 
 
@@ -140,18 +149,21 @@ def _chunk_shape(shard_shape: tuple[int, ...], itemsize: int, max_bytes: int = M
 
 
 def _codecs(compression: str | None) -> list[dict]:
+    "The zarr3 codecs of a saved array: raw little-endian bytes, optionally compressed, then a crc32c per chunk."
     codecs = [{"name": "bytes", "configuration": {"endian": "little"}}]
-    if compression is None:
-        return codecs
-    if compression not in ("zstd", "gzip", "blosc"):
-        raise ValueError(f"compression={compression!r}; expected None (uncompressed), 'zstd', 'gzip' or 'blosc'")
-    return codecs + [{"name": compression}]
+    if compression is not None:
+        if compression not in ("zstd", "gzip", "blosc"):
+            raise ValueError(f"compression={compression!r}; expected None (uncompressed), 'zstd', 'gzip' or 'blosc'")
+        codecs.append({"name": compression})
+    return codecs + [{"name": "crc32c"}]  # TensorStore verifies it on every read: a flipped bit is an error
 
 
 def _array_spec(kvstore: dict, rec: dict, chunks: list[int] | None = None, compression: str | None = None) -> dict:
     "TensorStore spec of the zarr3 array of leaf record `rec` in the tree directory whose kvstore is `kvstore`."
     kv = dict(kvstore, path=kvstore.get("path", "") + rec["file"] + "/")
-    spec = {"driver": "zarr3", "kvstore": kv, "recheck_cached_data": False, "recheck_cached_metadata": False}
+    spec = {"driver": "zarr3", "kvstore": kv, "recheck_cached_data": False, "recheck_cached_metadata": False,
+            "fill_missing_data_reads": False,  # a missing chunk file is an error, never zeros
+            "store_data_equal_to_fill_value": True}  # so an all-zero chunk is written, not left out
     if chunks is not None:
         spec["metadata"] = {"shape": rec["shape"], "data_type": rec["stored_dtype"], "codecs": _codecs(compression),
                             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}}}
@@ -327,7 +339,11 @@ class TornCheckpointError(RuntimeError):
 
 
 class CorruptCheckpointError(ValueError):
-    "A checkpoint's JSON (`index.json`, `metadata.json`) cannot be parsed or is not in the expected format."
+    "A checkpoint's file is damaged: JSON that does not parse or match its digest, a chunk failing its crc32c, a missing chunk."
+
+
+class CheckpointLockedError(RuntimeError):
+    "Another writer is saving the same checkpoint or tree right now."
 
 
 def _tree_dir(checkpoint_dir: str | ePath, prefix: str | None) -> ePath:
@@ -340,6 +356,19 @@ def _tree_dir(checkpoint_dir: str | ePath, prefix: str | None) -> ePath:
             f"(no '/', not {ARRAYS_DIR!r}, not ending in '.json')"
         )
     return root / prefix
+
+
+def _digest(obj: dict) -> str:
+    "sha256 of the canonical JSON of `obj` without its own `digest` field (index.json and metadata.json carry it)."
+    body = {k: v for k, v in obj.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _check_digest(obj: dict, f: ePath, what: str) -> None:
+    "`CorruptCheckpointError` naming `f` when `obj` (version 2 and later) lacks its digest or does not match it."
+    if obj.get("version", 0) >= 2 and obj.get("digest") != _digest(obj):
+        raise CorruptCheckpointError(f"{what} {str(f)!r} does not match its digest (stored {obj.get('digest')!r}, "
+                                     f"computed {_digest(obj)!r}): the file was modified or is damaged")
 
 
 def _read_json(f: ePath, what: str) -> dict:
@@ -376,26 +405,18 @@ def read_index(
         ) from None
     if index.get("format") != FORMAT_NAME or not isinstance(index.get("leaves"), dict):
         raise CorruptCheckpointError(f"{str(f)!r} is not an {FORMAT_NAME} index (format={index.get('format')!r})")
-    if index.get("version", 0) > FORMAT_VERSION:
+    if index.get("version") not in READ_VERSIONS:
         raise CorruptCheckpointError(
-            f"{str(f)!r} has format version {index['version']}; this eformer_nb reads up to {FORMAT_VERSION}"
+            f"{str(f)!r} has format version {index.get('version')!r}; this eformer_nb reads versions {READ_VERSIONS} "
+            "(a newer eformer_nb wrote it: upgrade, or re-save it from there with that version's reader)"
         )
+    _check_digest(index, f, "index")
     return index
 
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #578238ad
 PROGRESS_BYTES = 256 << 20  # saves and restores of at least this many bytes show progress (process 0)
 _log = get_logger("eformer_nb.serialization")
-
-
-def _begin_tree(tree_dir: ePath) -> None:
-    "Uncommit and clear a tree directory before it is (re)written (process 0 only)."
-    idx = tree_dir / INDEX_FILE
-    if idx.exists():
-        idx.unlink()
-    if (tree_dir / ARRAYS_DIR).exists():
-        (tree_dir / ARRAYS_DIR).rmtree()
-    tree_dir.mkdir(parents=True, exist_ok=True)
 
 
 def _write_arrays(tree_dir: ePath, plan: _SavePlan, compression: str | None) -> None:
@@ -425,19 +446,140 @@ def _write_arrays(tree_dir: ePath, plan: _SavePlan, compression: str | None) -> 
             w.result()
             bar.update()
 
+# %% ../../nbs/10a_serialization.serialization.ipynb #42237702
+def refuse_destination(
+    d: ePath,  # where a checkpoint, tree or state is about to be written
+    what: str = "save",  # the calling function, for the message
+) -> None:
+    "A `ValueError` for a destination that must never hold a checkpoint: '', '.', a root, home, the cwd or a bucket root."
+    why = d._protected_reason()
+    if why is not None:
+        raise ValueError(f"{what}: refusing to write into {str(d)!r}: it is {why}; an empty or '.' path is the usual "
+                         "cause: pass a directory of its own, such as 'checkpoints/run-1'")
+
+
+def _tree_foreign(d: ePath, index: dict | None) -> list[str]:
+    """Names in `d` that no save of ours made (ours: index.json, array dirs, checkpoint files, lock files, sub-trees,
+    the temporaries of an atomic write that was killed)."""
+    if not d.is_dir():
+        return []
+    ours = {INDEX_FILE, "metadata.json", ".eformer_nb"} | ({index.get("arrays", ARRAYS_DIR)} if index else set())
+    ours_by_name = lambda n: (n in ours or _ARRAYS_RE.match(n) or n.startswith(".") and n.endswith(".lock")  # noqa: E731
+                              or n.endswith(_TMP_TAG))
+    return [p.name for p in d.iterdir() if not (ours_by_name(p.name) or (p / INDEX_FILE).is_file())]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(f: ePath, obj: dict) -> None:
+    "Write `obj` (with its digest) to `f` atomically and durably: a temporary, fsync, rename, fsync of the directory."
+    blob = json.dumps(dict(obj, digest=_digest(obj)), indent=1).encode()
+    if is_remote_path(f):
+        f.write_bytes(blob)  # an object store replaces an object whole
+        return
+    atomic_write_local(os.fspath(f), [blob], fsync=True)
+    _fsync_dir(os.path.dirname(os.path.abspath(os.fspath(f))))
+
+
+# %% ../../nbs/10a_serialization.serialization.ipynb #dab82807
+@contextlib.contextmanager
+def exclusive_writer(
+    d: ePath,  # the local directory about to be written (its lock file `.{name}.lock` sits beside it)
+    what: str = "directory",  # what `d` is, for the message
+) -> tp.Iterator[None]:
+    """Hold an exclusive `flock` on `d`'s lock file while writing `d` (process 0; remote paths: no lock). A second
+    writer gets `CheckpointLockedError`; the kernel drops the lock when the holder dies, even by SIGKILL."""
+    if is_remote_path(d) or process_info()[0] != 0:
+        yield
+        return
+    import fcntl
+
+    path = os.path.join(os.path.dirname(os.path.abspath(os.fspath(d))), f".{d.name}.lock")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace") or "unknown"
+            os.close(fd)
+            raise CheckpointLockedError(f"{what} {str(d)!r} is being saved by another writer ({holder}, lock file "
+                                        f"{path!r}); wait for it to finish or save elsewhere") from None
+        try:
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:  # not a lock file a finishing writer just unlinked
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        os.close(fd)
+
+
+# %% ../../nbs/10a_serialization.serialization.ipynb #3220ce2f
+def _begin_tree(tree_dir: ePath, arrays: str, overwrite: bool) -> dict | None:
+    """Check that `tree_dir` may be written (ours, empty, or `overwrite`), drop what crashed saves of it left, create
+    `tree_dir/arrays` for this save; returns the index it replaces (process 0, under the lock)."""
+    refuse_destination(tree_dir, "tree_serialize_leaves")
+    index = read_index(tree_dir) if (tree_dir / INDEX_FILE).exists() else None
+    foreign = _tree_foreign(tree_dir, index)
+    if foreign and not overwrite:
+        raise FileExistsError(f"{str(tree_dir)!r} holds files that are not an eformer_nb tree: {sorted(foreign)[:10]}; "
+                              "save into an empty or new directory, or pass overwrite=True to save beside them "
+                              "(they are never deleted)")
+    if not is_remote_path(tree_dir) and tree_dir.is_dir():  # a crashed save's arrays: ours by name, and we hold the lock
+        for p in tree_dir.iterdir():
+            if _ARRAYS_RE.match(p.name) and p.name != (index or {}).get("arrays"):
+                p.rmtree()
+    (tree_dir / arrays).mkdir(parents=True, exist_ok=False)
+    return index
+
+
+def _drop_arrays(tree_dir: ePath, old: dict) -> None:
+    "Remove the arrays of the replaced index `old`: its own array directory, or (version 1) each leaf's directory."
+    if old.get("arrays"):
+        (tree_dir / old["arrays"]).rmtree(missing_ok=True)
+        return
+    for rec in old["leaves"].values():
+        if rec.get("file"):
+            (tree_dir / rec["file"]).rmtree(missing_ok=True)
+    if not is_remote_path(tree_dir):  # the now-empty directories of version 1's arrays/ tree; nothing else
+        for root, _, _ in sorted(os.walk(os.fspath(tree_dir / ARRAYS_DIR)), reverse=True):
+            with contextlib.suppress(OSError):
+                os.rmdir(root)
+
+
 # %% ../../nbs/10a_serialization.serialization.ipynb #9bbde567
-def _commit_tree(tree_dir: ePath, plan: _SavePlan, compression: str | None) -> None:
-    "Uncommit `tree_dir`, write every process's chunks, then (process 0) the index: the four steps above."
+def _commit_tree(tree_dir: ePath, plan: _SavePlan, compression: str | None, overwrite: bool = False) -> None:
+    """Write every process's chunks into a new `arrays.<token>/`, then (process 0) replace `index.json` atomically and
+    remove the arrays it replaced: until that rename, the previous tree stays whole and loadable."""
     first = process_info()[0] == 0
-    if first:
-        _begin_tree(tree_dir)
-    sync_processes("tree-begin")
-    _write_arrays(tree_dir, plan, compression)
-    sync_processes("tree-written")
-    if first:
-        save_dict(tree_dir / INDEX_FILE, {"format": FORMAT_NAME, "version": FORMAT_VERSION,
-                                          "leaves": plan.records, "tree": plan.structure}, format="json")
-    sync_processes("tree-committed")
+    arrays = f"{ARRAYS_DIR}.{broadcast_from_first(secrets.token_hex(4), 'tree-token')}"
+    records = {k: dict(r, file=arrays + r["file"][len(ARRAYS_DIR):]) if r.get("file") else r
+               for k, r in plan.records.items()}
+    with exclusive_writer(tree_dir, "the tree"):
+        old = _begin_tree(tree_dir, arrays, overwrite) if first else None
+        sync_processes("tree-begin")
+        _write_arrays(tree_dir, plan._replace(records=records), compression)
+        sync_processes("tree-written")
+        if first:
+            _write_json(tree_dir / INDEX_FILE, {"format": FORMAT_NAME, "version": FORMAT_VERSION, "arrays": arrays,
+                                                "leaves": records, "tree": plan.structure})
+            if old is not None and old.get("arrays") != arrays:
+                _drop_arrays(tree_dir, old)
+        sync_processes("tree-committed")
+
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #9b14f54a
 def tree_serialize_leaves(
@@ -450,9 +592,11 @@ def tree_serialize_leaves(
     write_index: bool = True,  # also store the tree's structure, so it restores without a template
     compression: str | None = None,  # None (raw, the default), 'zstd', 'gzip' or 'blosc'
     dtype: tp.Any = None,  # cast floating arrays to this dtype before saving
+    overwrite: bool = False,  # save into a directory holding other files (they are kept, never deleted)
 ) -> ePath:
     "Save `pytree` as a tree directory (`index.json` + zarr3 arrays) and return its path; every JAX process calls it."
     tree_dir = _tree_dir(checkpoint_dir, prefix)
+    refuse_destination(tree_dir, "tree_serialize_leaves")
     if manager is not None and not callable(getattr(manager, "submit", None)):
         raise TypeError(
             f"manager must be an AsyncCheckpointManager (anything with submit(fn)), got {type(manager).__name__}"
@@ -461,7 +605,7 @@ def tree_serialize_leaves(
     plan = _plan_save(pytree, copy=manager is not None, dtype=dtype, with_structure=write_index)
 
     def finish() -> None:
-        _commit_tree(tree_dir, plan, compression)
+        _commit_tree(tree_dir, plan, compression, overwrite)
         if commit_callback is not None:
             commit_callback()
 
@@ -537,10 +681,11 @@ def _check_template(key: str, rec: dict, leaf: tp.Any, want: np.dtype | None, st
             f"{type(leaf).__name__}"
         )
     disk = f"{rec['dtype']}{list(rec['shape'])}"
-    if strict_shapes and tuple(leaf.shape) != tuple(rec["shape"]):
+    if tuple(leaf.shape) != tuple(rec["shape"]):  # strict_shapes=False too: never a shape other than the template's
         raise ValueError(
             f"leaf {key!r}: shape mismatch: on disk {disk}, the template asks for "
-            f"{np.dtype(leaf.dtype).name}{list(leaf.shape)}"
+            f"{np.dtype(leaf.dtype).name}{list(leaf.shape)}" + ("" if strict_shapes else
+                                                                 " (strict_shapes=False does not restore another shape)")
         )
     if np.dtype(leaf.dtype) != want:
         raise ValueError(
@@ -572,12 +717,79 @@ def _place(data: np.ndarray, box: tuple[slice, ...], shape: tuple, sharding: tp.
                     for d, s in enumerate(idx))
         devices.append(dev)
         pieces.append(data[rel])
+    if len(pieces) == 1:  # one device: take the buffer itself where the device is a CPU (no copy)
+        return jax.make_array_from_single_device_arrays(shape, sharding, [_to_device(pieces[0], devices[0])])
     return jax.make_array_from_single_device_arrays(shape, sharding, jax.device_put(pieces, devices))
 
-# %% ../../nbs/10a_serialization.serialization.ipynb #e1479984
-def _read_arrays(tree_dir: ePath, jobs: list[tuple[str, dict, tp.Any, np.dtype, str]]) -> dict[str, tp.Any]:
-    "Read every job `(key, record, sharding, dtype, type)` concurrently: one read of this process's box per leaf."
+# %% ../../nbs/10a_serialization.serialization.ipynb #ce700e27
+def _opened(tree_dir: ePath, key: str, rec: dict, fut: tp.Any) -> tp.Any:
+    "The opened array of leaf `key`, checked against its record: its zarr.json must say the shape and dtype index.json says."
+    where = str(tree_dir / rec["file"])
+    try:
+        arr = fut.result()
+    except ValueError as e:
+        raise TornCheckpointError(f"leaf {key!r}: its array {where!r} cannot be opened ({e}); the checkpoint is "
+                                  "incomplete or damaged") from e
+    if list(arr.shape) != list(rec["shape"]) or arr.dtype.name != rec["stored_dtype"] or (
+            rec["stored_dtype"] != _stored_dtype(rec["dtype"])):  # a dtype stored as another one's bits
+        raise CorruptCheckpointError(
+            f"leaf {key!r}: index.json says {rec['dtype']}{list(rec['shape'])} stored as {rec['stored_dtype']}; its "
+            f"array {where!r} (zarr.json) holds {arr.dtype.name}{list(arr.shape)}, and {rec['dtype']} is stored as "
+            f"{_stored_dtype(rec['dtype'])}: one of them was modified")
+    return arr
+
+
+def _result(tree_dir: ePath, key: str, rec: dict, fut: tp.Any) -> np.ndarray:
+    "The data of a read; a failed crc32c or a missing chunk is a `CorruptCheckpointError` naming the leaf and file."
+    try:
+        return fut.result()
+    except ValueError as e:
+        raise CorruptCheckpointError(f"leaf {key!r}: reading {str(tree_dir / rec['file'])!r} failed: {e}") from e
+
+
+def _cast_leaf(key: str, data: np.ndarray, want: np.dtype, lossy: bool) -> np.ndarray:
+    "`data` cast to `want`; without `lossy`, a cast that overflows finite values to inf/nan is an error naming the leaf."
+    if data.dtype == want:
+        return data
+    out = data.astype(want)
+    if not lossy and _is_float(data.dtype) and _is_float(want):
+        bad = np.isfinite(data) & ~np.isfinite(out)
+        if bad.any():
+            raise ValueError(f"leaf {key!r}: casting {data.dtype} to {want} overflows {int(bad.sum())} finite value(s) "
+                             f"(e.g. {data[bad].flat[0]}); pass allow_lossy_cast=True to accept inf/nan there")
+    return out
+
+
+def _aligned_read(arr: tp.Any, box: tuple) -> tuple[tp.Any, np.ndarray]:
+    "Start reading `arr[box]` into a new 64-byte-aligned buffer (which a CPU `jax.Array` can adopt without a copy)."
+    import tensorstore as ts
+
+    sub = arr[box] if box else arr
+    shape, dt = tuple(sub.shape), np.dtype(sub.dtype.numpy_dtype)
+    raw = np.empty(math.prod(shape) * dt.itemsize + 64, np.uint8)
+    off = (-raw.ctypes.data) % 64
+    buf = raw[off:off + math.prod(shape) * dt.itemsize].view(dt).reshape(shape)
+    return ts.array(buf, copy=False).write(sub), buf
+
+
+def _to_device(data: np.ndarray, device: tp.Any = None) -> tp.Any:
+    """`data` on `device` (default: the default one): adopted through DLPack, without a copy, when that is a CPU and
+    `data` is an aligned, contiguous array of a dtype JAX keeps as it is; else `jax.device_put`."""
     import jax
+
+    device = device if device is not None else jax.devices()[0]
+    if (isinstance(data, np.ndarray) and device.platform == "cpu" and data.size and data.flags.c_contiguous
+            and data.ctypes.data % 64 == 0 and data.dtype.kind in "biuf"
+            and jax.dtypes.canonicalize_dtype(data.dtype) == data.dtype):
+        out = jax.dlpack.from_dlpack(data)
+        if out.devices() == {device}:
+            return out
+    return jax.device_put(data, device)
+
+# %% ../../nbs/10a_serialization.serialization.ipynb #e1479984
+def _read_arrays(tree_dir: ePath, jobs: list[tuple[str, dict, tp.Any, np.dtype, str]], lossy: bool = False
+                 ) -> dict[str, tp.Any]:
+    "Read every job `(key, record, sharding, dtype, type)` concurrently: one read of this process's box per leaf."
     import tensorstore as ts
 
     from eformer_nb.serialization.fsspec_utils import kvstore_spec
@@ -586,17 +798,11 @@ def _read_arrays(tree_dir: ePath, jobs: list[tuple[str, dict, tp.Any, np.dtype, 
     opened = [(job, ts.open(_array_spec(kv, job[1]), open=True, read=True)) for job in jobs if not job[1].get("inline")]
     reads = {}
     for (key, rec, sharding, _, _), fut in opened:
-        try:
-            arr = fut.result()
-        except ValueError as e:
-            raise TornCheckpointError(
-                f"leaf {key!r}: its array {str(tree_dir / rec['file'])!r} cannot be opened ({e}); "
-                "the checkpoint is incomplete or damaged"
-            ) from e
+        arr = _opened(tree_dir, key, rec, fut)
         shape = tuple(rec["shape"])
         idx_map = sharding.addressable_devices_indices_map(shape) if sharding is not None else None
         box = _box(idx_map, shape) if idx_map is not None else tuple(slice(0, n) for n in shape)
-        reads[key] = (arr[box].read() if box else arr.read(), box, idx_map)
+        reads[key] = (*_aligned_read(arr, box), box, idx_map)
     out = {}
     for key, rec, sharding, want, kind in jobs:
         shape = tuple(rec["shape"])
@@ -604,19 +810,19 @@ def _read_arrays(tree_dir: ePath, jobs: list[tuple[str, dict, tp.Any, np.dtype, 
             data, box = _inline_value(rec), tuple(slice(0, n) for n in shape)
             idx_map = sharding.addressable_devices_indices_map(shape) if sharding is not None else None
         else:
-            fut, box, idx_map = reads[key]
-            data = fut.result()
+            fut, data, box, idx_map = reads[key]
+            _result(tree_dir, key, rec, fut)
             if rec["stored_dtype"] != rec["dtype"]:
                 data = data.view(dtype_from_tag(rec["dtype"]))
-        if data.dtype != want:
-            data = data.astype(want)
+        data = _cast_leaf(key, data, want, lossy)
         if sharding is not None:
             out[key] = _place(data, box, shape, sharding, idx_map)
         elif kind == "jax":
-            out[key] = jax.device_put(data)
+            out[key] = _to_device(data)
         else:
             out[key] = data[()] if kind == "numpy_scalar" else data
     return out
+
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #ad9f20c7
 def _restore_jobs(records: dict, keys: list[str], tleaves: list, placed: dict, mesh: tp.Any, dtype: tp.Any,
@@ -656,10 +862,14 @@ def tree_deserialize_leaves(
     chunk_size: int | None = None,  # read this many array leaves at a time (bounds host memory); None: all at once
     template: tp.Any = None,  # a tree (ShapeDtypeStruct leaves are fine): structure, shapes, dtypes, shardings
     dtype: tp.Any = None,  # cast floating arrays to this dtype
-    strict_shapes: bool = True,  # a template leaf whose shape differs from the checkpoint is an error
+    strict_shapes: bool = True,  # kept for eformer: a shape differing from the template's is an error either way
+    allow_lossy_cast: bool = False,  # allow `dtype` to be non-floating, or to overflow finite values to inf/nan
 ) -> tp.Any:
     "Restore a tree saved by `tree_serialize_leaves`, in the template's structure when given (else the saved one)."
     tree_dir = _tree_dir(checkpoint_dir, prefix)
+    if dtype is not None and not _is_float(np.dtype(dtype)) and not allow_lossy_cast:
+        raise ValueError(f"dtype={np.dtype(dtype).name}: dtype= casts floating leaves, and casting them to a "
+                         "non-floating dtype drops their fractions; pass allow_lossy_cast=True if you mean it")
     index = read_index(tree_dir)
     records = index["leaves"]
     if template is not None:
@@ -681,7 +891,7 @@ def tree_deserialize_leaves(
     with ProgressLogger(total=len(jobs), desc=f"restore {tree_dir.name}", unit="leaf",
                         enabled=None if total >= PROGRESS_BYTES else False) as bar:
         for i in range(0, len(jobs), step):
-            values.update(_read_arrays(tree_dir, jobs[i:i + step]))
+            values.update(_read_arrays(tree_dir, jobs[i:i + step], allow_lossy_cast))
             bar.update(len(jobs[i:i + step]))
     if callback is not None:
         values = {k: callback(v, k) for k, v in values.items()}

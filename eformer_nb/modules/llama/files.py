@@ -135,26 +135,14 @@ def _shards(tensors: dict[str, np.ndarray], limit: int) -> list[dict[str, np.nda
         size += arr.nbytes
     return shards + [current] if current else shards
 
-# %% ../../../nbs/12e_modules.llama.files.ipynb #5537fcd3
-def save_pretrained(
-    model,  # the model
-    save_directory: str | os.PathLike | ePath,  # folder to write
-    push_to_hub: bool = False,  # also upload the folder
-    token=None,  # Hugging Face token
-    gather_fns: dict | None = None,  # a tree of functions applied to each parameter first
-    float_dtype=None,  # cast floating parameters
-    step: int | None = None,  # training step recorded with the weights
-    max_shard_size: int | str = "5GB",  # largest safetensors file, e.g. '5GB'
-    **kwargs,  # more keyword arguments (see the description)
-) -> ePath:
-    """Write `config.json` and the weights (transformers layout) to `save_directory` (`run-{step}` inside it when
-    `step` is given); with `push_to_hub`, upload the folder to `kwargs['repo_id']` (default: the folder name)."""
+# %% ../../../nbs/12e_modules.llama.files.ipynb #a1f58579
+_HF_OWNED = re.compile(r"^(config\.json|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json)$")
+
+
+def _write_files(model, d: ePath, tensors: dict, max_shard_size) -> int:
+    "Write config.json and the safetensors file(s) of `tensors` into folder `d` (its old weight files removed first)."
     import jax.numpy as jnp
-    d = save_directory if isinstance(save_directory, ePath) else ePath(save_directory)
-    if step is not None:
-        d = d / f"run-{step}"
     d.mkdir(parents=True, exist_ok=True)
-    tensors = to_hf_state_dict(model.split_params_dict(), float_dtype, gather_fns)
     for old in list(d.glob("model*.safetensors")) + list(d.glob(WEIGHTS_INDEX_NAME)):
         old.unlink()
     shards = _shards(tensors, parse_size(max_shard_size))
@@ -170,6 +158,48 @@ def save_pretrained(
     config = type(model.config).from_dict(model.config.to_dict())
     config.architectures, config.torch_dtype = [type(model).__name__], np.dtype(dtype).name
     config.save_pretrained(d)
+    return n
+
+
+def _write_folder(model, d: ePath, tensors: dict, max_shard_size) -> int:
+    """Write the folder `d`: locally (one process) into a fresh `.partial` sibling swapped in at the end, the user's
+    other files (tokenizer, notes) hard-linked across, so a failed overwrite leaves the previous folder whole."""
+    import jax
+    from ...paths import is_remote_path
+    if is_remote_path(d) or jax.process_count() > 1:  # in place: no directory rename on object stores
+        return _write_files(model, d, tensors, max_shard_size)
+    from ...serialization.base_manager import MARKER_FILE, fresh_work_dir, rename_into_place
+    from ...serialization.serialization import exclusive_writer, refuse_destination
+    refuse_destination(d, "save_pretrained")
+    with exclusive_writer(d, "model folder"):
+        keep = sorted(p.name for p in d.iterdir() if not _HF_OWNED.match(p.name)) if d.is_dir() else []
+        work = fresh_work_dir(d, keep)  # marked ours while it is written: a crash leaves it for the next save to clear
+        n = _write_files(model, work, tensors, max_shard_size)
+        rename_into_place(work, d)
+        if MARKER_FILE not in keep:  # a finished Hugging Face folder carries no marker
+            (d / MARKER_FILE).unlink()
+    return n
+
+
+# %% ../../../nbs/12e_modules.llama.files.ipynb #5537fcd3
+def save_pretrained(
+    model,  # the model
+    save_directory: str | os.PathLike | ePath,  # folder to write
+    push_to_hub: bool = False,  # also upload the folder
+    token=None,  # Hugging Face token
+    gather_fns: dict | None = None,  # a tree of functions applied to each parameter first
+    float_dtype=None,  # cast floating parameters
+    step: int | None = None,  # training step recorded with the weights
+    max_shard_size: int | str = "5GB",  # largest safetensors file, e.g. '5GB'
+    **kwargs,  # more keyword arguments (see the description)
+) -> ePath:
+    """Write `config.json` and the weights (transformers layout) to `save_directory` (`run-{step}` inside it when
+    `step` is given); with `push_to_hub`, upload the folder to `kwargs['repo_id']` (default: the folder name)."""
+    d = save_directory if isinstance(save_directory, ePath) else ePath(save_directory)
+    if step is not None:
+        d = d / f"run-{step}"
+    tensors = to_hf_state_dict(model.split_params_dict(), float_dtype, gather_fns)
+    n = _write_folder(model, d, tensors, max_shard_size)
     logger.info("saved %d tensors in %d file(s) to %s", len(tensors), n, d)
     if push_to_hub:
         _upload_folder(d, kwargs.pop("repo_id", d.name), token=token, **kwargs)
