@@ -2344,6 +2344,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                         'eformer_nb/pytree/tree_util.py'),
                                              'eformer_nb.pytree.tree_util._map_keys': ( 'nbs/pytree.tree_util.html#_map_keys',
                                                                                         'eformer_nb/pytree/tree_util.py'),
+                                             'eformer_nb.pytree.tree_util._otree': ( 'nbs/pytree.tree_util.html#_otree',
+                                                                                     'eformer_nb/pytree/tree_util.py'),
                                              'eformer_nb.pytree.tree_util._size_and_bytes': ( 'nbs/pytree.tree_util.html#_size_and_bytes',
                                                                                               'eformer_nb/pytree/tree_util.py'),
                                              'eformer_nb.pytree.tree_util._xp': ( 'nbs/pytree.tree_util.html#_xp',
