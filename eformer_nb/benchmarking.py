@@ -18,7 +18,8 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['MET', 'MISSED', 'NOISY', 'INFO', 'machine_info', 'format_machine', 'wait', 'interleaved_times', 'median_ci',
-           'Comparison', 'compare', 'Target', 'verdict', 'TargetMissed', 'judge', 'Bench']
+           'Comparison', 'compare', 'Target', 'verdict', 'TargetMissed', 'judge', 'Bench', 'saved_rows',
+           'disagreements']
 
 # %% ../nbs/99b_benchmarking.ipynb #bde21714
 def _cpu_model() -> str:
@@ -194,6 +195,11 @@ class Target:
         m = self.margin or 0.0
         return self.bound + m if self.op == "<=" else self.bound - m
 
+    @property
+    def tolerance(self) -> float:
+        "The A/A noise this target was once gated on (its margin, or its distance from parity); printed, never a gate."
+        return abs(self.bound - 1.0) if self.margin is None else self.margin
+
     def __str__(self) -> str:
         lim = f" (judged at {self.limit:.3g}x)" if self.margin else ""
         return f"{'≤' if self.op == '<=' else '≥'} {self.bound:.3g}x" + lim + (f" ({self.note})" if self.note else "")
@@ -340,3 +346,59 @@ def plot(
     ax.set_title(title or f"{self.name} (1-min load average {os.getloadavg()[0]:.1f})", fontsize=10, pad=24)
     fig.tight_layout()
     return fig
+
+# %% ../nbs/99b_benchmarking.ipynb #d0c1a002
+import json as _json
+import re as _re
+
+_ROW = _re.compile(r"^(?P<label>.+?)\s+(?P<ratio>[\d.]+)x \[\s*(?P<lo>[\d.]+),\s*(?P<hi>[\d.]+)\]\s+(?P<aa>[\d.]+)%\s+"
+                   r"(?P<target>-|[≤≥] .+?)\s+(?P<verdict>met|missed|too noisy to judge|informational)$")
+
+
+def saved_rows(
+    notebook: str | os.PathLike,  # a benchmark page (.ipynb) with saved outputs
+) -> dict[str, dict]:  # label -> {ratio, lo, hi, target (text), verdict}, from the last table the page printed
+    "The rows of the last verdict table (`Bench.summary`) in the saved outputs of `notebook`; {} when there is none."
+    with open(notebook, encoding="utf-8") as f:
+        cells = _json.load(f)["cells"]
+    tables = [text for c in cells for o in c.get("outputs", []) for text in ["".join(o.get("text", ""))]
+              if text.lstrip().startswith("measurement") or "\nmeasurement " in text]
+    if not tables:
+        return {}
+    rows = {}
+    for line in tables[-1][tables[-1].index("measurement"):].splitlines()[1:]:
+        m = _ROW.match(line.rstrip())
+        if m:
+            rows[m["label"]] = {"ratio": float(m["ratio"]), "lo": float(m["lo"]), "hi": float(m["hi"]),
+                                "target": m["target"], "verdict": m["verdict"]}
+    return rows
+
+# %% ../nbs/99b_benchmarking.ipynb #d0c1a003
+def _clash(saved: str, now: str) -> bool:
+    "Verdicts of opposite direction: met vs missed, or a miss that the saved verdict did not call."
+    return {saved, now} == {MET, MISSED} or (now == MISSED and saved != MISSED)
+
+
+def disagreements(
+    saved: dict[str, dict],  # `saved_rows(page)`
+    targets: dict[str, Target],  # label -> the target the page judges it against
+    fresh: dict[str, Comparison] | None = None,  # label -> a fresh measurement of the same comparison
+) -> list[str]:  # one line per disagreement; empty when the page holds up
+    "Where a page's saved verdicts disagree with their own intervals or with a fresh re-run."
+    out = []
+    for label, target in targets.items():
+        row = saved.get(label)
+        if row is None:
+            out.append(f"{label!r}: no saved row (re-run the page)")
+            continue
+        own = verdict(Comparison(label, [row["hi"], row["lo"], row["ratio"]], [1.0] * 3, [1.0] * 3), target)
+        if _clash(row["verdict"], own):
+            out.append(f"{label!r}: saved {row['verdict']!r}, but its interval [{row['lo']}, {row['hi']}] against "
+                       f"{target} says {own!r}")
+        if fresh and label in fresh:
+            now = verdict(fresh[label], target)
+            if _clash(row["verdict"], now):
+                lo, hi = fresh[label].ratio_ci
+                out.append(f"{label!r}: saved {row['verdict']!r}, a fresh run says {now!r} (ratio {fresh[label].ratio:.3f}x "
+                           f"[{lo:.3f}, {hi:.3f}], {len(fresh[label].ours)} rounds, load {fresh[label].load[0]:.1f})")
+    return out
