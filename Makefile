@@ -57,7 +57,7 @@ lint: install
 	$(BIN)/ruff check tests .ci
 	$(BIN)/ruff check --line-length 130 eformer_nb
 
-test: check-sync check-notebooks check-readme lint nbtest pytest bench-check
+test: check-sync check-notebooks check-readme lint nbtest pytest
 
 readme: install
 	$(BIN)/python .ci/docs.py readme
@@ -75,7 +75,7 @@ bench: install
 	rc=$$?; $(BIN)/nbdev-clean; exit $$rc
 
 # Fails when a saved benchmark verdict disagrees in direction (met vs missed) with its own interval or with a brief
-# fresh re-run of the page's headline comparison. CI (`make test`) runs the cheap pages (~40 s); BENCH_PAGES=all adds
+# fresh re-run of the page's headline comparison; by default the cheap pages (~40 s), BENCH_PAGES=all adds
 # the static re-judging of the expensive ones.
 BENCH_PAGES ?=
 bench-check: install
