@@ -10,7 +10,7 @@ NBDEV_TEST_FLAGS ?= multidevice
 NBDEV_WORKERS ?= 2
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: help install test lint check-sync check-notebooks check-readme nbtest pytest docs readme bench demo mutate clean client
+.PHONY: help install test lint check-sync check-notebooks check-readme nbtest pytest docs readme bench bench-check demo mutate clean client
 
 help:
 	@echo "make install  - create $(VENV) and install eformer-nb with its dev extras"
@@ -20,6 +20,7 @@ help:
 	@echo "make docs     - build the docs site (Quarto when installed, otherwise an offline HTML preview in _docs/)"
 	@echo "make readme   - regenerate README.md from nbs/index.ipynb"
 	@echo "make bench    - run the benchmark notebooks in nbs/benchmarks/ and save their outputs"
+	@echo "make bench-check - re-judge the saved benchmark verdicts and re-run the cheap headline rows (BENCH_PAGES=all: every page)"
 	@echo "make mutate   - apply each mutation in tests/mutations/*.yaml in a scratch copy; fails if one survives (MUTATE_ARGS=\"-j 2 --only NAME\")"
 	@echo "make demo     - QLoRA fine-tuning through a local Ray cluster: checkpoint, SIGKILL, bit-identical resume, sample"
 
@@ -107,6 +108,13 @@ bench: install
 	# printed, not failed. Quantization alone took 14-16 min at load ~30 on the shared 2-core box.
 	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/nbdev-test nbs/benchmarks --flags "bench multidevice hf" --n-workers 0 --save --timing; \
 	rc=$$?; $(BIN)/nbdev-clean; exit $$rc
+
+# Fails when a saved benchmark verdict disagrees in direction (met vs missed) with its own interval or with a brief
+# fresh re-run of the page's headline comparison; by default the cheap pages (~40 s), BENCH_PAGES=all adds
+# the static re-judging of the expensive ones.
+BENCH_PAGES ?=
+bench-check: install
+	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python tests/bench_check.py $(BENCH_PAGES)
 
 # Not part of `make test` (one notebook/test run per mutation). Report: _mutate/report.md.
 mutate: install

@@ -232,19 +232,25 @@ def _convert_bool(value, where: str, from_string: bool) -> bool:
     _fail(where, value, "bool" + (f" (one of {sorted(_TRUE | _FALSE)})" if from_string else ""))
 
 
+def _number_expected(kind: str, value) -> str:
+    "What a number field expects; Python's int() and float() also read full-width and other Unicode digits: refused."
+    return f"{kind} in ASCII digits (not full-width or other Unicode digits)" if isinstance(value, str) and not \
+        value.isascii() and any(c.isdigit() for c in value) else kind
+
+
 def _convert_int(value, where: str, from_string: bool) -> int:
     "An int (not a bool) that fits in 64 bits; from a CLI, its decimal string (underscores allowed)."
     out = None
     if isinstance(value, int) and not isinstance(value, bool):
         out = value
-    elif from_string and isinstance(value, str):
+    elif from_string and isinstance(value, str) and value.isascii():  # int("１２") is 12: full-width digits refused
         try:
             out = int(value.replace("_", ""))
         except ValueError:
             pass
     if out is not None and _INT_RANGE[0] <= out < _INT_RANGE[1]:
         return out
-    _fail(where, _short(value), "int" if out is None else "an int that fits in 64 bits")
+    _fail(where, _short(value), _number_expected("int", value) if out is None else "an int that fits in 64 bits")
 
 
 def _convert_float(value, where: str, from_string: bool) -> float:
@@ -255,14 +261,15 @@ def _convert_float(value, where: str, from_string: bool) -> float:
             out = float(value)
         except OverflowError:
             out = float("inf")
-    elif from_string and isinstance(value, str):
+    elif from_string and isinstance(value, str) and value.isascii():
         try:
             out = float(value)
         except ValueError:
             pass
     if out is not None and out - out == 0.0:  # finite
         return out
-    _fail(where, _short(value), "float" if out is None else "a finite float (not nan/inf or beyond float range)")
+    _fail(where, _short(value), _number_expected("float", value) if out is None
+          else "a finite float (not nan/inf or beyond float range)")
 
 # %% ../nbs/02_aparser.ipynb #817317ef
 def _convert_union(value, args: tuple, where: str, from_string: bool):
@@ -382,8 +389,8 @@ def _read_args_file(path: Path) -> list[str]:
     return path.read_text(encoding="utf-8").split()
 
 
-def _with_args_files(args, look_for_args_file: bool, args_filename, args_file_flag) -> list[str]:
-    "`args` with the arguments of the args files in front (the command line comes last, so it wins)."
+def _with_args_files(args, look_for_args_file: bool, args_filename, args_file_flag) -> tuple[list[str], list[str]]:
+    "The arguments of the args files, and the command line (which comes last, so it wins)."
     explicit = args is not None
     cmdline = list(sys.argv[1:] if args is None else args)
     files: list[Path] = []
@@ -400,7 +407,7 @@ def _with_args_files(args, look_for_args_file: bool, args_filename, args_file_fl
         flag_parser.add_argument(args_file_flag, action="append", default=[], dest="files")
         ns, cmdline = flag_parser.parse_known_args(cmdline)
         files += [Path(f) for f in ns.files]
-    return [a for f in files for a in _read_args_file(f)] + cmdline
+    return [a for f in files for a in _read_args_file(f)], cmdline
 
 # %% ../nbs/02_aparser.ipynb #8df0bd86
 def _strip_optional(ann):
@@ -428,6 +435,7 @@ class DataClassArgumentParser(argparse.ArgumentParser):
         **kwargs,  # passed to `argparse.ArgumentParser` (`description`, `prog`, ...)
     ):
         kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)  # `--fla` for `--flag` is an unknown option, not a guess
         super().__init__(**kwargs)
         self._collections: dict[str, tp.Any] = {}  # list/tuple/set fields, converted after parsing
         if dataclasses.is_dataclass(dataclass_types) and isinstance(dataclass_types, type):
@@ -512,6 +520,21 @@ def _namespace_to_dataclasses(self: DataClassArgumentParser, ns: dict) -> list:
 
 # %% ../nbs/02_aparser.ipynb #423c2533
 @patch
+def _check_repeated(self: DataClassArgumentParser, tokens: Sequence[str], source: str) -> None:
+    "Fail when two options of `tokens` set the same field (`--x 1 --x 2`, `--flag --no-flag`): which one wins?"
+    seen: dict[str, str] = {}
+    for tok in tokens:
+        if tok == "--":
+            break
+        action = self._option_string_actions.get(tok.split("=", 1)[0]) if tok.startswith("-") else None
+        if action is None or action.dest == "help":
+            continue
+        if action.dest in seen:
+            self.error(f"{action.dest} is set twice in {source}: {seen[action.dest]!r} and {tok!r}; give it once")
+        seen[action.dest] = tok
+
+
+@patch
 def parse_args_into_dataclasses(
     self: DataClassArgumentParser,
     args: Sequence[str] | None = None,  # the arguments (default `sys.argv[1:]`)
@@ -521,9 +544,12 @@ def parse_args_into_dataclasses(
     args_file_flag: str | None = None,  # an option (e.g. `--args_file`) naming more argument files
 ):  # one instance per dataclass type (plus the remaining strings, when asked)
     """Parse `args` into one instance per dataclass type, in order. Arguments from files (whitespace-separated)
-    come before the command line, which wins."""
-    args = _with_args_files(args, look_for_args_file, args_filename, args_file_flag)
-    ns, remaining = self.parse_known_args(args=args)
+    come before the command line, which wins; within one of them, an option given twice (or `--flag --no-flag`) is
+    an error."""
+    from_files, cmdline = _with_args_files(args, look_for_args_file, args_filename, args_file_flag)
+    for tokens, source in ((from_files, "the args files"), (cmdline, "the command line")):
+        self._check_repeated(tokens, source)
+    ns, remaining = self.parse_known_args(args=from_files + cmdline)
     if remaining and not return_remaining_strings:
         self.error(f"unrecognized arguments: {' '.join(remaining)}; run with --help for the valid options")
     outputs = self._namespace_to_dataclasses(vars(ns))

@@ -555,6 +555,110 @@ def fuzz_quantization(target_dir: Path, n: int) -> Outcomes:
     return o
 
 
+def fuzz_state(target_dir: Path, n: int) -> Outcomes:
+    """`EasyDeLState.apply_gradients`, `merge_to_state` and `create(step=...)` with gradients of every wrong form:
+    NaN/Inf values, a scalar per leaf, a leading axis, other dtypes, a missing or an extra leaf, a plain dict."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from eformer_nb.escale.partition.constraints import map_leaves_with_path
+    from eformer_nb.infra.base_state import EasyDeLState
+    from eformer_nb.optimizers import OptimizerFactory
+
+    class Tiny(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+            self.norm = nnx.LayerNorm(3, rngs=nnx.Rngs(0))
+
+    model, o = Tiny(), Outcomes()
+    txs = {"sgd": optax.sgd(0.1), "adamw": optax.adamw(1e-2),
+           "factory": OptimizerFactory.create("adamw", {"learning_rate": 1e-2}, clip_grad=1.0)[0]}
+    states = {(t, pol): EasyDeLState.create(model=model, tx=tx, init_opt_state=True, nonfinite=pol)
+              for t, tx in txs.items() for pol in ("skip", "raise", "off")}
+    base = states[("sgd", "skip")].graphstate
+    paths = []
+    map_leaves_with_path(lambda p, x: paths.append(p), base)
+    forms = ["ok", "scalar", "lead", "int32", "bfloat16", "drop", "dict", "extra", "transpose"]
+
+    def grads_of(seed, form, specials):
+        r = np.random.default_rng(seed)
+        bad = {paths[(seed + i) % len(paths)]: v for i, v in enumerate(specials)}
+
+        def leaf(p, x):
+            g = r.normal(size=x.shape).astype(np.float32)
+            if p in bad and g.size:
+                g.flat[seed % g.size] = bad[p]
+            g = jnp.asarray(g)
+            if p == paths[seed % len(paths)]:  # the one leaf the form changes
+                g = {"scalar": g.reshape(-1)[:1].reshape(()), "lead": g[None], "int32": g.astype(jnp.int32),
+                     "bfloat16": g.astype(jnp.bfloat16), "transpose": g.T if g.ndim == 2 else g[None]}.get(form, g)
+            return g
+        g = map_leaves_with_path(leaf, base)
+        if form == "dict":
+            g = nnx.to_pure_dict(g)
+        elif form in ("drop", "extra"):
+            g = nnx.to_pure_dict(g)
+            if form == "drop":
+                del g["lin"]["bias"]
+            else:
+                g["lin"]["extra"] = jnp.ones(3)
+        return g
+
+    def finite(tree):
+        return all(bool(jnp.isfinite(x).all()) for x in jax.tree_util.tree_leaves(tree))
+
+    @_settings(n, deadline_ms=20_000)
+    @given(st.sampled_from(sorted(txs)), st.sampled_from(["skip", "raise", "off"]), st.sampled_from(forms),
+           st.lists(st.sampled_from([np.nan, np.inf, -np.inf, 1e30, 0.0]), max_size=2), st.integers(0, 2**31 - 1))
+    def run(tx_name, policy, form, specials, seed):
+        state = states[(tx_name, policy)]
+        grads = grads_of(seed, form, specials)
+        clean = finite(grads) if form in ("ok", "bfloat16") else None
+
+        def on_ok(new):
+            assert form in ("ok", "bfloat16"), f"apply_gradients accepted gradients of the form {form!r}"
+            assert int(new.step) == int(state.step) + 1
+            if clean:
+                ref_u, _ = txs[tx_name].update(grads, state.opt_state, state.graphstate)
+                ref = optax.apply_updates(state.graphstate, ref_u)
+                for a, b in zip(jax.tree_util.tree_leaves(new.graphstate), jax.tree_util.tree_leaves(ref)):
+                    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+                assert int(new.skipped_steps) == 0
+            elif policy == "skip":  # a non-finite gradient: nothing moved, one skip counted
+                assert int(new.skipped_steps) == 1 and finite(new.graphstate)
+                for a, b in zip(jax.tree_util.tree_leaves(new.graphstate), jax.tree_util.tree_leaves(state.graphstate)):
+                    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            else:
+                assert policy == "off", policy  # 'raise' must have raised
+        o.check(lambda: state.apply_gradients(grads=grads), (ValueError, FloatingPointError),
+                names=["apply_gradients"] + paths, on_ok=on_ok)
+        def merged_ok(new):
+            assert form == "ok", f"merge_to_state accepted parameters of the form {form!r}"
+            assert new.graphstate is merged
+
+        merged = grads_of(seed, form, [])
+        o.check(lambda: state.merge_to_state(merged), (ValueError,), names=["merge_to_state"], on_ok=merged_ok)
+
+    run()
+
+    @_settings(max(n // 2, 1))
+    @given(st.none() | st.integers(-2**40, 2**40) | st.floats(allow_nan=True) | st.booleans() | st.text(max_size=4)
+           | st.sampled_from([np.int64(3), np.float32(2.0), jnp.array(4), jnp.array([1, 2]), jnp.array(1.5)]))
+    def steps(step):
+        def ok(s):
+            want = 0 if step is None else int(step)
+            assert want >= 0 and int(s.step) == want and not isinstance(step, (bool, float, str)), step
+        o.check(lambda: EasyDeLState.create(model=model, step=step), (ValueError,), names=["step="], on_ok=ok)
+
+    steps()
+    return o
+
+
 TARGETS: dict[str, tuple[tp.Callable[[Path, int], Outcomes], int]] = {
     "aparser_dict": (fuzz_aparser_dict, 400),
     "aparser_cli": (fuzz_aparser_cli, 300),
@@ -564,10 +668,12 @@ TARGETS: dict[str, tuple[tp.Callable[[Path, int], Outcomes], int]] = {
     "msgpack": (fuzz_msgpack, 500),
     "files": (fuzz_files, 250),
     "quantization": (fuzz_quantization, 60),
+    "state": (fuzz_state, 250),
 }
 GROUPS = {  # targets sharing one process (one interpreter start each; the config group never imports a backend)
     "config": ["aparser_dict", "aparser_cli", "aparser_files", "policy", "mesh"],
     "arrays": ["msgpack", "files", "quantization"],
+    "state": ["state"],  # EasyDeLState (issue 26): apply_gradients, merge_to_state, create(step=)
 }
 
 

@@ -19,13 +19,15 @@ from ..escale.mesh import get_current_mesh
 from ..escale.partition.constraints import (correct_partition_spec, make_shard_and_gather_fns,
                                                      map_leaves_with_path, match_partition_rules)
 from ..loggings import get_logger
+from ..optimizers.factory import _select, nonfinite_skips
 from ..pytree.dataclasses import auto_pytree, field
 from ..pytree.tree_util import tree_bytes
 
 _logger = get_logger(__name__)
 
 # %% auto #0
-__all__ = ['STATE_FILE', 'OPTIMIZER_PREFIX', 'STATE_FORMAT', 'STATE_FORMAT_VERSION', 'OptimizerStateMissingError', 'EasyDeLState']
+__all__ = ['NONFINITE_POLICIES', 'STATE_FILE', 'OPTIMIZER_PREFIX', 'STATE_FORMAT', 'STATE_FORMAT_VERSION',
+           'OptimizerStateMissingError', 'EasyDeLState', 'check_like_params']
 
 # %% ../../nbs/13a_infra.base_state.ipynb #71d8092e
 class OptimizerStateMissingError(AssertionError, ValueError):
@@ -43,6 +45,8 @@ class EasyDeLState:
     tx: optax.GradientTransformation | None = field(pytree_node=False)  # the optimizer (static)
     opt_state: optax.OptState | None  # the optimizer's state (a pytree of arrays), or None
     apply_fn: tp.Callable | None = field(pytree_node=False, default=None)  # optional function that applies the model
+    nonfinite: str = field(pytree_node=False, default="skip")  # NaN/Inf gradients: 'skip' (and count), 'raise', 'off'
+    skipped_steps: int | jax.Array = 0  # updates `apply_gradients` skipped for non-finite gradients
 
 
 def _method(name: str, kind: str = "method"):
@@ -54,7 +58,79 @@ def _method(name: str, kind: str = "method"):
         return f
     return install
 
+# %% ../../nbs/13a_infra.base_state.ipynb #c4ec0001
+def _shape_dtype(x) -> tuple[tuple, tp.Any]:
+    return tuple(getattr(x, "shape", np.shape(x))), getattr(x, "dtype", None) or np.result_type(x)
+
+
+def _paths(tree) -> dict[str, tp.Any]:
+    out = {}
+    map_leaves_with_path(lambda p, x: out.__setitem__(p, x), tree)
+    return out
+
+
+def check_like_params(
+    tree,  # gradients or parameters meant to match `params`
+    params,  # the reference: a state's `graphstate`
+    what: str,  # how errors name `tree`, e.g. "apply_gradients: grads"
+    any_float: bool = False,  # accept any floating dtype (gradients); otherwise the dtypes must be equal
+) -> None:
+    "Raise `ValueError` naming the first path where `tree` and `params` differ in structure, shape or dtype."
+    got, want = _paths(tree), _paths(params)
+    missing, extra = [p for p in want if p not in got], [p for p in got if p not in want]
+    if missing or extra:
+        raise ValueError(f"{what} does not match the parameters: " + "; ".join(
+            ([f"{len(missing)} parameter path(s) missing, first {missing[0]!r}"] if missing else [])
+            + ([f"{len(extra)} path(s) the parameters do not have, first {extra[0]!r}"] if extra else []))
+            + f"; expected the {len(want)} paths of the parameters, e.g. {list(want)[:3]}")
+    for path, ref in want.items():
+        (shape, dtype), (ref_shape, ref_dtype) = _shape_dtype(got[path]), _shape_dtype(ref)
+        if shape != ref_shape:
+            raise ValueError(f"{what}: {path!r} has shape {shape}, but the parameter has shape {ref_shape}")
+        ok = jnp.issubdtype(dtype, jnp.inexact) if any_float else jnp.dtype(dtype) == jnp.dtype(ref_dtype)
+        if not ok:
+            raise ValueError(f"{what}: {path!r} has dtype {jnp.dtype(dtype)}, expected "
+                             + ("a floating dtype" if any_float else f"the parameter's {jnp.dtype(ref_dtype)}"))
+    if jax.tree_util.tree_structure(tree) != jax.tree_util.tree_structure(params):
+        kinds = [{p: type(x).__name__ for p, x in jax.tree_util.tree_flatten_with_path(
+            t, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]} for t in (tree, params)]
+        diff = [(p, k) for p, k in kinds[0].items() if kinds[1].get(p) != k] or [(None, type(tree).__name__)]
+        raise ValueError(f"{what} has the parameters' paths but other containers or leaf types: first at "
+                         f"{jax.tree_util.keystr(diff[0][0]) if diff[0][0] else 'the root'}, {diff[0][1]} where "
+                         f"the parameters have {kinds[1].get(diff[0][0], type(params).__name__)}; build it from "
+                         "graphstate (jax.tree.map, or map_leaves_with_path)")
+
+# %% ../../nbs/13a_infra.base_state.ipynb #c4ec0002
+def _repr(self) -> str:
+    "One line a user reads: the step, the parameters, the optimizer, and the non-finite policy with its skips."
+    params = jax.tree_util.tree_leaves(self.graphstate)
+    n = sum(int(np.prod(getattr(x, "shape", ()))) for x in params)
+    skipped = self.skipped_steps if isinstance(self.skipped_steps, jax.core.Tracer) else int(self.skipped_steps)
+    step = self.step if isinstance(self.step, jax.core.Tracer) else int(self.step)
+    tx_skips = None if self.opt_state is None or isinstance(skipped, jax.core.Tracer) else nonfinite_skips(self.opt_state)
+    return (f"EasyDeLState(step={step}, params={n:,} in {len(params)} arrays, "
+            f"tx={'None' if self.tx is None else type(self.tx).__name__}, nonfinite={self.nonfinite!r}, "
+            f"skipped_steps={skipped}" + ("" if tx_skips is None else f", optimizer_skipped={tx_skips}") + ")")
+
+
+EasyDeLState.__repr__ = _repr
+
 # %% ../../nbs/13a_infra.base_state.ipynb #ab85afba
+NONFINITE_POLICIES = ("skip", "raise", "off")
+
+
+def _checked_step(step) -> jax.Array:
+    "`step` as an int32 scalar: None is 0; a bool, a float, a string, an array of another shape or a negative is an error."
+    if step is None:
+        return jnp.zeros((), jnp.int32)
+    ok = isinstance(step, (int, np.integer)) and not isinstance(step, (bool, np.bool_))
+    ok = ok or (isinstance(step, (jax.Array, np.ndarray)) and np.shape(step) == () and jnp.issubdtype(step.dtype, jnp.integer))
+    if not ok or (not isinstance(step, jax.core.Tracer) and int(step) < 0):
+        raise ValueError(f"EasyDeLState.create: step={step!r} is invalid: expected an integer >= 0 (a Python int or an "
+                         "integer scalar array), or None for 0")
+    return jnp.asarray(step, jnp.int32)
+
+
 def _missing_opt(what: str, state: EasyDeLState) -> OptimizerStateMissingError:
     missing = [n for n, v in (("tx", state.tx), ("opt_state", state.opt_state)) if v is None]
     return OptimizerStateMissingError(
@@ -76,8 +152,12 @@ def _create(
     tx: optax.GradientTransformation | None = None,  # the optimizer
     opt_state: optax.OptState | None = None,  # an existing optimizer state (not with `init_opt_state`)
     init_opt_state: bool = False,  # create the optimizer state with `init_tx(tx)` (sharded like the params)
+    nonfinite: str = "skip",  # NaN/Inf gradients in `apply_gradients`: 'skip' (and count), 'raise' or 'off'
 ) -> EasyDeLState:
     "A new state from `model` or from `graphdef`/`graphstate`/`graphother`; optionally with a fresh optimizer state."
+    step = _checked_step(step)
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"EasyDeLState.create: nonfinite={nonfinite!r} is invalid: expected one of {NONFINITE_POLICIES}")
     parts = {"graphdef": graphdef, "graphstate": graphstate, "graphother": graphother}
     given = [k for k, v in parts.items() if v is not None]
     if model is not None and given:
@@ -99,12 +179,14 @@ def _create(
     if model is not None:
         graphdef, graphstate, graphother = nnx.split(model, nnx.Param, ...)
     state = cls(
-        step=jnp.asarray(0 if step is None else step, jnp.int32),
+        step=step,
         graphdef=graphdef,
         graphstate=graphstate,
         graphother=graphother,
         tx=tx,
         opt_state=opt_state,
+        nonfinite=nonfinite,
+        skipped_steps=jnp.zeros((), jnp.int32),
     )
     return state.init_tx(tx) if init_opt_state else state
 
@@ -123,9 +205,10 @@ def _merge(self, tree: nnx.State  # parameters shaped like `graphstate`
 
 
 @_method("merge_to_state")
-def _merge_to_state(self, tree: nnx.State  # parameters shaped like `graphstate`
+def _merge_to_state(self, tree: nnx.State  # parameters shaped like `graphstate`: same paths, shapes and dtypes
                   ) -> EasyDeLState:
-    "A state with `graphstate` replaced by `tree`."
+    "A state with `graphstate` replaced by `tree`; a tree of another structure, shape or dtype is an error naming the path."
+    check_like_params(tree, self.graphstate, "merge_to_state: tree")
     return self.replace(graphstate=tree)
 
 
@@ -218,19 +301,41 @@ def _init_tx(
     return self.replace(tx=tx, opt_state=opt_state)
 
 # %% ../../nbs/13a_infra.base_state.ipynb #7cbbc6ca
+def _raise_nonfinite(finite_per_leaf, paths: tuple[str, ...]):
+    bad = [p for p, ok in zip(paths, np.asarray(finite_per_leaf)) if not ok]
+    if bad:
+        raise FloatingPointError(f"apply_gradients: non-finite (NaN/Inf) gradients at {len(bad)} path(s), first "
+                                 f"{bad[0]!r} (the state's nonfinite='raise'; 'skip' skips and counts such updates)")
+
+
 @_method("apply_gradients")
 def _apply_gradients(
     self,
     *,
-    grads: nnx.State,  # gradients shaped like `graphstate`
+    grads: nnx.State,  # gradients shaped like `graphstate` (same paths and shapes, floating dtypes)
 ) -> EasyDeLState:
-    "One optimizer step: new parameters and optimizer state, `step + 1`. Needs `tx` and `opt_state`."
+    """One optimizer step: new parameters and optimizer state, `step + 1`. Needs `tx` and `opt_state`. Gradients with
+    NaN/Inf follow the state's `nonfinite` policy: 'skip' keeps parameters and optimizer state and counts the step in
+    `skipped_steps` (one fused check, no branch); 'raise' raises naming the first bad path; 'off' applies them."""
     if self.tx is None or self.opt_state is None:
         raise _missing_opt("apply_gradients", self)
+    check_like_params(grads, self.graphstate, "apply_gradients: grads", any_float=True)
     updates, opt_state = self.tx.update(grads, self.opt_state, self.graphstate)
-    return self.replace(
-        step=self.step + 1, graphstate=optax.apply_updates(self.graphstate, updates), opt_state=opt_state
-    )
+    new = self.replace(step=self.step + 1, graphstate=optax.apply_updates(self.graphstate, updates), opt_state=opt_state)
+    if self.nonfinite == "off":
+        return new
+    leaves = _leaf_paths(grads)
+    per_leaf = jnp.stack([jnp.isfinite(x).all() for x in leaves.values()])
+    if self.nonfinite == "raise":
+        if isinstance(per_leaf, jax.core.Tracer):
+            jax.debug.callback(_raise_nonfinite, per_leaf, tuple(leaves))
+        else:
+            _raise_nonfinite(per_leaf, tuple(leaves))
+        return new
+    ok = per_leaf.all()
+    return new.replace(graphstate=_select(ok, new.graphstate, self.graphstate),
+                       opt_state=_select(ok, new.opt_state, self.opt_state),
+                       skipped_steps=self.skipped_steps + jnp.where(ok, 0, 1).astype(jnp.int32))
 
 # %% ../../nbs/13a_infra.base_state.ipynb #d5feb402
 def _model_config(self):
@@ -283,6 +388,7 @@ def _shard_model(
     mesh = _default_mesh(self, mesh, "shard_model")
     return self.replace(
         step=jax.device_put(self.step, NamedSharding(mesh, PartitionSpec())),
+        skipped_steps=jax.device_put(self.skipped_steps, NamedSharding(mesh, PartitionSpec())),
         graphstate=_shard_tree(self.graphstate, rules, mesh),
         graphother=_shard_tree(self.graphother, rules, mesh),
     )
@@ -300,6 +406,7 @@ def _gather_model(
         match_partition_rules(partition_rules, self.graphstate)  # a wrong rule set is an error, not silently unused
     return self.replace(
         step=_replicate_tree(self.step, mesh),
+        skipped_steps=_replicate_tree(self.skipped_steps, mesh),
         graphstate=_replicate_tree(self.graphstate, mesh),
         graphother=_replicate_tree(self.graphother, mesh),
     )

@@ -30,6 +30,13 @@ def _check_number(where: str, value, *, integer: bool = False, lo: float = 0.0, 
     array, a tracer, a placeholder JAX puts in while rebuilding the pytree) is returned unchanged."""
     if isinstance(value, np.ndarray) and value.shape == ():
         value = value[()]
+    if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):  # a concrete JAX array: its values
+        host = np.asarray(value)
+        if host.ndim == 0 and host.dtype.kind in "iuf":
+            _check_number(where, host.item(), integer=integer, lo=lo, lo_open=lo_open, hi=hi)
+        elif host.dtype.kind not in "iuf" or not np.isfinite(host).all() or (host <= lo).any():
+            raise ValueError(f"{where} must be finite numbers > {lo:g}, got the {host.dtype} array {host!r}")
+        return value
     if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, (bool, np.bool_)):
         if isinstance(value, (bool, np.bool_, str)):
             raise ValueError(f"{where} must be {'an int' if integer else 'a number'}, got {value!r}")

@@ -5,51 +5,72 @@
 # %% ../../nbs/08f_optimizers.__init__.ipynb #feefc2de
 from __future__ import annotations
 
+import importlib
+
 from eformer_nb.optimizers.configs import (
     AdafactorConfig, AdamWConfig, ConfigMixin, KronConfig, LionConfig, MarsConfig, MuonConfig, OPTIMIZER_CONFIGS,
     RMSPropConfig, SchedulerConfig, SoapConfig, WhiteKronConfig,
 )
-from .factory import OptimizerFactory, available_optimizers, register_optimizer
-from .kron import kron, scale_by_kron, scale_by_white_kron, white_kron
-from .schedulers import SchedulerFactory, available_schedulers, register_scheduler
-from .transforms import mars, optax_add_scheduled_weight_decay, scale_by_mars, scale_by_soap, soap
 
 SerializationMixin = ConfigMixin  # eformer's name for the dict/JSON mixin
+
+_LAZY = {  # name -> the submodule that defines it, imported on first use (each of them imports optax)
+    **dict.fromkeys(["OptimizerFactory", "available_optimizers", "register_optimizer", "skip_nonfinite_updates",
+                     "nonfinite_skips"], "factory"),
+    **dict.fromkeys(["kron", "scale_by_kron", "scale_by_white_kron", "white_kron"], "kron"),
+    **dict.fromkeys(["SchedulerFactory", "available_schedulers", "register_scheduler"], "schedulers"),
+    **dict.fromkeys(["mars", "optax_add_scheduled_weight_decay", "scale_by_mars", "scale_by_soap", "soap"], "transforms"),
+}
 
 _all_ = [  # nbdev adds these imported names to the module's __all__
     "AdafactorConfig", "AdamWConfig", "ConfigMixin", "KronConfig", "LionConfig", "MarsConfig", "MuonConfig",
     "OPTIMIZER_CONFIGS", "OptimizerFactory", "RMSPropConfig", "SchedulerConfig", "SchedulerFactory",
     "SerializationMixin", "SoapConfig", "WhiteKronConfig", "available_optimizers", "available_schedulers", "kron",
     "mars", "optax_add_scheduled_weight_decay", "register_optimizer", "register_scheduler", "scale_by_kron",
-    "scale_by_mars", "scale_by_soap", "scale_by_white_kron", "soap", "white_kron",
+    "scale_by_mars", "scale_by_soap", "scale_by_white_kron", "soap", "white_kron", "skip_nonfinite_updates",
+    "nonfinite_skips",
 ]
+
+
+def __getattr__(name: str):
+    "A name of a submodule that imports optax, imported on first use (PEP 562)."
+    if name not in _LAZY:
+        raise AttributeError(f"module 'eformer_nb.optimizers' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"eformer_nb.optimizers.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 # %% auto #0
 __all__ = ['SerializationMixin', 'AdafactorConfig', 'AdamWConfig', 'ConfigMixin', 'KronConfig', 'LionConfig', 'MarsConfig',
            'MuonConfig', 'OPTIMIZER_CONFIGS', 'OptimizerFactory', 'RMSPropConfig', 'SchedulerConfig',
            'SchedulerFactory', 'SoapConfig', 'WhiteKronConfig', 'available_optimizers', 'available_schedulers', 'kron',
            'mars', 'optax_add_scheduled_weight_decay', 'register_optimizer', 'register_scheduler', 'scale_by_kron',
-           'scale_by_mars', 'scale_by_soap', 'scale_by_white_kron', 'soap', 'white_kron', 'ScionConfig',
-           'AdafactorOptimizer', 'AdamWOptimizer', 'LionOptimizer', 'MarsOptimizer', 'MuonOptimizer',
-           'OptimizerBuilder', 'QuadOptimizer', 'RMSPropOptimizer', 'SkewOptimizer', 'StageLocalGradientTransformation',
-           'StageLocalOptimizerMetadata', 'get_base_optimizer', 'make_stage_local_gradient_transformation', 'quad',
-           'scale_by_quad', 'scale_by_skew', 'skew', 'ConstantSchedulerBuilder', 'CosineSchedulerBuilder',
-           'LinearSchedulerBuilder', 'SchedulerBuilder', 'create_cosine_scheduler', 'create_linear_scheduler',
-           'OptaxScheduledWeightDecayState', 'scale_by_scion', 'scion']
+           'scale_by_mars', 'scale_by_soap', 'scale_by_white_kron', 'soap', 'white_kron', 'skip_nonfinite_updates',
+           'nonfinite_skips', 'ScionConfig', 'AdafactorOptimizer', 'AdamWOptimizer', 'LionOptimizer', 'MarsOptimizer',
+           'MuonOptimizer', 'OptimizerBuilder', 'QuadOptimizer', 'RMSPropOptimizer', 'SkewOptimizer',
+           'StageLocalGradientTransformation', 'StageLocalOptimizerMetadata', 'get_base_optimizer',
+           'make_stage_local_gradient_transformation', 'quad', 'scale_by_quad', 'scale_by_skew', 'skew',
+           'ConstantSchedulerBuilder', 'CosineSchedulerBuilder', 'LinearSchedulerBuilder', 'SchedulerBuilder',
+           'create_cosine_scheduler', 'create_linear_scheduler', 'OptaxScheduledWeightDecayState', 'scale_by_scion',
+           'scion']
 
 # %% ../../nbs/08f_optimizers.__init__.ipynb #54dcbcc5
 from .configs import ScionConfig
-from eformer_nb.optimizers.factory import (
-    AdafactorOptimizer, AdamWOptimizer, LionOptimizer, MarsOptimizer, MuonOptimizer, OptimizerBuilder,
-    QuadOptimizer, RMSPropOptimizer, SkewOptimizer, StageLocalGradientTransformation,
-    StageLocalOptimizerMetadata, get_base_optimizer, make_stage_local_gradient_transformation,
-)
-from .kron import quad, scale_by_quad, scale_by_skew, skew
-from eformer_nb.optimizers.schedulers import (
-    ConstantSchedulerBuilder, CosineSchedulerBuilder, LinearSchedulerBuilder, SchedulerBuilder,
-    create_cosine_scheduler, create_linear_scheduler,
-)
-from .transforms import OptaxScheduledWeightDecayState, scale_by_scion, scion
+
+_LAZY.update({
+    **dict.fromkeys(["AdafactorOptimizer", "AdamWOptimizer", "LionOptimizer", "MarsOptimizer", "MuonOptimizer",
+                     "OptimizerBuilder", "QuadOptimizer", "RMSPropOptimizer", "SkewOptimizer",
+                     "StageLocalGradientTransformation", "StageLocalOptimizerMetadata", "get_base_optimizer",
+                     "make_stage_local_gradient_transformation"], "factory"),
+    **dict.fromkeys(["quad", "scale_by_quad", "scale_by_skew", "skew"], "kron"),
+    **dict.fromkeys(["ConstantSchedulerBuilder", "CosineSchedulerBuilder", "LinearSchedulerBuilder", "SchedulerBuilder",
+                     "create_cosine_scheduler", "create_linear_scheduler"], "schedulers"),
+    **dict.fromkeys(["OptaxScheduledWeightDecayState", "scale_by_scion", "scion"], "transforms"),
+})
 
 _all_ = [  # eformer's names (see the compatibility page)
     "ScionConfig", "AdafactorOptimizer", "AdamWOptimizer", "LionOptimizer", "MarsOptimizer", "MuonOptimizer",

@@ -27,9 +27,9 @@ from .transforms import blockwise, optax_add_scheduled_weight_decay, scale_by_ma
 # %% auto #0
 __all__ = ['MAX_CONSECUTIVE_NONFINITE', 'AdamWOptimizer', 'AdafactorOptimizer', 'LionOptimizer', 'RMSPropOptimizer',
            'MuonOptimizer', 'MarsOptimizer', 'QuadOptimizer', 'SkewOptimizer', 'register_optimizer',
-           'available_optimizers', 'kron_update_probability', 'OptimizerFactory', 'OptimizerBuilder',
-           'get_base_optimizer', 'StageLocalOptimizerMetadata', 'StageLocalGradientTransformation',
-           'make_stage_local_gradient_transformation']
+           'available_optimizers', 'kron_update_probability', 'skip_nonfinite_updates', 'nonfinite_skips',
+           'OptimizerFactory', 'OptimizerBuilder', 'get_base_optimizer', 'StageLocalOptimizerMetadata',
+           'StageLocalGradientTransformation', 'make_stage_local_gradient_transformation']
 
 # %% ../../nbs/08e_optimizers.factory.ipynb #459748b7
 class _Entry(tp.NamedTuple):
@@ -153,17 +153,17 @@ def _blocked(c, make: tp.Callable[[tp.Any], optax.GradientTransformation], merge
 
 
 @register_optimizer("mars", MarsConfig)
-def _mars(c: MarsConfig, schedule, weight_decay=0.0, weight_decay_mask=None):
+def _mars(c: MarsConfig, schedule, weight_decay=None, weight_decay_mask=None):
     d = scale_by_mars(c.beta1, c.beta2, c.gamma, c.epsilon, 0.0, c.max_grad_norm, _dt(c.mu_dtype))
-    return _with_decay(d, schedule, weight_decay or c.weight_decay, weight_decay_mask)
+    return _with_decay(d, schedule, c.weight_decay if weight_decay is None else weight_decay, weight_decay_mask)
 
 
 @register_optimizer("soap", SoapConfig)
-def _soap(c: SoapConfig, schedule, weight_decay=0.0, weight_decay_mask=None):
+def _soap(c: SoapConfig, schedule, weight_decay=None, weight_decay_mask=None):
     d = _blocked(c, lambda flags: scale_by_soap(
         c.beta1, c.beta2, c.shampoo_beta, c.epsilon, c.precondition_frequency, c.max_precond_dim, _dt(c.precond_dtype),
         one_diag=c.one_diag, mu_dtype=_dt(c.mu_dtype)))
-    return _clipped(c, _with_decay(d, schedule, weight_decay or c.weight_decay, weight_decay_mask))
+    return _clipped(c, _with_decay(d, schedule, c.weight_decay if weight_decay is None else weight_decay, weight_decay_mask))
 
 # %% ../../nbs/08e_optimizers.factory.ipynb #1bada1b7
 def kron_update_probability(
@@ -177,7 +177,7 @@ def kron_update_probability(
 
 
 @register_optimizer("kron", KronConfig)
-def _kron(c: KronConfig, schedule, weight_decay=0.0, weight_decay_mask=None):
+def _kron(c: KronConfig, schedule, weight_decay=None, weight_decay_mask=None):
     d = scale_by_kron(
         b1=c.beta1, preconditioner_update_probability=kron_update_probability(c),
         max_size_triangular=c.max_size_triangular, min_ndim_triangular=c.min_ndim_triangular,
@@ -189,17 +189,17 @@ def _kron(c: KronConfig, schedule, weight_decay=0.0, weight_decay_mask=None):
         lax_map_batch_size=c.lax_map_batch_size, seed=c.seed, normalize_grads=c.normalize_grads,
         merge_small_dims=c.merge_small_dims, target_merged_dim_size=c.target_merged_dim_size,
         partition_grads_into_blocks=c.partition_grads_into_blocks, block_size=c.block_size)
-    return _clipped(c, _with_decay(d, schedule, weight_decay or c.weight_decay, weight_decay_mask))
+    return _clipped(c, _with_decay(d, schedule, c.weight_decay if weight_decay is None else weight_decay, weight_decay_mask))
 
 
-def _white_kron(c: WhiteKronConfig, schedule, weight_decay=0.0, weight_decay_mask=None):
+def _white_kron(c: WhiteKronConfig, schedule, weight_decay=None, weight_decay_mask=None):
     d = blockwise(lambda flags: scale_by_white_kron(
         update_style=c.update_style, b1=c.b1, preconditioner_lr=c.preconditioner_lr,
         preconditioner_init_scale=c.preconditioner_init_scale, beta_lipschitz=c.beta_lipschitz, damping=c.noise_scale,
         max_size_dense=c.max_size_dense, max_skew_dense=c.max_skew_dense, lr_style=c.lr_style,
         normalize_grads=c.normalize_grads, mu_dtype=_dt(c.mu_dtype), precond_dtype=_dt(c.dtype), seed=c.seed),
         merge_small_dims=False, partition_grads_into_blocks=True, block_size=c.block_size)
-    return _with_decay(d, schedule, weight_decay or c.weight_decay,
+    return _with_decay(d, schedule, c.weight_decay if weight_decay is None else weight_decay,
                        c.weight_decay_mask if weight_decay_mask is None else weight_decay_mask)
 
 
@@ -252,16 +252,103 @@ def _check_create_options(skip_nonfinite, weight_decay, clip_grad, gradient_accu
     else:
         raise ValueError(f"OptimizerFactory.create: skip_nonfinite={skip_nonfinite!r} is invalid: expected True, "
                          "False or the number of non-finite updates in a row to skip (an integer >= 1)")
-    _check_number("weight_decay", weight_decay, 0.0)
+    _check_number("weight_decay", weight_decay, 0.0, allow_none=True)
     _check_number("clip_grad", clip_grad, 0.0, allow_none=True)
     if (isinstance(gradient_accumulation_steps, bool) or not isinstance(gradient_accumulation_steps, (int, np.integer))
             or gradient_accumulation_steps < 1):
         raise ValueError(f"OptimizerFactory.create: gradient_accumulation_steps={gradient_accumulation_steps!r} is "
                          "invalid: expected an integer >= 1.")
+    return max_nonfinite
+
+# %% ../../nbs/08e_optimizers.factory.ipynb #f1a5e0c1
+def _all_finite(tree) -> jax.Array:
+    "One boolean: every floating leaf of `tree` is free of NaN and Inf (one fused reduction per leaf, no branch)."
+    checks = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    return jnp.stack(checks).all() if checks else jnp.array(True)
+
+
+def _select(ok: jax.Array, new, old):
+    "`new` where `ok`, else `old`, leaf by leaf (typed PRNG keys through their key data)."
+    def sel(n, o):
+        if jax.dtypes.issubdtype(jnp.result_type(n), jax.dtypes.prng_key):
+            data = jnp.where(ok, jax.random.key_data(n), jax.random.key_data(o))
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(n))
+        return jnp.where(ok, n, o)
+    return jax.tree.map(sel, new, old)
+
+
+def skip_nonfinite_updates(
+    inner: optax.GradientTransformation,  # the optimizer to guard
+    max_consecutive_errors: int = 16,  # non-finite gradients in a row that are skipped; the next one goes through
+) -> optax.GradientTransformationExtraArgs:  # state: `optax.ApplyIfFiniteState` (`total_notfinite` counts skips)
+    """`optax.apply_if_finite` without its `lax.cond`: the inner update always runs, and one finiteness check over
+    the gradients selects, leaf by leaf, between the new and the old state (a select XLA fuses into the update)."""
+    inner = optax.with_extra_args_support(inner)
+
+    def init(params):
+        return optax.ApplyIfFiniteState(notfinite_count=jnp.zeros([], jnp.int32), last_finite=jnp.array(True),
+                                        total_notfinite=jnp.zeros([], jnp.int32), inner_state=inner.init(params))
+
+    def update(grads, state, params=None, **extra_args):
+        finite = _all_finite(grads)
+        count = jnp.where(finite, 0, optax.safe_increment(state.notfinite_count))
+        ok = jnp.logical_or(finite, count > max_consecutive_errors)
+        updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+        updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
+        total = jnp.where(finite, state.total_notfinite, optax.safe_increment(state.total_notfinite))
+        return updates, optax.ApplyIfFiniteState(count, finite, total, _select(ok, inner_state, state.inner_state))
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def nonfinite_skips(
+    opt_state,  # an optimizer state, e.g. `EasyDeLState.opt_state`
+) -> int | None:  # updates skipped for NaN/Inf so far; None when no guard is in the chain
+    "How many updates the non-finite guard in `opt_state` has skipped (`total_notfinite`), or None without a guard."
+    found = [s.total_notfinite for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
+        x, optax.ApplyIfFiniteState)) if isinstance(s, optax.ApplyIfFiniteState)]
+    return None if not found else sum(int(n) for n in found)
+
+# %% ../../nbs/08e_optimizers.factory.ipynb #f1a5e0c2
+def _field_default(config, name: str):
+    f = {f.name: f for f in dataclasses.fields(config)}[name]
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def _resolve(config, optimizer_type: str, field_name: str, arg_name: str, arg, none_is_unset: bool = True):
+    """`config` with `field_name` set to the explicit argument `arg`; an error if the config sets it to another
+    value too (both explicit: the user asked for two things)."""
+    if arg is None and none_is_unset:
+        return config
+    have, default = getattr(config, field_name), _field_default(config, field_name)
+    if have is not default and have != default and have is not arg and have != arg:
+        raise ValueError(f"OptimizerFactory.create({optimizer_type!r}): {arg_name}={arg!r} conflicts with the config's "
+                         f"{field_name}={have!r}; set one of them (the argument wins over the config's default "
+                         f"{default!r})")
+    return dataclasses.replace(config, **{field_name: arg})
+
+
+def _resolve_conflicts(optimizer_type: str, native: bool, config, weight_decay, weight_decay_mask, clip_grad):
+    "Every config field the factory's arguments also set: `(config, weight_decay, weight_decay_mask, clip_grad)`."
+    fields = {f.name for f in dataclasses.fields(config)}
+    if native and "weight_decay" in fields:  # MARS, SOAP, Kron, WhiteKron: the config's decay is the one applied
+        config = _resolve(config, optimizer_type, "weight_decay", "weight_decay", weight_decay)
+        weight_decay = config.weight_decay
+        if "weight_decay_mask" in fields and weight_decay_mask is not None:
+            config = _resolve(config, optimizer_type, "weight_decay_mask", "weight_decay_mask", weight_decay_mask)
+    own = [f"{k}={getattr(config, k)!r}" for k in ("weight_decay", "adam_weight_decay", "weight_decay_rate")
+           if not native and getattr(config, k, None)]  # Muon, Adafactor: a decay of their own besides the factory's
+    if own and weight_decay:
+        raise ValueError(f"OptimizerFactory.create({optimizer_type!r}): weight_decay={weight_decay!r} and the config's "
+                         f"{', '.join(own)} would both decay the weights; set one of them")
+    if "max_grad_norm" in fields and optimizer_type != "mars" and clip_grad is not None:  # MARS clips per tensor
+        config = _resolve(config, optimizer_type, "max_grad_norm", "clip_grad", clip_grad or None, none_is_unset=False)
+        clip_grad = None  # the config's global-norm clip is the one applied
+    weight_decay = weight_decay or 0.0
     if weight_decay_mask is not None and not weight_decay:
         raise ValueError(f"OptimizerFactory.create: weight_decay_mask is given but weight_decay={weight_decay!r}; "
                          "expected weight_decay > 0 with a mask (or no mask)")
-    return max_nonfinite
+    return config, weight_decay, weight_decay_mask, clip_grad
 
 # %% ../../nbs/08e_optimizers.factory.ipynb #3bb75d4f
 class OptimizerFactory:
@@ -314,7 +401,7 @@ def create(
     scheduler_config: SchedulerConfig | tp.Mapping | None = None,  # the learning-rate schedule (None: constant 5e-5)
     optimizer_config: tp.Any = None,  # the optimizer's config: an instance, a dict of its fields, or None
     *,
-    weight_decay: float = 0.0,  # decoupled weight decay, scaled by the schedule (0: none, or the config's own)
+    weight_decay: float | None = None,  # decoupled weight decay, scaled by the schedule (None: the config's own, or 0)
     weight_decay_mask: tp.Any = None,  # which parameters decay: a pytree of bools or params -> pytree
     gradient_accumulation_steps: int = 1,  # accumulate this many gradients per update (`optax.MultiSteps`)
     clip_grad: float | None = None,  # clip gradients to this global norm first (None or 0: no clip)
@@ -324,21 +411,24 @@ def create(
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """Build `(tx, schedule)`. `kwargs` override fields of the optimizer config. `weight_decay` is decoupled
     and scaled by the schedule (AdamW's rule); `clip_grad` clips by global norm first; accumulation uses
-    `optax.MultiSteps`. `skip_nonfinite` (on by default) wraps it all in `optax.apply_if_finite`: a gradient with
-    a NaN/Inf changes neither the parameters nor the optimizer state, and is counted (`state.total_notfinite`);
+    `optax.MultiSteps`. An argument that a config field also sets (`weight_decay`, `weight_decay_mask`, `clip_grad`
+    vs `max_grad_norm`) wins over the config's default; a config that sets it to another value is an error.
+    `skip_nonfinite` (on by default) wraps it all in `skip_nonfinite_updates`: a gradient with
+    a NaN/Inf changes neither the parameters nor the optimizer state, and is counted (`nonfinite_skips(state)`);
     after `MAX_CONSECUTIVE_NONFINITE` in a row (or the int given) the update goes through, so a run that has
     gone bad for good does not freeze silently. A `weight_decay_mask` pytree must match the parameters (checked
     at `tx.init`)."""
-    config = cls.make_config(optimizer_type, optimizer_config, **kwargs)
+    config, entry = cls.make_config(optimizer_type, optimizer_config, **kwargs), _OPTIMIZERS[optimizer_type.lower()]
     max_nonfinite = _check_create_options(skip_nonfinite, weight_decay, clip_grad, gradient_accumulation_steps,
                                           weight_decay_mask)
+    config, weight_decay, weight_decay_mask, clip_grad = _resolve_conflicts(
+        optimizer_type.lower(), entry.native_decay, config, weight_decay, weight_decay_mask, clip_grad)
     weight_decay_mask = _checked_mask(weight_decay_mask)
     schedule = SchedulerFactory.create_scheduler(scheduler_config, custom_scheduler)
     sc = scheduler_config if isinstance(scheduler_config, SchedulerConfig) else (
         SchedulerConfig() if scheduler_config is None else SchedulerConfig.from_dict(scheduler_config))
     # a constant rate goes in as a number: optax then keeps no step counter for it
     lr = sc.learning_rate if sc.scheduler_type == "constant" and custom_scheduler is None else schedule
-    entry = _OPTIMIZERS[optimizer_type.lower()]
     if entry.native_decay:
         tx = entry.builder(config, lr, weight_decay=weight_decay, weight_decay_mask=weight_decay_mask)
     else:
@@ -352,7 +442,7 @@ def create(
     if gradient_accumulation_steps > 1:
         tx = optax.MultiSteps(tx, every_k_schedule=gradient_accumulation_steps)
     if max_nonfinite is not None:  # outermost: a bad gradient never reaches the accumulator or the moments
-        tx = optax.apply_if_finite(tx, max_consecutive_errors=max_nonfinite)
+        tx = skip_nonfinite_updates(tx, max_consecutive_errors=max_nonfinite)
     return tx, schedule
 
 # %% ../../nbs/08e_optimizers.factory.ipynb #23c2a9ad
@@ -466,7 +556,7 @@ OptimizerFactory.deserialize_config = classmethod(_deserialize_config)
 
 
 def get_base_optimizer(optimizer_type: str, scheduler: optax.Schedule, optimizer_kwargs: tp.Any = None,
-                       weight_decay: float = 0.0, weight_decay_mask: tp.Any = None,
+                       weight_decay: float | None = None, weight_decay_mask: tp.Any = None,
                            gradient_accumulation_steps: int = 1,
                        clip_grad: float | None = None, **kwargs) -> optax.GradientTransformation:
     """`OptimizerFactory.create` with the schedule already made: the same chain (clipping, decay, accumulation), `tx`

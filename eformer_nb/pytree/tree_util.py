@@ -12,7 +12,6 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax import tree_util as jtu
 
 # %% auto #0
@@ -164,6 +163,13 @@ def unflatten_dict(
     return out
 
 # %% ../../nbs/03a_pytree.tree_util.ipynb #c45b7b2f
+def _otree():
+    "`optax.tree`, imported on first use: optax (with absl) costs a fifth of `import jax`, which importing pytree avoids."
+    import optax
+
+    return optax.tree
+
+
 def _is_scalar(x: tp.Any) -> bool:
     return isinstance(x, (int, float, complex, np.number, np.bool_)) or (
         isinstance(x, (np.ndarray, jax.Array)) and x.ndim == 0)
@@ -175,7 +181,7 @@ def tree_add(
     *more: PyTree,  # more trees of the same structure
 ) -> PyTree:
     "Leafwise `tree1 + tree2 (+ ...)`; the trees must share a structure."
-    return optax.tree.add(tree1, tree2, *more)
+    return _otree().add(tree1, tree2, *more)
 
 
 def tree_subtract(
@@ -183,7 +189,7 @@ def tree_subtract(
     tree2: PyTree,  # subtracted, leafwise
 ) -> PyTree:
     "Leafwise `tree1 - tree2`."
-    return optax.tree.sub(tree1, tree2)
+    return _otree().sub(tree1, tree2)
 
 
 def tree_multiply(
@@ -191,7 +197,7 @@ def tree_multiply(
     tree2: PyTree | complex,  # a tree of the same structure, or a scalar
 ) -> PyTree:
     "Leafwise `tree1 * tree2` where `tree2` is a tree of the same structure or a scalar."
-    return optax.tree.scale(tree2, tree1) if _is_scalar(tree2) else optax.tree.mul(tree1, tree2)
+    return _otree().scale(tree2, tree1) if _is_scalar(tree2) else _otree().mul(tree1, tree2)
 
 
 def tree_divide(
@@ -199,7 +205,7 @@ def tree_divide(
     tree2: PyTree | complex,  # a tree of the same structure, or a scalar
 ) -> PyTree:
     "Leafwise `tree1 / tree2` where `tree2` is a tree of the same structure or a scalar."
-    return jax.tree.map(lambda x: x / tree2, tree1) if _is_scalar(tree2) else optax.tree.div(tree1, tree2)
+    return jax.tree.map(lambda x: x / tree2, tree1) if _is_scalar(tree2) else _otree().div(tree1, tree2)
 
 
 def tree_scale(
@@ -207,7 +213,7 @@ def tree_scale(
     scalar: complex,  # multiplies every leaf
 ) -> PyTree:
     "`scalar * tree`, leafwise."
-    return optax.tree.scale(scalar, tree)
+    return _otree().scale(scalar, tree)
 
 # %% ../../nbs/03a_pytree.tree_util.ipynb #07543ac2
 def tree_dot(
@@ -215,7 +221,7 @@ def tree_dot(
     tree2: PyTree,  # a pytree of the same structure
 ) -> jax.Array:
     "Inner product of two trees: the sum over leaves of `vdot(leaf1, leaf2)`."
-    return optax.tree.vdot(tree1, tree2)
+    return _otree().vdot(tree1, tree2)
 
 
 def tree_norm(
@@ -224,7 +230,7 @@ def tree_norm(
     squared: bool = False,  # return the squared 2-norm (no square root)
 ) -> jax.Array:
     "The norm of all leaves seen as one vector: `ord` in (None/2, 1, inf)."
-    return optax.tree.norm(tree, ord=ord, squared=squared)
+    return _otree().norm(tree, ord=ord, squared=squared)
 
 
 def tree_zeros_like(
@@ -232,7 +238,7 @@ def tree_zeros_like(
     dtype: tp.Any = None,  # the leaves' dtype; None keeps each leaf's
 ) -> PyTree:
     "Zeros with each leaf's shape (and dtype unless `dtype` is given)."
-    return optax.tree.zeros_like(tree, dtype=dtype)
+    return _otree().zeros_like(tree, dtype=dtype)
 
 
 def tree_ones_like(
@@ -240,7 +246,7 @@ def tree_ones_like(
     dtype: tp.Any = None,  # the leaves' dtype; None keeps each leaf's
 ) -> PyTree:
     "Ones with each leaf's shape (and dtype unless `dtype` is given)."
-    return optax.tree.ones_like(tree, dtype=dtype)
+    return _otree().ones_like(tree, dtype=dtype)
 
 
 def tree_cast(
@@ -250,7 +256,7 @@ def tree_cast(
 ) -> PyTree:
     "Cast array leaves to `dtype`; with `only_floating=True` integer and bool leaves keep their dtype."
     if not only_floating:
-        return optax.tree.cast(tree, dtype)
+        return _otree().cast(tree, dtype)
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 # %% ../../nbs/03a_pytree.tree_util.ipynb #a53e4150
@@ -275,7 +281,7 @@ def tree_sum(
     "Sum of all elements of all leaves; with `axis`, each leaf summed along `axis` (a tree)."
     if axis is not None:
         return jax.tree.map(lambda x: jnp.sum(x, axis=axis), tree)
-    return optax.tree.sum(tree)
+    return _otree().sum(tree)
 
 
 def tree_mean(
@@ -285,24 +291,24 @@ def tree_mean(
     "Mean over all elements of all leaves (each element weighs the same); with `axis`, each leaf's mean along `axis`."
     if axis is not None:
         return jax.tree.map(lambda x: jnp.mean(x, axis=axis), tree)
-    n = optax.tree.size(tree)
+    n = _otree().size(tree)
     if n == 0:
         raise ValueError("tree_mean of a tree with no elements")
-    return optax.tree.sum(tree) / n
+    return _otree().sum(tree) / n
 
 # %% ../../nbs/03a_pytree.tree_util.ipynb #b1f2983a
 def tree_min(
     tree: PyTree,  # a pytree
 ) -> jax.Array:
     "Smallest element over all leaves."
-    return optax.tree.min(tree)
+    return _otree().min(tree)
 
 
 def tree_max(
     tree: PyTree,  # a pytree
 ) -> jax.Array:
     "Largest element over all leaves."
-    return optax.tree.max(tree)
+    return _otree().max(tree)
 
 
 def tree_clip(
@@ -311,7 +317,7 @@ def tree_clip(
     max_val: tp.Any = None,  # the upper bound (None: none)
 ) -> PyTree:
     "Clip every leaf to `[min_val, max_val]` (either may be `None`)."
-    return optax.tree.clip(tree, min_val, max_val)
+    return _otree().clip(tree, min_val, max_val)
 
 
 def tree_where(
@@ -321,7 +327,7 @@ def tree_where(
 ) -> PyTree:
     "Leafwise `jnp.where(c, x, y)`; `condition` is a tree of the same structure, or one boolean for all leaves."
     if _is_scalar(condition) or isinstance(condition, (bool, np.bool_)):
-        return optax.tree.where(condition, x, y)
+        return _otree().where(condition, x, y)
     return jax.tree.map(jnp.where, condition, x, y)
 
 # %% ../../nbs/03a_pytree.tree_util.ipynb #61251fa0

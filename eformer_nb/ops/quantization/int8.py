@@ -31,7 +31,11 @@ def int8_quantize(
     xf = x.astype(jnp.float32)
     n = x.shape[-1]
     if block_size is None:
-        absmax = jnp.max(jnp.abs(xf), axis=tuple(range(x.ndim - 1))) if x.ndim > 1 else jnp.abs(xf)
+        if x.ndim < 2:  # each value its own channel: one float32 scale per int8 value, larger than the input
+            raise ValueError(f"int8 per-channel quantization needs a 2-D or larger array; a {x.ndim}-D array of shape "
+                             f"{tuple(x.shape)} would store one scale per value. Pass block_size (a divisor of "
+                             f"{n}) or keep it in floating point")
+        absmax = jnp.max(jnp.abs(xf), axis=tuple(range(x.ndim - 1)))
         scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
         q = jnp.clip(jnp.round(xf / scale), -127, 127).astype(jnp.int8)
         return q, scale

@@ -1,0 +1,159 @@
+"""`make bench-check`: do the saved benchmark pages hold up? (issue 28)
+
+For every page: each judged row of its saved verdict table is re-judged from its own interval under the current rule
+(`eformer_nb.benchmarking.verdict`). For the cheap pages (CI): the headline comparison is re-run briefly (a few
+interleaved rounds) and its fresh verdict compared with the saved one. A change of direction (met vs missed, or a miss
+the saved page did not call) fails. A fresh "too noisy to judge" contradicts nothing.
+
+    python tests/bench_check.py [PAGE ...]      # default: the cheap pages; `all` for every page
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import numpy as np  # noqa: E402
+
+from eformer_nb.benchmarking import Comparison, Target, disagreements, interleaved_times, saved_rows  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1] / "nbs" / "benchmarks"
+ROUNDS = 7
+TARGETS = {  # page -> {label: target}, as each page judges them
+    "optimizers": {"adamw, default non-finite guard vs optax": Target("<=", 1.05),
+                   "kron": Target("<=", 1.25), "mars(gamma=0) vs adam": Target("<=", 1.25), "mars": Target("<=", 1.25)},
+    "escale": {"run time, compiled (64,256,512)": Target("<=", 1.05)},
+    "quantization": {"NF4 GEMV M=1 vs fp32 dense (jax)": Target("<=", 2.0),
+                     "NF4 quantize 4096² ours vs bnb": Target("<=", 1.0, margin=0.10),
+                     "NF4 GEMM M=4096 vs fp32 dense": Target("<=", 1.05)},
+    "pytree_serialization": {"round trip 256 MiB, ours vs flax": Target("<=", 1.0, margin=0.10)},
+    "state": {"train step: apply_gradients vs hand-written": Target("<=", 1.02),
+              "save_state + load_state vs checkpoint layer": Target("<=", 1.1)},
+    "serialization": {"save 1 GiB, ours vs np": Target("<=", 1.2), "restore 1 GiB, ours vs np": Target("<=", 1.5)},
+    "models": {"train step value_and_grad 4x128 vs plain function": Target("<=", 1.05)},
+    "executor": {"100 tiny tasks: execute vs ray.remote": Target("<=", 1.2)},
+}
+CHEAP = ("optimizers", "escale", "quantization", "pytree_serialization")
+
+
+def _compare(label: str, ours, peer, rounds: int = ROUNDS, repeat: int = 1) -> Comparison:
+    "ours, peer, ours again in interleaved rounds; each call runs `repeat` times (seconds per call)."
+    many = [lambda f=f: [f() for _ in range(repeat)][-1] for f in (ours, peer, ours)]
+    t = interleaved_times(many, rounds=rounds, warmup=1) / repeat
+    return Comparison(label, ours=t[:, 0], peer=t[:, 1], again=t[:, 2])
+
+
+def fresh_optimizers() -> dict[str, Comparison]:
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from eformer_nb.optimizers import OptimizerFactory, SchedulerConfig
+
+    r = np.random.default_rng(0)
+    sizes = (256, 512, 512, 256)
+    params = {f"w{i}": jnp.asarray(r.normal(size=(a, b)) / np.sqrt(a), jnp.float32) for i, (a, b) in
+              enumerate(zip(sizes[:-1], sizes[1:]))}
+    grads = jax.tree.map(lambda p: p * 1e-2, params)
+    sc = SchedulerConfig("warmup_cosine", learning_rate=1e-3, learning_rate_end=1e-5, warmup_steps=100, steps=10_000)
+    sched = OptimizerFactory.create("adamw", sc)[1]
+    ours = OptimizerFactory.create("adamw", sc, weight_decay=0.1, clip_grad=1.0)[0]
+    peer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.1))
+
+    def runner(tx):
+        step = jax.jit(lambda p, s, g: (lambda u, s2: (optax.apply_updates(p, u), s2))(*tx.update(g, s, p)))
+        state = tx.init(params)
+        return lambda: jax.block_until_ready(step(params, state, grads))
+    label = "adamw, default non-finite guard vs optax"
+    return {label: _compare(label, runner(ours), runner(peer), rounds=15, repeat=20)}
+
+
+def fresh_escale() -> dict[str, Comparison]:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from eformer_nb.common_types import BATCH, EMBED, LENGTH
+    from eformer_nb.escale import PartitionAxis, PartitionManager, create_mesh
+
+    n = jax.device_count()
+    mesh = create_mesh((1, 2, 2, 2) if n == 8 else (1, n, 1, 1), ("dp", "fsdp", "tp", "sp"))
+    pm = PartitionManager(PartitionAxis())
+    x = jax.device_put(jnp.ones((64, 256, 512)), NamedSharding(mesh, P(("fsdp", "dp"), "sp", "tp")))
+    with jax.set_mesh(mesh):
+        f_ours = jax.jit(lambda h: pm.shard(jnp.tanh(h) * 2, axes=(BATCH, LENGTH, EMBED)) + 1)
+        f_peer = jax.jit(lambda h: jax.lax.with_sharding_constraint(
+            jnp.tanh(h) * 2, NamedSharding(mesh, P(("fsdp", "dp"), "sp", "tp"))) + 1)
+        label = "run time, compiled (64,256,512)"
+        return {label: _compare(label, lambda: jax.block_until_ready(f_ours(x)),
+                                lambda: jax.block_until_ready(f_peer(x)), rounds=15, repeat=3)}
+
+
+def fresh_quantization() -> dict[str, Comparison]:
+    import jax
+    import jax.numpy as jnp
+
+    from eformer_nb.ops.quantization.kernels import nf4_matmul
+    from eformer_nb.ops.quantization.nf4 import ArrayNF4
+
+    w = jax.random.normal(jax.random.key(0), (4096, 4096), jnp.float32)
+    wq = ArrayNF4.quantize(w, block_size=64)
+    x1 = jax.random.normal(jax.random.key(1), (1, 4096), jnp.float32)
+    nf4_mm = jax.jit(lambda x, p, a: nf4_matmul(x, p, a, n=4096, backend="xla"))
+    dense = jax.jit(lambda x, w: x @ w)
+    label = "NF4 GEMV M=1 vs fp32 dense (jax)"
+    return {label: _compare(label, lambda: jax.block_until_ready(nf4_mm(x1, wq.packed, wq.absmax)),
+                            lambda: jax.block_until_ready(dense(x1, w)), rounds=15, repeat=5)}
+
+
+def fresh_pytree_serialization() -> dict[str, Comparison]:
+    import gc
+
+    from flax import serialization as flax_ser
+
+    from eformer_nb.pytree import from_bytes, to_bytes
+
+    rng = np.random.default_rng(0)
+    tree = {f"layer_{i}": {"w": rng.standard_normal((1024, 2048), np.float32),
+                           "ids": rng.integers(0, 1000, (512, 1024), np.int32)} for i in range(4)}  # ~40 MiB
+    ours = lambda: from_bytes(tree, to_bytes(tree))  # noqa: E731
+    flax = lambda: flax_ser.msgpack_restore(flax_ser.msgpack_serialize(tree))  # noqa: E731
+    t = interleaved_times([ours, flax, ours], rounds=ROUNDS, warmup=1, before=gc.collect)
+    label = "round trip 256 MiB, ours vs flax"
+    return {label: Comparison(label + " (fresh: 40 MiB)", ours=t[:, 0], peer=t[:, 1], again=t[:, 2])}
+
+
+FRESH = {"optimizers": fresh_optimizers, "escale": fresh_escale, "quantization": fresh_quantization,
+         "pytree_serialization": fresh_pytree_serialization}
+
+
+def check(page: str, fresh: bool = True) -> list[str]:
+    rows = saved_rows(ROOT / f"{page}.ipynb")
+    t0 = time.perf_counter()
+    measured = FRESH[page]() if fresh and page in FRESH else {}
+    for c in measured.values():
+        print(f"  fresh {c}")
+    problems = disagreements(rows, TARGETS[page], measured)
+    print(f"{page}: {len(rows)} saved rows, {len(measured)} re-run ({time.perf_counter() - t0:.1f} s): "
+          + ("holds up" if not problems else f"{len(problems)} disagreement(s)"))
+    return [f"{page}: {p}" for p in problems]
+
+
+def main(argv: list[str]) -> int:
+    pages = list(TARGETS) if argv == ["all"] else (argv or list(CHEAP))
+    unknown = [p for p in pages if p not in TARGETS]
+    if unknown:
+        print(f"unknown page(s) {unknown}; expected some of {list(TARGETS)} or 'all'")
+        return 2
+    print(f"bench-check on {os.cpu_count()} cores, load average {os.getloadavg()}")
+    problems = [p for page in pages for p in check(page)]
+    for p in problems:
+        print("DISAGREES", p)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
