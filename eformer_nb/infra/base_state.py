@@ -586,6 +586,7 @@ def _write_state(state, work, float_dtype, save_optimizer: bool) -> tuple[int, d
         optimizer = {"prefix": OPTIMIZER_PREFIX, "tx": type(state.tx).__name__, "leaves": _leaf_specs(state.opt_state)}
     if jax.process_index() == 0:
         _write_json(work / STATE_FILE, {"format": STATE_FORMAT, "version": STATE_FORMAT_VERSION, "step": step,
+                                        "skipped_steps": int(jax.device_get(state.skipped_steps)),
                                         "optimizer": optimizer, "weights": _weight_digests(work)})
     return step, optimizer
 
@@ -714,6 +715,7 @@ def _place_loaded(state: tp.Any, model: tp.Any, device: tp.Any, mesh: tp.Any, pa
         rules = model.config.get_partition_rules() if partition_rules is None else partition_rules
         return state.replace(
             step=jax.device_put(state.step, NamedSharding(mesh, PartitionSpec())),
+            skipped_steps=jax.device_put(state.skipped_steps, NamedSharding(mesh, PartitionSpec())),
             graphother=_shard_tree(state.graphother, rules, mesh),
         )
     return state
@@ -778,6 +780,7 @@ def _load_state(
         model = _quantize_loaded(model, quantization_method, quantization_block_size, quantize_tensors, verbose,
                                  quantization_pattern)
     state = cls.create(model=model, step=meta["step"])
+    state = state.replace(skipped_steps=jnp.asarray(meta.get("skipped_steps", 0), jnp.int32))  # absent before v2
     if shard_fns is not None:
         state = state.replace(graphstate=_apply_shard_fns(state.graphstate, shard_fns))
     state = _place_loaded(state, model, device, mesh, partition_rules)
