@@ -342,6 +342,8 @@ KNOWN_FORWARD = {
     ("eformer_nb.pytree.tree_util", "eformer_nb.escale.mesh"),
     ("eformer_nb.serialization.async_manager", "eformer_nb.serialization.fsspec_utils"),
     ("eformer_nb.serialization.serialization", "eformer_nb.serialization.fsspec_utils"),
+    # from_pretrained(gguf_file=) dispatches to the GGUF reader (12h), which reads weights through files (12e)
+    ("eformer_nb.modules.llama.files", "eformer_nb.modules.llama.gguf"),
 }
 
 
