@@ -12,9 +12,12 @@ groups (Ray's state API). Every wait is bounded.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 
@@ -22,6 +25,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from eformer_nb.executor.cluster_util import _local_start_env, ray_processes, stop_processes  # noqa: E402
 from eformer_nb.executor.ray import (  # noqa: E402
     CpuAcceleratorConfig, JobFailed, JobPreempted, RayExecutor, TpuAcceleratorConfig, execute_multislice_resumable,
 )
@@ -36,8 +40,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _slice_node_args(name: str) -> dict:
-    return dict(num_cpus=1, resources={"TPU": 4, "TPU-v4-8-head": 1, name: 1})
+def _slice_node_args(name: str, temp_dir: str) -> dict:
+    return dict(num_cpus=1, resources={"TPU": 4, "TPU-v4-8-head": 1, name: 1}, temp_dir=temp_dir)
 
 
 def _retry_startup(make, tries: int = 3):
@@ -54,6 +58,11 @@ class _Cluster:
     def __init__(self):
         from ray.cluster_utils import Cluster
 
+        # A private temp dir (not the shared /tmp/ray) and the executor's start environment: its raised Ray
+        # start-up timeouts, and the mark by which `ray_processes` finds every process of this cluster at shutdown.
+        self.temp_dir = tempfile.mkdtemp(prefix="eformer-ray-faults-")
+        self._env = contextlib.ExitStack()
+        self._env.enter_context(_local_start_env(self.temp_dir))
         self.cluster = Cluster()
         self.slices = {}
 
@@ -61,27 +70,38 @@ class _Cluster:
             port = _free_port()  # a fresh port per try: a timed-out try may still hold its port
             self.dashboard = f"http://127.0.0.1:{port}"
             return self.cluster.add_node(num_cpus=1, include_dashboard=True, dashboard_host="127.0.0.1",
-                                         dashboard_port=port)
+                                         dashboard_port=port, temp_dir=self.temp_dir)
 
         try:
             _retry_startup(head)
             for name in SLICES:
-                self.slices[name] = _retry_startup(lambda: self.cluster.add_node(**_slice_node_args(name)))
+                self.slices[name] = _retry_startup(lambda: self._add_slice(name))
             ray.init(address=self.cluster.address, log_to_driver=False)
             self.cluster.wait_for_nodes(timeout=120)
         except BaseException:
             self.shutdown()
             raise
 
+    def _add_slice(self, name: str):
+        return self.cluster.add_node(**_slice_node_args(name, self.temp_dir))
+
     def replace_slice(self, name: str) -> None:
         "Add a fresh node for slice `name` (after its node was removed)."
-        self.slices[name] = _retry_startup(lambda: self.cluster.add_node(**_slice_node_args(name)))
+        self.slices[name] = _retry_startup(lambda: self._add_slice(name))
         self.cluster.wait_for_nodes(timeout=120)
 
     def shutdown(self):
-        if ray.is_initialized():
-            ray.shutdown()
-        self.cluster.shutdown()
+        "Stop Ray, then every process still marked with this cluster's temp dir; remove the dir (made here)."
+        try:
+            if ray.is_initialized():
+                ray.shutdown()
+            self.cluster.shutdown()
+        finally:
+            self._env.close()
+            left = ray_processes(self.temp_dir)
+            stop_processes(left, grace_s=5)
+            shutil.rmtree(self.temp_dir, ignore_errors=False)
+            assert not ray_processes(self.temp_dir), f"Ray processes of {self.temp_dir} survived shutdown"
 
 
 @pytest.fixture(scope="module")
