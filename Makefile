@@ -22,7 +22,7 @@ help:
 	@echo "make bench    - run the benchmark notebooks in nbs/benchmarks/ and save their outputs"
 	@echo "make bench-check - re-judge the saved benchmark verdicts and re-run the cheap headline rows (BENCH_PAGES=all: every page)"
 	@echo "make mutate   - apply each mutation in tests/mutations/*.yaml in a scratch copy; fails if one survives (MUTATE_ARGS=\"-j 2 --only NAME\")"
-	@echo "make demo     - QLoRA fine-tuning through a local Ray cluster: checkpoint, SIGKILL, bit-identical resume, sample"
+	@echo "make demo     - QLoRA fine-tuning of SmolLM2-135M through a local Ray cluster: held-out perplexity before/after, SIGKILL, bit-identical resume, chat sample (DEMO_ARGS=\"--model tiny\": a random byte model)"
 
 install: $(STAMP)
 
