@@ -512,3 +512,35 @@ def test_quarto_and_preview_show_the_same_entries(site):
     assert len(quarto) >= 10 and "| **Type** | **Default** | **Details** |" in "".join(quarto)
     assert quarto == preview, next(f"{q}\n!=\n{p}" for q, p in zip(quarto, preview) if q != p) if \
         len(quarto) == len(preview) else f"{len(quarto)} entries != {len(preview)}"
+
+
+def test_nbtest_keeps_each_run_for_the_docs():
+    "`make nbtest` is nbdev-test through `.ci/docs_outputs.py nbtest`: each passing run is kept in the docs' cache "
+    "(content-hash keyed), so a module page processed afterwards by nbdev's docs pipeline shows that run's outputs"
+    import json, time
+    sys.path.insert(0, str(ROOT / ".ci"))
+    import docs_outputs
+    recipe = (ROOT / "Makefile").read_text(encoding="utf-8").split("\nnbtest:", 1)[1].split("\n\n", 1)[0]
+    assert "$(BIN)/python .ci/docs_outputs.py nbtest " in recipe, f"make nbtest does not keep its runs:{recipe}"
+    nb = ROOT / "nbs" / "00_common_types.ipynb"
+    before, t0 = nb.read_bytes(), time.time() - 1
+    env = {**os.environ, **docs_outputs.ENV, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, ".ci/docs_outputs.py", "nbtest", str(nb.relative_to(ROOT)), "--flags",
+                        "multidevice"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "Success." in r.stdout, f"{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    assert nb.read_bytes() == before, "nbdev-test's save went into the notebook, not the cache"
+    run = docs_outputs.cached(nb, ["multidevice"])
+    assert run.exists() and run.stat().st_mtime >= t0, f"no new run of {nb.name} in {docs_outputs.CACHE}"
+    produced = {c["id"] for c in json.loads(run.read_text(encoding="utf-8"))["cells"]
+                if c["cell_type"] == "code" and docs_outputs.trim(c.get("outputs", []))}
+    assert produced, f"{nb.name}'s kept run has no outputs"
+    # nbdev's own docs pipeline (what nbdev-docs and `.ci/docs.py site` run), in a clean process, no notebook run
+    code = ("import json, sys; from fastcore.nbio import read_nb; from nbdev.processors import FilterDefaults\n"
+            "nb = read_nb(sys.argv[1]); FilterDefaults()(nb)\n"
+            "print(json.dumps([c.get('id') for c in nb.cells if c.cell_type == 'code' and c.get('outputs')]))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / ".ci")])}
+    r = subprocess.run([sys.executable, "-c", code, str(nb.relative_to(ROOT))], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    shown = set(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert produced <= shown, f"{nb.name}: cells {sorted(produced - shown)} have outputs the page does not show"
