@@ -544,3 +544,31 @@ def test_nbtest_keeps_each_run_for_the_docs():
     assert r.returncode == 0, r.stderr[-3000:]
     shown = set(json.loads(r.stdout.strip().splitlines()[-1]))
     assert produced <= shown, f"{nb.name}: cells {sorted(produced - shown)} have outputs the page does not show"
+
+
+def test_package_init_names_link():
+    "nbdev indexes no `__init__.py`: a package defines nothing there (its names live in a module of their own, which "
+    "the package re-exports), so `ops.quantization`'s functions link to their entries like every other name"
+    import ast, importlib, inspect
+    defined = []
+    for py in sorted((ROOT / "eformer_nb").rglob("__init__.py")):
+        for n in ast.parse(py.read_text(encoding="utf-8")).body:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not n.name.startswith("__"):
+                defined.append(f"{py.relative_to(ROOT)}: {n.name}")
+    assert not defined, f"defined in an __init__.py, so never indexed by nbdev nor linked in the docs: {defined}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    code = ("import json; from nbdev.doclinks import NbdevLookup; L = NbdevLookup(strip_libs='eformer_nb')\n"
+            "print(json.dumps({n: L.doc(n) for n in ['straight_through', 'straight_through_nf4', 'resolve_config', "
+            "'is_kernel_available', 'nf4_use_kernel', 'ArrayNF4']}))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+    links = json.loads(r.stdout.strip().splitlines()[-1])
+    assert links["ArrayNF4"] and links["ArrayNF4"].endswith("ops.quantization.nf4.html#arraynf4"), links
+    wrong = {n: u for n, u in links.items() if n != "ArrayNF4" and not (u or "").endswith(f"ops.quantization.html#{n}")}
+    assert not wrong, f"names of eformer_nb.ops.quantization that do not link to their entry: {wrong}"
+    q = importlib.import_module("eformer_nb.ops.quantization")
+    api = importlib.import_module("eformer_nb.ops.quantization.api")
+    for n in api.__all__:
+        assert getattr(q, n) is getattr(api, n) and n in q.__all__, n  # the package re-exports its one home
+        assert inspect.getmodule(getattr(q, n)) is api, n
