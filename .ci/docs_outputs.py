@@ -18,6 +18,8 @@ first lines. A notebook with no current cached run keeps what it has (the benchm
 import hashlib, json, os, re, subprocess, sys, time
 from pathlib import Path
 
+import docs_links  # noqa: F401  (nbdev's docs pipeline imports this module in every build: the same links)
+
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".docs-cache"
 # `make nbtest` runs the multidevice cells on 8 host devices, and the `hf` cells where torch and transformers import;

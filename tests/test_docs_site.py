@@ -484,34 +484,48 @@ def test_reader_view(site, chromium):
 
 
 def _show_doc_md(nb) -> list:
-    "the show_doc entries of a processed notebook, links reduced to their text (the link tables differ, see below)"
-    import re
+    "the show_doc entries of a processed notebook, as Markdown: `[source]` links and links to other names included"
     res = []
     for c in nb["cells"]:
         for o in c.get("outputs", []):
             md = o.get("data", {}).get("text/markdown")
             if md is None or "```python" not in "".join(md): continue
-            md = re.sub(r"^\[source\]\([^)]*\)\{[^}]*\}\n*", "", "".join(md), flags=re.M)
-            res.append(re.sub(r"\[(`[^`]*`)\]\([^)]*\)", r"\1", md))
+            res.append("".join(md))
     return res
+
+
+def _prose_links(nb) -> list:
+    "the links nbdev's `add_links` made in a processed notebook's Markdown cells"
+    import re
+    return [m for c in nb["cells"] if c["cell_type"] == "markdown"
+            for m in re.findall(r"\[`[^`]*`\]\([^)]*\)", "".join(c["source"]))]
 
 
 def test_quarto_and_preview_show_the_same_entries(site):
     "one notebook through nbdev's own Quarto-bound processors (`FilterDefaults`, what nbdev-docs runs, with the "
-    "pyproject settings only) and through the preview: the same show_doc entries"
+    "pyproject settings only) and through the preview: the same show_doc entries, the same `[source]` links and "
+    "link targets (`.ci/docs_links.py`, imported by nbdev's `doc_procs` in both)"
     import json
     code = ("import json, sys; from fastcore.nbio import read_nb; from nbdev.processors import FilterDefaults\n"
             "nb = read_nb(sys.argv[1]); FilterDefaults()(nb)\n"
-            "print(json.dumps([{'outputs': [dict(o) for o in c.get('outputs', [])]} for c in nb.cells]))")
+            "print(json.dumps({'cells': [{'cell_type': c.cell_type, 'source': c.source, "
+            "'outputs': [dict(o) for o in c.get('outputs', [])]} for c in nb.cells]}))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / ".ci")])}
     r = subprocess.run([sys.executable, "-c", code, "nbs/04_paths.ipynb"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    quarto = _show_doc_md({"cells": json.loads(r.stdout.strip().splitlines()[-1])})
-    preview = _show_doc_md(json.loads((ROOT / "_proc" / "nbs" / "04_paths.ipynb").read_text(encoding="utf-8")))
+    quarto_nb = json.loads(r.stdout.strip().splitlines()[-1])
+    preview_nb = json.loads((ROOT / "_proc" / "nbs" / "04_paths.ipynb").read_text(encoding="utf-8"))
+    quarto, preview = _show_doc_md(quarto_nb), _show_doc_md(preview_nb)
     assert len(quarto) >= 10 and "| **Type** | **Default** | **Details** |" in "".join(quarto)
     assert quarto == preview, next(f"{q}\n!=\n{p}" for q, p in zip(quarto, preview) if q != p) if \
         len(quarto) == len(preview) else f"{len(quarto)} entries != {len(preview)}"
+    src = [e for e in quarto if f"[source]({REPO}/blob/main/eformer_nb/paths.py#L" in e]
+    assert len(src) >= len(quarto) // 2, f"only {len(src)} of {len(quarto)} entries link their source:\n{quarto[0]}"
+    links = _prose_links(quarto_nb)
+    assert links and links == _prose_links(preview_nb), (links[:5], _prose_links(preview_nb)[:5])
+    doc = "https://eformer-nb.github.io/eformer-nb/nbs/"
+    assert all(f"]({doc}" in x for x in links), [x for x in links if f"]({doc}" not in x][:5]
 
 
 def test_nbtest_keeps_each_run_for_the_docs():
