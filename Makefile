@@ -50,9 +50,11 @@ check-notebooks: install
 check-readme: install
 	$(BIN)/python .ci/docs.py readme --check
 
+# nbdev-test, through .ci/docs_outputs.py: the same run, and each notebook's passing run is kept in .docs-cache/
+# (keyed by the notebook's and the package's content hash), so `make docs` afterwards shows every page's outputs
 nbtest: install
 	# the `hf` flag (transformers interop examples) runs where torch and transformers import (pip install -e ".[hf]")
-	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/nbdev-test --n-workers $(NBDEV_WORKERS) --flags "$(NBDEV_TEST_FLAGS) $$($(BIN)/python -c 'import torch, transformers; print("hf")' 2>/dev/null)" --timing
+	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python .ci/docs_outputs.py nbtest --n-workers $(NBDEV_WORKERS) --flags "$(NBDEV_TEST_FLAGS) $$($(BIN)/python -c 'import torch, transformers; print("hf")' 2>/dev/null)" --timing
 
 pytest: install
 	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python -m pytest -q tests/

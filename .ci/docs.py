@@ -22,11 +22,9 @@ linked through `_modidx`). This script then does what Quarto does with that outp
 - rewrites links: `.ipynb` to the page it became, doc links to site-relative ones, other
   repository files to the repository (settings.ini `git_url`).
 
-Two things are set for this build only, in this process: nbdev 3 takes `git_url` and the docs URL
-from pyproject's `[project.urls]`, which are dynamic here (settings.ini holds them), so they are
-handed to nbdev's doc-link table from settings.ini (source links, doc links); and names in prose are
-looked up without the `eformer_nb.` prefix (nbdev's `strip_libs`, which defaults to the project
-name `eformer-nb`, not the package's entry-point name). The show_doc renderer (parameter tables,
+The doc-link settings (settings.ini's source and docs URLs, names in prose without the `eformer_nb.`
+prefix) are `.ci/docs_links.py`'s, which every build imports through `.ci/docs_outputs.py` (nbdev's
+`doc_procs`), so Quarto links the same names to the same targets. The show_doc renderer (parameter tables,
 wrapped signatures) and the cell outputs are nbdev settings (`renderer`, `doc_procs`) that live in
 `.ci/docs_render.py` and `.ci/docs_outputs.py`, so a Quarto build shows the same.
 """
@@ -42,6 +40,7 @@ from nbdev.serve import proc_nbs
 ROOT = Path(__file__).resolve().parents[1]
 cfg = get_config(ROOT)
 sys.path.insert(0, str(ROOT / ".ci"))  # pyproject's `doc_procs` (docs_outputs:CachedOutputs) lives here
+import docs_links  # noqa: E402
 import docs_outputs  # noqa: E402
 
 
@@ -97,49 +96,6 @@ def _settings_ini() -> dict:
     ini = configparser.ConfigParser(delimiters=["="])
     ini.read(ROOT / "settings.ini", encoding="utf-8")
     return dict(ini["DEFAULT"])
-
-
-def _offline_nbdev(ini: dict):
-    """Hand settings.ini's URLs to nbdev's doc-link table and strip the package prefix of names in prose.
-
-    Both are patches of this process only (proc_nbs runs with n_workers=0, so nbdev's processors and
-    the show_doc cells they execute run here); returns a function that undoes them."""
-    import nbdev.doclinks as dl
-
-    saved = dl._qual_syms, dl._build_lookup_table
-    def restore():
-        "undo the patches (the test of this file uses them in its own process)"
-        dl._qual_syms, dl._build_lookup_table = saved
-        dl._build_lookup_table.cache_clear()
-
-    # nbdev strips the package prefix of names in prose by the entry-point name (`eformer_nb`); its
-    # default is the project name (`eformer-nb`), so `ePath` would not link. Not set in pyproject:
-    # README.md (nbdev-readme, Quarto's nbdev-docs) would then link names to root-absolute URLs.
-    table = saved[1]
-    if not getattr(table, "_offline", False):
-        def _build_lookup_table(strip_libs=None, incl_libs=None, skip_mods=None):
-            return table(cfg.lib_path.name if strip_libs is None else strip_libs, incl_libs, skip_mods)
-        _build_lookup_table._offline = True
-        _build_lookup_table.cache_clear = table.cache_clear
-        dl._build_lookup_table = _build_lookup_table
-
-    urls = dict(git_url=ini.get("git_url", ""), branch=ini.get("branch", "main"),
-                doc_host=ini.get("doc_host", ""), doc_baseurl=ini.get("doc_baseurl", "/"))
-    qual = dl._qual_syms
-    if not getattr(qual, "_offline", False):
-        def _qual_syms(entries):
-            s = entries.get("settings", {})
-            if s.get("lib_path") == cfg.lib_path.name:  # only our own package's table
-                s = dict(s)
-                if not s.get("git_url"): s.update(git_url=urls["git_url"], branch=urls["branch"])
-                if not s.get("doc_host"): s.update(doc_host=urls["doc_host"], doc_baseurl=urls["doc_baseurl"])
-                entries = {**entries, "settings": s}
-            return qual(entries)
-        _qual_syms._offline = True
-        dl._qual_syms = _qual_syms
-        dl._build_lookup_table.cache_clear()
-
-    return restore
 
 
 # ---------------------------------------------------------------- pages
@@ -420,7 +376,7 @@ def site(execute=None) -> int:
     t_exec = time.time() - t0
     ini = _settings_ini()
     _write_nbdev_yml()
-    _offline_nbdev(ini)
+    docs_links.apply()  # (docs_outputs applied it already: every build links the same)
     # proc_nbs only redoes notebooks newer than their processed copy; the show_doc renderer above
     # changes every page, so pages processed by another build (or an older version of this file) are redone
     import hashlib

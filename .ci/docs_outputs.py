@@ -2,8 +2,13 @@
 `nbdev-test` executes them, and each run is cached under a key made of the notebook's bytes, the package's source
 and the flags; a page never shows results from other code.
 
+    python .ci/docs_outputs.py nbtest [NBDEV-TEST ARGS]  `make nbtest`: nbdev-test itself, each passing run kept
     python .ci/docs_outputs.py execute [GLOB ...]   run the notebooks whose cached run is missing or stale
     python .ci/docs_outputs.py run SRC DST          run one notebook (a fresh process each, as nbdev-test's workers)
+
+`make nbtest` runs every notebook anyway: through `nbtest` it is nbdev-test unchanged (same arguments, workers,
+flags, failures), except that each notebook's successful run is also written to the cache, under the key of the
+flags it ran with, so `make docs` after `make nbtest` shows every page's current outputs without running anything.
 
 `CachedOutputs` is an nbdev doc processor (`doc_procs` in pyproject's `[tool.nbdev]`, with `.ci` on `PYTHONPATH`):
 nbdev's own processing pipeline -- `proc_nbs`, so `nbdev-docs` / Quarto and `.ci/docs.py site` alike -- puts the
@@ -13,27 +18,64 @@ first lines. A notebook with no current cached run keeps what it has (the benchm
 import hashlib, json, os, re, subprocess, sys, time
 from pathlib import Path
 
+import docs_links  # noqa: F401  (nbdev's docs pipeline imports this module in every build: the same links)
+
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".docs-cache"
-# `make nbtest` runs the multidevice cells on 8 host devices; the other flagged cells (slow, gpu, tpu, bench, hf,
-# notest) are skipped, so a page shows their code only
-FORCE_FLAGS = ["multidevice"]
+# `make nbtest` runs the multidevice cells on 8 host devices, and the `hf` cells where torch and transformers import;
+# the other flagged cells (slow, gpu, tpu, bench, notest) are skipped, so a page shows their code only. A run is kept
+# under the flags it ran with; the docs take the run with the most flags that is current.
+FLAG_SETS = (["hf", "multidevice"], ["multidevice"])
+FORCE_FLAGS = FLAG_SETS[-1]
 ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 DEFAULT = ["nbs/*.ipynb", "nbs/tutorials/*.ipynb"]  # the benchmarks keep their saved runs (`make bench`)
 MAX_LINES = 40
 
 
-def key(nb: Path) -> str:
-    "sha256 of the notebook, every package source file and the flags"
+def key(nb: Path, flags=None) -> str:
+    "sha256 of the notebook, every package source file and the flags (`FORCE_FLAGS` unless given)"
     h = hashlib.sha256()
     for p in [Path(nb).resolve(), *sorted((ROOT / "eformer_nb").rglob("*.py"))]:
         h.update(str(p.relative_to(ROOT)).encode()); h.update(p.read_bytes())
-    h.update(json.dumps([FORCE_FLAGS, ENV]).encode())
+    h.update(json.dumps([sorted(FORCE_FLAGS if flags is None else flags), ENV]).encode())
     return h.hexdigest()
 
 
-def cached(nb: Path) -> Path:
-    return CACHE / f"{key(nb)}.ipynb"
+def cached(nb: Path, flags=None) -> Path:
+    "the cached run of `nb` with `flags`; without flags, the current run with the most flags (else `FORCE_FLAGS`')"
+    if flags is not None: return CACHE / f"{key(nb, flags)}.ipynb"
+    paths = [CACHE / f"{key(nb, f)}.ipynb" for f in FLAG_SETS]
+    return next((p for p in paths if p.exists()), paths[-1])
+
+
+def documented(nb: Path) -> bool:
+    "is `nb` one of the notebooks whose pages show a cached run (not a benchmark: those keep their saved runs)?"
+    nb = Path(nb).resolve()
+    return any(nb in {p.resolve() for p in ROOT.glob(g)} for g in DEFAULT)
+
+
+def _test_nb_kept(fn, *args, force_flags=None, save=False, **kwargs):
+    "nbdev's `test_nb` (in its worker), whose save-on-success writes the run to the cache instead of the notebook"
+    import nbdev.test as nt
+    fn = Path(fn)
+    keep = documented(fn) and os.environ.get("XLA_FLAGS") == ENV["XLA_FLAGS"]
+    dst = cached(fn, force_flags or []) if keep else None  # keyed before the run, on the bytes that ran
+
+    def write_nb(nb, path):
+        tmp = dst.with_suffix(f".{os.getpid()}.tmp")
+        nt._write_nb_orig(nb, tmp)
+        tmp.replace(dst)
+    if keep: CACHE.mkdir(exist_ok=True)
+    nt.write_nb = write_nb if keep else nt._write_nb_orig  # a worker runs many notebooks: set for each
+    return nt._test_nb_orig(fn, *args, force_flags=force_flags, save=keep or save, **kwargs)
+
+
+def patch_nbdev_test():
+    "make nbdev-test keep each documented notebook's passing run in the cache (its workers are forked from here)"
+    import nbdev.test as nt
+    if getattr(nt, "_test_nb_orig", None) is None:
+        nt._test_nb_orig, nt._write_nb_orig = nt.test_nb, nt.write_nb
+        nt.test_nb = _test_nb_kept
 
 
 def run(src: Path, dst: Path) -> int:
@@ -122,7 +164,12 @@ class CachedOutputs:
         cell.outputs = [AttrDict(o) for o in trim(self.outs[cell.id])]
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and sys.argv[1:2] == ["nbtest"]:  # top level: fastcore's CLI reads nbdev-test's arguments
+    sys.argv.pop(1)
+    patch_nbdev_test()
+    from nbdev.test import nbdev_test
+    nbdev_test()
+elif __name__ == "__main__":
     if sys.argv[1:2] == ["run"]: sys.exit(run(Path(sys.argv[2]).resolve(), Path(sys.argv[3]).resolve()))
     if sys.argv[1:2] == ["execute"]: sys.exit(1 if execute(sys.argv[2:] or None) else 0)
     sys.exit(__doc__)

@@ -291,7 +291,11 @@ class RayStartError(RuntimeError):
     """A local Ray did not start: one line with what happened, the likely cause and the session logs
     (`temp_dirs` lists the private temp dir of every try; they are kept for reading)."""
 
-    def __init__(self, message: str, temp_dirs: tp.Sequence[str] = ()):
+    def __init__(
+        self,
+        message: str,  # the one-line cause
+        temp_dirs: tp.Sequence[str] = (),  # the session directories of the failed starts
+    ):
         super().__init__(message)
         self.temp_dirs = list(temp_dirs)
 

@@ -69,7 +69,12 @@ def _to_dict(self) -> dict[str, tp.Any]:
     return out
 
 
-def _from_dict(cls, data: dict[str, tp.Any], strict: bool = False, **overrides):
+def _from_dict(
+    cls,
+    data: dict[str, tp.Any],  # the config's keys and values
+    strict: bool = False,  # refuse keys the class does not know (else kept)
+    **overrides,  # keys replacing those of `data`
+):
     "A config from `data` (plus `overrides`); `strict` refuses keys the class does not know instead of keeping them."
     if not isinstance(data, dict):
         raise TypeError(f"{cls.__name__}.from_dict expects a dict, got {type(data).__name__}")
@@ -109,14 +114,22 @@ def config_file(
     return p
 
 
-def _save_pretrained(self, save_directory: str | os.PathLike | ePath) -> ePath:
+def _save_pretrained(
+    self,
+    save_directory: str | os.PathLike | ePath,  # the folder (created if needed)
+) -> ePath:
     "Write `config.json` into `save_directory` (created if needed); returns the file's path."
     d = save_directory if isinstance(save_directory, ePath) else ePath(save_directory)
     d.mkdir(parents=True, exist_ok=True)
     return (d / CONFIG_NAME).save_dict(self.to_dict(), format="json")
 
 
-def _from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike | ePath, strict: bool = False, **overrides):
+def _from_pretrained(
+    cls,
+    pretrained_model_name_or_path: str | os.PathLike | ePath,  # a folder holding `config.json`, or the file itself
+    strict: bool = False,  # refuse keys the class does not know (else kept)
+    **overrides,  # keys replacing those of the file
+):
     "Read `config.json` from a folder (or the file itself); `overrides` replace keys of the file."
     return cls.from_dict(
         config_file(pretrained_model_name_or_path).load_dict(format="json"), strict=strict, **overrides
@@ -145,7 +158,10 @@ EasyDeLBaseConfig.__hash__ = lambda self: hash(
 EasyDeLBaseConfig.__repr__ = _repr
 
 # %% ../../nbs/11b_infra.base_config.ipynb #23e3c985
-def _get_partition_rules(self, fully_sharded_data_parallel: bool = True) -> tuple[tuple[str, tp.Any], ...]:
+def _get_partition_rules(
+    self,
+    fully_sharded_data_parallel: bool = True,  # also shard over the fsdp axis (subclasses; the base replicates all)
+) -> tuple[tuple[str, tp.Any], ...]:
     "Regex → `PartitionSpec` rules over parameter paths; the base class replicates everything."
     from jax.sharding import PartitionSpec
     return ((".*", PartitionSpec()),)

@@ -111,12 +111,29 @@ class PrecisionHandler:
         return f"PrecisionHandler(policy='{self.policy}', loss_scale={type(self.loss_scale).__name__})"
 
     # casts
-    def cast_to_param(self, tree): return self.policy.cast_to_param(tree)
-    def cast_to_compute(self, tree): return self.policy.cast_to_compute(tree)
-    def cast_to_output(self, tree): return self.policy.cast_to_output(tree)
+    def cast_to_param(
+        self,
+        tree,  # any pytree; only its floating leaves are cast
+    ):
+        return self.policy.cast_to_param(tree)
+    def cast_to_compute(
+        self,
+        tree,  # any pytree; only its floating leaves are cast
+    ):
+        return self.policy.cast_to_compute(tree)
+    def cast_to_output(
+        self,
+        tree,  # any pytree; only its floating leaves are cast
+    ):
+        return self.policy.cast_to_output(tree)
     cast_for_computation = cast_to_compute
 
-    def scaled_value_and_grad(self, fn: tp.Callable, *, has_aux: bool = False) -> tp.Callable:
+    def scaled_value_and_grad(
+        self,
+        fn: tp.Callable,  # the loss function `fn(params, *args)`
+        *,
+        has_aux: bool = False,  # `fn` returns `(loss, aux)`
+    ) -> tp.Callable:
         "The pure step `(loss_scale, params, *args) -> (loss, grads, grads_finite, new_loss_scale)` for this policy."
         return scaled_value_and_grad(fn, self.policy, has_aux=has_aux)
 

@@ -82,9 +82,20 @@ class NoOpLossScale:
 
     @property
     def loss_scale(self) -> np.ndarray: return np.ones((), np.float32)
-    def scale(self, tree): return tree
-    def unscale(self, tree): return tree
-    def adjust(self, grads_finite) -> NoOpLossScale:
+    def scale(
+        self,
+        tree,  # a loss or pytree (returned as it is)
+    ):
+        return tree
+    def unscale(
+        self,
+        tree,  # gradients or any pytree (returned as it is)
+    ):
+        return tree
+    def adjust(
+        self,
+        grads_finite,  # a boolean scalar: were this step's gradients all finite?
+    ) -> NoOpLossScale:
         _check_flag(grads_finite)
         return self
 
@@ -98,9 +109,20 @@ class StaticLossScale:
         if isinstance(v, float):
             object.__setattr__(self, "loss_scale", np.asarray(v, np.float32))
 
-    def scale(self, tree): return _scale_tree(tree, self.loss_scale)
-    def unscale(self, tree): return _unscale_tree(tree, self.loss_scale)
-    def adjust(self, grads_finite) -> StaticLossScale:
+    def scale(
+        self,
+        tree,  # a loss or pytree whose floating leaves are multiplied by the scale
+    ):
+        return _scale_tree(tree, self.loss_scale)
+    def unscale(
+        self,
+        tree,  # gradients or any pytree whose floating leaves are divided by the scale
+    ):
+        return _unscale_tree(tree, self.loss_scale)
+    def adjust(
+        self,
+        grads_finite,  # a boolean scalar: were this step's gradients all finite?
+    ) -> StaticLossScale:
         _check_flag(grads_finite)
         return self
 
@@ -138,10 +160,21 @@ class DynamicLossScale:
                              "would "
                              "otherwise raise the scale)")
 
-    def scale(self, tree): return _scale_tree(tree, self.loss_scale)
-    def unscale(self, tree): return _unscale_tree(tree, self.loss_scale)
+    def scale(
+        self,
+        tree,  # a loss or pytree whose floating leaves are multiplied by the scale
+    ):
+        return _scale_tree(tree, self.loss_scale)
+    def unscale(
+        self,
+        tree,  # gradients or any pytree whose floating leaves are divided by the scale
+    ):
+        return _unscale_tree(tree, self.loss_scale)
 
-    def adjust(self, grads_finite) -> DynamicLossScale:
+    def adjust(
+        self,
+        grads_finite,  # a boolean scalar: were this step's gradients all finite?
+    ) -> DynamicLossScale:
         "The loss scale for the next step, given whether this step's gradients were all finite."
         finite = _check_flag(grads_finite)
         scale = jnp.asarray(self.loss_scale, jnp.float32)
@@ -224,7 +257,11 @@ class LossScaleConfig:
 class LossScaler:
     """A mutable holder of a loss scale: `scale` the loss, `unscale` the grads, then `adjust` with the finiteness of
     the grads."""
-    def __init__(self, config: LossScaleConfig | None = None, dynamic: bool = True):
+    def __init__(
+        self,
+        config: LossScaleConfig | None = None,  # the scale's settings (None: `LossScaleConfig()`)
+        dynamic: bool = True,  # True: a `DynamicLossScale`; False: a `StaticLossScale`
+    ):
         self.config = LossScaleConfig() if config is None else config
         if not isinstance(self.config, LossScaleConfig):
             raise TypeError(f"config must be a LossScaleConfig, got {config!r}")
@@ -235,10 +272,21 @@ class LossScaler:
         "The current scale."
         return float(self.loss_scale.loss_scale)
 
-    def scale(self, tree): return self.loss_scale.scale(tree)
-    def unscale(self, tree): return self.loss_scale.unscale(tree)
+    def scale(
+        self,
+        tree,  # a loss or pytree whose floating leaves are multiplied by the scale
+    ):
+        return self.loss_scale.scale(tree)
+    def unscale(
+        self,
+        tree,  # gradients or any pytree whose floating leaves are divided by the scale
+    ):
+        return self.loss_scale.unscale(tree)
 
-    def adjust(self, grads) -> bool:
+    def adjust(
+        self,
+        grads,  # this step's unscaled gradients
+    ) -> bool:
         """Update the scale from this step's (unscaled) `grads`; True when they were all finite (apply the step), False
         to skip it."""
         finite = all_finite(grads)

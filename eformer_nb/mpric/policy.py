@@ -52,15 +52,24 @@ class Policy:
     @property
     def output_dtype(self) -> np.dtype: return resolve_dtype(self._names[2])
 
-    def cast_to_param(self, tree: tp.Any) -> tp.Any:
+    def cast_to_param(
+        self,
+        tree: tp.Any,  # any pytree; only its floating leaves are cast
+    ) -> tp.Any:
         "Cast the floating leaves of `tree` to the param dtype (other leaves untouched)."
         return cast_floating(tree, self._names[0])
 
-    def cast_to_compute(self, tree: tp.Any) -> tp.Any:
+    def cast_to_compute(
+        self,
+        tree: tp.Any,  # any pytree; only its floating leaves are cast
+    ) -> tp.Any:
         "Cast the floating leaves of `tree` to the compute dtype (other leaves untouched)."
         return cast_floating(tree, self._names[1])
 
-    def cast_to_output(self, tree: tp.Any) -> tp.Any:
+    def cast_to_output(
+        self,
+        tree: tp.Any,  # any pytree; only its floating leaves are cast
+    ) -> tp.Any:
         "Cast the floating leaves of `tree` to the output dtype (other leaves untouched)."
         return cast_floating(tree, self._names[2])
 
@@ -150,7 +159,10 @@ def get_policy(
     p, c, o = names
     return Policy("f32" if p is None else p, c, o)  # params default to f32; the constructor cascades the rest
 
-def _from_string(cls, policy_str: str) -> Policy:
+def _from_string(
+    cls,
+    policy_str: str,  # e.g. 'p=f32,c=bf16,o=f32', or one dtype name for all three
+) -> Policy:
     "The `Policy` a string such as `'p=f32,c=bf16,o=f32'` names (see `get_policy`)."
     return get_policy(policy_str)
 

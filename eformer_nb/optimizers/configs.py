@@ -110,7 +110,10 @@ class ConfigMixin:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
-    def from_dict(cls: type[_T], data: tp.Mapping[str, tp.Any]) -> _T:
+    def from_dict(
+        cls: type[_T],
+        data: tp.Mapping[str, tp.Any],  # the config's fields; unknown keys are an error that names them
+    ) -> _T:
         "Build a config from a mapping; unknown keys raise `ValueError` listing the valid fields."
         if not isinstance(data, tp.Mapping):
             raise TypeError(f"{cls.__name__}.from_dict expected a mapping, got {type(data).__name__}: {data!r}")
@@ -123,16 +126,25 @@ class ConfigMixin:
                              + (f" ({hint})" if hint else ""))
         return cls(**dict(data))
 
-    def to_json(self, indent: int | None = 2) -> str:
+    def to_json(
+        self,
+        indent: int | None = 2,  # JSON indentation (None: one line)
+    ) -> str:
         "The config as a JSON string."
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_json(cls: type[_T], json_str: str) -> _T:
+    def from_json(
+        cls: type[_T],
+        json_str: str,  # a JSON object of the config's fields
+    ) -> _T:
         "Build a config from a JSON string written by `to_json` (or by hand)."
         return cls.from_dict(json.loads(json_str))
 
-    def replace(self: _T, **changes) -> _T:
+    def replace(
+        self: _T,
+        **changes,  # fields to replace (validated again)
+    ) -> _T:
         "A copy with some fields changed (validated like a new config)."
         return dataclasses.replace(self, **changes)
 

@@ -355,7 +355,9 @@ class OptimizerFactory:
     "Builds `(optax.GradientTransformation, optax.Schedule)` from an optimizer name and config data."
 
     @staticmethod
-    def config_class(optimizer_type: str) -> type:
+    def config_class(
+        optimizer_type: str,  # a registered optimizer name, e.g. 'adamw'
+    ) -> type:
         "The config class of a registered optimizer (case-insensitive); unknown names raise with the valid choices."
         if not isinstance(optimizer_type, str) or optimizer_type.lower() not in _OPTIMIZERS:
             close = difflib.get_close_matches(str(optimizer_type).lower(), _OPTIMIZERS, n=1)
@@ -364,7 +366,12 @@ class OptimizerFactory:
         return _OPTIMIZERS[optimizer_type.lower()].config_cls
 
     @classmethod
-    def make_config(cls, optimizer_type: str, optimizer_config=None, **overrides):
+    def make_config(
+        cls,
+        optimizer_type: str,  # a registered optimizer name, e.g. 'adamw'
+        optimizer_config=None,  # None (defaults), a dict or a config of that optimizer
+        **overrides,  # fields to replace
+    ):
         """The validated config for `optimizer_type` from None (defaults), a dict (e.g. from YAML/JSON) or a
         config instance, with `overrides` applied; unknown fields raise with the valid ones."""
         config_cls = cls.config_class(optimizer_type)
@@ -447,7 +454,10 @@ def create(
 
 # %% ../../nbs/08e_optimizers.factory.ipynb #23c2a9ad
 @patch(cls_method=True)
-def generate_template(cls: OptimizerFactory, optimizer_type: str) -> dict[str, tp.Any]:
+def generate_template(
+    cls: OptimizerFactory,
+    optimizer_type: str,  # a registered optimizer name, e.g. 'adamw'
+) -> dict[str, tp.Any]:
     "The default config of `optimizer_type` as a plain dict: a starting point for a YAML/JSON file."
     return cls.make_config(optimizer_type).to_dict()
 
@@ -488,13 +498,21 @@ class OptimizerBuilder(abc.ABC):
         if not isinstance(self.config, self.config_class):
             raise TypeError(f"{type(self).__name__}.config must be a {self.config_class.__name__}, got {self.config!r}")
 
-    def build(self, scheduler: optax.ScalarOrSchedule) -> optax.GradientTransformation:
+    def build(
+        self,
+        scheduler: optax.ScalarOrSchedule,  # the learning rate: a number or an optax schedule
+    ) -> optax.GradientTransformation:
         "The optimizer with learning rate `scheduler` (a number or a schedule), as the factory builds it."
         config = OptimizerFactory.make_config(self.optimizer_type, self.config)
         return _OPTIMIZERS[self.optimizer_type].builder(config, scheduler)
 
-    def build_mpmd(self, scheduler: optax.Schedule, *, optimizer: str,
-                   **tx_kwargs) -> "StageLocalGradientTransformation":
+    def build_mpmd(
+        self,
+        scheduler: optax.Schedule,  # the learning-rate schedule
+        *,
+        optimizer: str,  # a registered optimizer name
+        **tx_kwargs,  # the optimizer's config fields
+    ) -> "StageLocalGradientTransformation":
         """A stage-local optimizer for one pipeline stage: `optimizer` names this builder's type, `tx_kwargs` are the
         factory's options (weight_decay, clip_grad, ...)."""
         if not isinstance(optimizer, str) or optimizer.lower() != self.optimizer_type:
@@ -524,7 +542,11 @@ QuadOptimizer = _builder("quad", WhiteKronConfig, "WhiteKron in the `quad` style
 SkewOptimizer = _builder("skew", WhiteKronConfig, "WhiteKron in the `skew` style.")
 
 # %% ../../nbs/08e_optimizers.factory.ipynb #19baa5d2
-def _serialize_config(cls, config, format: str = "dict"):
+def _serialize_config(
+    cls,
+    config,  # an optimizer config
+    format: str = "dict",  # 'dict', 'json' or 'yaml'
+):
     "`config` as a dict, or JSON / YAML text (`format` in 'dict', 'json', 'yaml')."
     if format not in ("dict", "json", "yaml"):
         raise ValueError(f"format={format!r} is invalid: expected one of ['dict', 'json', 'yaml']")
@@ -539,7 +561,12 @@ def _serialize_config(cls, config, format: str = "dict"):
     return yaml.safe_dump({k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}, sort_keys=False)
 
 
-def _deserialize_config(cls, optimizer_type: str, data, format: str = "dict"):
+def _deserialize_config(
+    cls,
+    optimizer_type: str,  # a registered optimizer name, e.g. 'adamw'
+    data,  # a dict, or JSON / YAML text
+    format: str = "dict",  # 'dict', 'json' or 'yaml'
+):
     "The validated config of `optimizer_type` from a dict, or JSON / YAML text."
     if format not in ("dict", "json", "yaml"):
         raise ValueError(f"format={format!r} is invalid: expected one of ['dict', 'json', 'yaml']")
@@ -555,10 +582,16 @@ OptimizerFactory.serialize_config = classmethod(_serialize_config)
 OptimizerFactory.deserialize_config = classmethod(_deserialize_config)
 
 
-def get_base_optimizer(optimizer_type: str, scheduler: optax.Schedule, optimizer_kwargs: tp.Any = None,
-                       weight_decay: float | None = None, weight_decay_mask: tp.Any = None,
-                           gradient_accumulation_steps: int = 1,
-                       clip_grad: float | None = None, **kwargs) -> optax.GradientTransformation:
+def get_base_optimizer(
+    optimizer_type: str,  # a registered optimizer name, e.g. 'adamw'
+    scheduler: optax.Schedule,  # the learning-rate schedule
+    optimizer_kwargs: tp.Any = None,  # the optimizer's config fields (a dict or config)
+    weight_decay: float | None = None,  # decoupled weight decay rate (None: the config's)
+    weight_decay_mask: tp.Any = None,  # a pytree of bools (or a function of the params) choosing the decayed leaves
+    gradient_accumulation_steps: int = 1,  # micro-batches per update (1: none)
+    clip_grad: float | None = None,  # global-norm clipping threshold (None: none)
+    **kwargs,  # more config fields
+) -> optax.GradientTransformation:
     """`OptimizerFactory.create` with the schedule already made: the same chain (clipping, decay, accumulation), `tx`
     only."""
     if not callable(scheduler):
@@ -599,8 +632,15 @@ class StageLocalGradientTransformation(optax.GradientTransformation):
         self.metadata, self.apply_fn = metadata, apply_fn
         return self
 
-    def apply_gradients_stage_local(self, *, params, grads, opt_state, learning_rate_fn=None,
-                                    delete_grads: bool = False):
+    def apply_gradients_stage_local(
+        self,
+        *,
+        params,  # this stage's parameters
+        grads,  # this stage's gradients
+        opt_state,  # this stage's optimizer state
+        learning_rate_fn=None,  # `f(step) -> lr`: also return the learning rate at this step
+        delete_grads: bool = False,  # delete the gradient buffers once applied
+    ):
         """`(new_params, new_opt_state)` for this stage (plus the learning rate at this step when `learning_rate_fn`
         is given); `delete_grads=True` frees the gradient buffers once used (not inside `jit`)."""
         updates, new_state = self.update(grads, opt_state, params)
@@ -615,9 +655,11 @@ class StageLocalGradientTransformation(optax.GradientTransformation):
         return new_params, new_state, learning_rate_fn(counts[0] if counts else 0)
 
 
-def make_stage_local_gradient_transformation(tx: optax.GradientTransformation,
-                                             metadata: StageLocalOptimizerMetadata | None = None,
-                                             apply_fn=None) -> StageLocalGradientTransformation:
+def make_stage_local_gradient_transformation(
+    tx: optax.GradientTransformation,  # the optimizer of the stage
+    metadata: StageLocalOptimizerMetadata | None = None,  # the stage's description (None: one stage)
+    apply_fn=None,  # `apply_fn(params, updates)` (None: `optax.apply_updates`)
+) -> StageLocalGradientTransformation:
     "Wrap `tx` for one pipeline stage (`apply_fn(params, updates)` defaults to `optax.apply_updates`)."
     if not isinstance(tx, optax.GradientTransformation):
         raise TypeError(f"expected an optax.GradientTransformation, got {tx!r}")

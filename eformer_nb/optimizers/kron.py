@@ -541,24 +541,42 @@ def _white_kron_compat(style: str, lr_style, b1, normalize_grads, max_size_dense
         precond_dtype=dtype), merge_small_dims=False, partition_grads_into_blocks=True, block_size=block_size)
 
 
-def scale_by_quad(lr_style: str | None = "adam", b1: float = 0.95, normalize_grads: bool = False,
-                  max_size_dense: int = 16384, preconditioner_lr: float = 0.7, preconditioner_init_scale: float = 1.0,
-                  dtype: tp.Any = jnp.bfloat16, scanned_layers: tp.Any = None, block_size: int = 256,
-                  pipeline_axis_name: str | None = None, pipeline_axis_size: int = 1,
-                      params_partition_specs: tp.Any = None,
-                  noise_scale: float = 1e-9) -> optax.GradientTransformation:
+def scale_by_quad(
+    lr_style: str | None = "adam",  # "adam": Adam-like update RMS 0.2; None: RMS 1
+    b1: float = 0.95,  # momentum rate (0: none)
+    normalize_grads: bool = False,  # divide each gradient by its RMS first
+    max_size_dense: int = 16384,  # axes longer than this get a diagonal factor
+    preconditioner_lr: float = 0.7,  # the factors' step size
+    preconditioner_init_scale: float = 1.0,  # initial scale of the preconditioner
+    dtype: tp.Any = jnp.bfloat16,  # dtype of the preconditioner factors
+    scanned_layers: tp.Any = None,  # eformer's option; only None (not implemented)
+    block_size: int = 256,  # gradients are split into blocks of at most this size per axis
+    pipeline_axis_name: str | None = None,  # eformer's option; only None (not implemented)
+    pipeline_axis_size: int = 1,  # eformer's option; only 1 (not implemented)
+    params_partition_specs: tp.Any = None,  # eformer's option; only None (not implemented)
+    noise_scale: float = 1e-9,  # tiny noise added to the gradient before fitting (damping)
+) -> optax.GradientTransformation:
     "`scale_by_white_kron(update_style='quad')` with eformer's names."
     return _white_kron_compat("quad", lr_style, b1, normalize_grads, max_size_dense, preconditioner_lr,
                               preconditioner_init_scale, dtype, scanned_layers, block_size, pipeline_axis_name,
                               pipeline_axis_size, params_partition_specs, noise_scale)
 
 
-def scale_by_skew(lr_style: str | None = "adam", b1: float = 0.95, normalize_grads: bool = False,
-                  max_size_dense: int = 16384, preconditioner_lr: float = 0.7, preconditioner_init_scale: float = 1.0,
-                  dtype: tp.Any = jnp.bfloat16, scanned_layers: tp.Any = None, block_size: int = 256,
-                  pipeline_axis_name: str | None = None, pipeline_axis_size: int = 1,
-                      params_partition_specs: tp.Any = None,
-                  noise_scale: float = 1e-9) -> optax.GradientTransformation:
+def scale_by_skew(
+    lr_style: str | None = "adam",  # "adam": Adam-like update RMS 0.2; None: RMS 1
+    b1: float = 0.95,  # momentum rate (0: none)
+    normalize_grads: bool = False,  # divide each gradient by its RMS first
+    max_size_dense: int = 16384,  # axes longer than this get a diagonal factor
+    preconditioner_lr: float = 0.7,  # the factors' step size
+    preconditioner_init_scale: float = 1.0,  # initial scale of the preconditioner
+    dtype: tp.Any = jnp.bfloat16,  # dtype of the preconditioner factors
+    scanned_layers: tp.Any = None,  # eformer's option; only None (not implemented)
+    block_size: int = 256,  # gradients are split into blocks of at most this size per axis
+    pipeline_axis_name: str | None = None,  # eformer's option; only None (not implemented)
+    pipeline_axis_size: int = 1,  # eformer's option; only 1 (not implemented)
+    params_partition_specs: tp.Any = None,  # eformer's option; only None (not implemented)
+    noise_scale: float = 1e-9,  # tiny noise added to the gradient before fitting (damping)
+) -> optax.GradientTransformation:
     "`scale_by_white_kron(update_style='skew')` with eformer's names."
     return _white_kron_compat("skew", lr_style, b1, normalize_grads, max_size_dense, preconditioner_lr,
                               preconditioner_init_scale, dtype, scanned_layers, block_size, pipeline_axis_name,
@@ -570,12 +588,24 @@ def _with_lr(direction, learning_rate, weight_decay, weight_decay_mask):
     return optax.chain(*parts, optax.scale_by_learning_rate(learning_rate))
 
 
-def quad(learning_rate: optax.ScalarOrSchedule = 0.001, lr_style: str | None = "adam", b1: float = 0.95,
-         weight_decay: float = 0.1, weight_decay_mask: tp.Any = None, normalize_grads: bool = False,
-         max_size_dense: int = 16384, preconditioner_lr: float = 0.7, preconditioner_init_scale: float = 1.0,
-         dtype: tp.Any = jnp.bfloat16, scanned_layers: tp.Any = None, block_size: int = 256,
-         pipeline_axis_name: str | None = None, pipeline_axis_size: int = 1, params_partition_specs: tp.Any = None,
-         noise_scale: float = 1e-9) -> optax.GradientTransformation:
+def quad(
+    learning_rate: optax.ScalarOrSchedule = 0.001,  # a number or an optax schedule
+    lr_style: str | None = "adam",  # "adam": Adam-like update RMS 0.2; None: RMS 1
+    b1: float = 0.95,  # momentum rate (0: none)
+    weight_decay: float = 0.1,  # decoupled weight decay rate
+    weight_decay_mask: tp.Any = None,  # a pytree of bools (or a function of the params) choosing the decayed leaves
+    normalize_grads: bool = False,  # divide each gradient by its RMS first
+    max_size_dense: int = 16384,  # axes longer than this get a diagonal factor
+    preconditioner_lr: float = 0.7,  # the factors' step size
+    preconditioner_init_scale: float = 1.0,  # initial scale of the preconditioner
+    dtype: tp.Any = jnp.bfloat16,  # dtype of the preconditioner factors
+    scanned_layers: tp.Any = None,  # eformer's option; only None (not implemented)
+    block_size: int = 256,  # gradients are split into blocks of at most this size per axis
+    pipeline_axis_name: str | None = None,  # eformer's option; only None (not implemented)
+    pipeline_axis_size: int = 1,  # eformer's option; only 1 (not implemented)
+    params_partition_specs: tp.Any = None,  # eformer's option; only None (not implemented)
+    noise_scale: float = 1e-9,  # tiny noise added to the gradient before fitting (damping)
+) -> optax.GradientTransformation:
     "`scale_by_quad`, decoupled weight decay, then the learning rate."
     return _with_lr(scale_by_quad(lr_style, b1, normalize_grads, max_size_dense, preconditioner_lr,
                                   preconditioner_init_scale,
@@ -583,12 +613,24 @@ def quad(learning_rate: optax.ScalarOrSchedule = 0.001, lr_style: str | None = "
                                   params_partition_specs, noise_scale), learning_rate, weight_decay, weight_decay_mask)
 
 
-def skew(learning_rate: optax.ScalarOrSchedule = 0.001, lr_style: str | None = "adam", b1: float = 0.95,
-         weight_decay: float = 0.1, weight_decay_mask: tp.Any = None, normalize_grads: bool = False,
-         max_size_dense: int = 16384, preconditioner_lr: float = 0.7, preconditioner_init_scale: float = 1.0,
-         dtype: tp.Any = jnp.bfloat16, scanned_layers: tp.Any = None, block_size: int = 256,
-         pipeline_axis_name: str | None = None, pipeline_axis_size: int = 1, params_partition_specs: tp.Any = None,
-         noise_scale: float = 1e-9) -> optax.GradientTransformation:
+def skew(
+    learning_rate: optax.ScalarOrSchedule = 0.001,  # a number or an optax schedule
+    lr_style: str | None = "adam",  # "adam": Adam-like update RMS 0.2; None: RMS 1
+    b1: float = 0.95,  # momentum rate (0: none)
+    weight_decay: float = 0.1,  # decoupled weight decay rate
+    weight_decay_mask: tp.Any = None,  # a pytree of bools (or a function of the params) choosing the decayed leaves
+    normalize_grads: bool = False,  # divide each gradient by its RMS first
+    max_size_dense: int = 16384,  # axes longer than this get a diagonal factor
+    preconditioner_lr: float = 0.7,  # the factors' step size
+    preconditioner_init_scale: float = 1.0,  # initial scale of the preconditioner
+    dtype: tp.Any = jnp.bfloat16,  # dtype of the preconditioner factors
+    scanned_layers: tp.Any = None,  # eformer's option; only None (not implemented)
+    block_size: int = 256,  # gradients are split into blocks of at most this size per axis
+    pipeline_axis_name: str | None = None,  # eformer's option; only None (not implemented)
+    pipeline_axis_size: int = 1,  # eformer's option; only 1 (not implemented)
+    params_partition_specs: tp.Any = None,  # eformer's option; only None (not implemented)
+    noise_scale: float = 1e-9,  # tiny noise added to the gradient before fitting (damping)
+) -> optax.GradientTransformation:
     "`scale_by_skew`, decoupled weight decay, then the learning rate."
     return _with_lr(scale_by_skew(lr_style, b1, normalize_grads, max_size_dense, preconditioner_lr,
                                   preconditioner_init_scale,

@@ -110,8 +110,10 @@ class SchedulerFactory:
     "Builds an `optax.Schedule` from a `SchedulerConfig`, a registered name, or a custom callable."
 
     @staticmethod
-    def create_scheduler(config: SchedulerConfig | tp.Mapping | None = None,
-                         custom_scheduler: tp.Callable[[int], optax.Schedule] | None = None) -> optax.Schedule:
+    def create_scheduler(
+        config: SchedulerConfig | tp.Mapping | None = None,  # a `SchedulerConfig`, a dict of its fields, or None (constant 5e-5)
+        custom_scheduler: tp.Callable[[int], optax.Schedule] | None = None,  # `f(steps) -> schedule` in place of the config's
+    ) -> optax.Schedule:
         """The schedule for `config` (a `SchedulerConfig` or a dict of its fields; None = constant 5e-5).
         `custom_scheduler(steps)` must return a schedule and overrides the config's type."""
         if config is None: config = SchedulerConfig()

@@ -349,10 +349,20 @@ def _resumable(run_one: tp.Callable[[int], JobStatus], max_retries_preemption: i
         time.sleep(retry_delay_s)
 
 
-def _execute_resumable(cls, remote_fn: tp.Any, accelerator_config: ComputeResourceConfig,
-                       max_retries_preemption: int = int(1e6), max_retries_failure: int = 10, *, fn_args: tuple = (),
-                       job_name: str | None = None, timeout_s: float | None = None, schedule_timeout_s: float = 300.0,
-                       retry_delay_s: float = 1.0, **kwargs) -> JobStatus:
+def _execute_resumable(
+    cls,
+    remote_fn: tp.Any,  # the function (or Ray remote function) to run
+    accelerator_config: ComputeResourceConfig,  # where it runs: a CPU, GPU or TPU config
+    max_retries_preemption: int = int(1e6),  # retries after a preemption (a worker or node died)
+    max_retries_failure: int = 10,  # retries after a failure (the function raised)
+    *,
+    fn_args: tuple = (),  # positional arguments of `remote_fn`
+    job_name: str | None = None,  # a name for logs and `JobInfo` (None: the function's)
+    timeout_s: float | None = None,  # seconds an attempt may run (None: no limit)
+    schedule_timeout_s: float = 300.0,  # seconds to wait for the resources of an attempt
+    retry_delay_s: float = 1.0,  # seconds between attempts
+    **kwargs,  # keyword arguments of `remote_fn`
+) -> JobStatus:
     "Run attempts of `remote_fn` until success, retrying preemptions and failures each within its own budget."
     return _single_slice(_resumable(lambda i: _attempt(remote_fn, accelerator_config, tuple(fn_args), kwargs, index=i,
                                                        job_name=job_name, timeout_s=timeout_s,
@@ -363,9 +373,17 @@ def _execute_resumable(cls, remote_fn: tp.Any, accelerator_config: ComputeResour
 RayExecutor.execute_resumable = classmethod(_execute_resumable)
 
 # %% ../../../nbs/14d_executor.ray.executor.ipynb #c1457c3e
-def _execute_multislice(cls, remote_fn: tp.Any, accelerator_config: TpuAcceleratorConfig, *, fn_args: tuple = (),
-                        job_name: str | None = None, timeout_s: float | None = None, schedule_timeout_s: float = 300.0,
-                        **kwargs) -> JobStatus:
+def _execute_multislice(
+    cls,
+    remote_fn: tp.Any,  # the function (or Ray remote function) to run
+    accelerator_config: TpuAcceleratorConfig,  # where it runs: a CPU, GPU or TPU config
+    *,
+    fn_args: tuple = (),  # positional arguments of `remote_fn`
+    job_name: str | None = None,  # a name for logs and `JobInfo` (None: the function's)
+    timeout_s: float | None = None,  # seconds an attempt may run (None: no limit)
+    schedule_timeout_s: float = 300.0,  # seconds to wait for the resources of an attempt
+    **kwargs,  # keyword arguments of `remote_fn`
+) -> JobStatus:
     "One attempt on `pod_count` slices with the multislice environment; the result is a list per slice."
     if not isinstance(accelerator_config, TpuAcceleratorConfig):
         raise TypeError(f"execute_multislice: needs a TpuAcceleratorConfig, got {type(accelerator_config).__name__}")
@@ -373,10 +391,20 @@ def _execute_multislice(cls, remote_fn: tp.Any, accelerator_config: TpuAccelerat
                     schedule_timeout_s=schedule_timeout_s, multislice=True)
 
 
-def _execute_multislice_resumable(cls, remote_fn: tp.Any, accelerator_config: TpuAcceleratorConfig,
-                                  max_retries_preemption: int = int(1e6), max_retries_failure: int = 10, *,
-                                  fn_args: tuple = (), job_name: str | None = None, timeout_s: float | None = None,
-                                  schedule_timeout_s: float = 300.0, retry_delay_s: float = 1.0, **kwargs) -> JobStatus:
+def _execute_multislice_resumable(
+    cls,
+    remote_fn: tp.Any,  # the function (or Ray remote function) to run
+    accelerator_config: TpuAcceleratorConfig,  # where it runs: a CPU, GPU or TPU config
+    max_retries_preemption: int = int(1e6),  # retries after a preemption (a worker or node died)
+    max_retries_failure: int = 10,  # retries after a failure (the function raised)
+    *,
+    fn_args: tuple = (),  # positional arguments of `remote_fn`
+    job_name: str | None = None,  # a name for logs and `JobInfo` (None: the function's)
+    timeout_s: float | None = None,  # seconds an attempt may run (None: no limit)
+    schedule_timeout_s: float = 300.0,  # seconds to wait for the resources of an attempt
+    retry_delay_s: float = 1.0,  # seconds between attempts
+    **kwargs,  # keyword arguments of `remote_fn`
+) -> JobStatus:
     "`execute_multislice` with retries: any slice failing restarts all of them."
     if not isinstance(accelerator_config, TpuAcceleratorConfig):
         raise TypeError("execute_multislice_resumable: needs a TpuAcceleratorConfig, "
@@ -395,9 +423,17 @@ def _flat(status: JobStatus, flatten: bool, nested: bool) -> JobStatus:
     return status
 
 
-def _autoscale_execute(remote_fn: tp.Any, accelerator_config: ComputeResourceConfig, flatten: bool = True, *,
-                       fn_args: tuple = (), job_name: str | None = None, timeout_s: float | None = None,
-                       schedule_timeout_s: float = 300.0, **kwargs) -> JobStatus:
+def _autoscale_execute(
+    remote_fn: tp.Any,  # the function (or Ray remote function) to run
+    accelerator_config: ComputeResourceConfig,  # where it runs: a CPU, GPU or TPU config
+    flatten: bool = True,  # one flat list of results (else one list per slice)
+    *,
+    fn_args: tuple = (),  # positional arguments of `remote_fn`
+    job_name: str | None = None,  # a name for logs and `JobInfo` (None: the function's)
+    timeout_s: float | None = None,  # seconds an attempt may run (None: no limit)
+    schedule_timeout_s: float = 300.0,  # seconds to wait for the resources of an attempt
+    **kwargs,  # keyword arguments of `remote_fn`
+) -> JobStatus:
     "Independent copies on every host of as many free slices as there are (up to `pod_count`); CPU/GPU: like `execute`."
     tpu = isinstance(accelerator_config, TpuAcceleratorConfig)
     st = _attempt(remote_fn, accelerator_config, tuple(fn_args), kwargs, job_name=job_name, timeout_s=timeout_s,
@@ -405,9 +441,17 @@ def _autoscale_execute(remote_fn: tp.Any, accelerator_config: ComputeResourceCon
     return _flat(st, flatten, nested=tpu)
 
 
-def _autoscale_execute_resumable(cls, remote_fn: tp.Any, accelerator_config: ComputeResourceConfig,
-                                 max_retries_preemption: int = int(1e6), max_retries_failure: int = 10, *,
-                                 flatten: bool = True, retry_delay_s: float = 1.0, **kwargs) -> JobStatus:
+def _autoscale_execute_resumable(
+    cls,
+    remote_fn: tp.Any,  # the function (or Ray remote function) to run
+    accelerator_config: ComputeResourceConfig,  # where it runs: a CPU, GPU or TPU config
+    max_retries_preemption: int = int(1e6),  # retries after a preemption (a worker or node died)
+    max_retries_failure: int = 10,  # retries after a failure (the function raised)
+    *,
+    flatten: bool = True,  # one flat list of results (else one list per slice)
+    retry_delay_s: float = 1.0,  # seconds between attempts
+    **kwargs,  # keyword arguments of `remote_fn`
+) -> JobStatus:
     "`autoscale_execute` with retries by kind."
     return _resumable(lambda i: _autoscale_execute(remote_fn, accelerator_config, flatten, **kwargs),
                       max_retries_preemption, max_retries_failure, retry_delay_s)

@@ -155,8 +155,12 @@ with os.fdopen(fd, 'wb') as f:
 """
 
 
-def _separate_process_fn(underlying_function: tp.Callable, args: tuple, kwargs: dict,
-                         timeout_s: float | None = None) -> tp.Any:
+def _separate_process_fn(
+    underlying_function: tp.Callable,  # the function to run
+    args: tuple,  # its positional arguments
+    kwargs: dict,  # its keyword arguments
+    timeout_s: float | None = None,  # seconds before the child is killed (None: no limit)
+) -> tp.Any:
     """Run `underlying_function(*args, **kwargs)` in a fresh Python child process; return its result or re-raise its
     error."""
     import subprocess
@@ -186,7 +190,9 @@ def _separate_process_fn(underlying_function: tp.Callable, args: tuple, kwargs: 
     return value
 
 # %% ../../../nbs/14b_executor.ray.resource_manager.ipynb #b05ddeef
-def _forkify_remote_fn(remote_fn: tp.Any) -> tp.Any:
+def _forkify_remote_fn(
+    remote_fn: tp.Any,  # a Ray remote function (`ray.remote(f)`)
+) -> tp.Any:
     "A remote function with `remote_fn`'s options whose body runs in a fresh child process."
     import ray
 
@@ -201,7 +207,11 @@ def _forkify_remote_fn(remote_fn: tp.Any) -> tp.Any:
     return ray.remote(**(remote_fn._default_options or {}))(in_child)
 
 
-def _update_fn_resource_env(remote_fn: tp.Any, runtime_env: tp.Mapping | None, **extra_env) -> tp.Any:
+def _update_fn_resource_env(
+    remote_fn: tp.Any,  # a Ray remote function
+    runtime_env: tp.Mapping | None,  # a Ray runtime env merged into its own
+    **extra_env,  # environment variables added to it
+) -> tp.Any:
     "`remote_fn.options(...)` with `runtime_env` and the extra environment variables merged into its own."
     own = (getattr(remote_fn, "_default_options", None) or {}).get("runtime_env")
     merged = _merge_env({**dict(own or {}), **dict(runtime_env or {})}, extra_env)
@@ -211,7 +221,9 @@ def _update_fn_resource_env(remote_fn: tp.Any, runtime_env: tp.Mapping | None, *
     return remote_fn.options(runtime_env=merged)
 
 
-def _cancel_all_futures(futures: tp.Iterable[tp.Any]) -> None:
+def _cancel_all_futures(
+    futures: tp.Iterable[tp.Any],  # Ray object refs
+) -> None:
     "Force-cancel every ref in `futures` (their workers are killed); finished refs are left as they are."
     import ray
 

@@ -104,7 +104,10 @@ class JobCancelled(JobStatus):
 # %% ../../../nbs/14a_executor.ray.types.ipynb #1de12803
 class RemoteTraceback(Exception):
     "Carries the text of a traceback from another process; shown as the cause of the re-raised exception."
-    def __init__(self, tb: str):
+    def __init__(
+        self,
+        tb: str,  # the remote traceback's text
+    ):
         super().__init__(tb)
         self.tb = tb
 

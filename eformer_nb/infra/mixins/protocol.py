@@ -102,7 +102,11 @@ class ForwardProtocol:
     def compute_loss(self, *, labels=None, loss_config: LossConfig | None = None, loss_kwargs: dict | None = None,
                      **batch) -> tuple[tp.Any, LossMetrics]: ...
     @abstractmethod
-    def compute_loss(self, *args, **kwargs):
+    def compute_loss(
+        self,
+        *args,  # the forward's inputs
+        **kwargs,  # the forward's keyword inputs and the loss' options
+    ):
         "Forward, then the task's loss: returns `(output with .loss, LossMetrics)`."
 
     @abstractmethod

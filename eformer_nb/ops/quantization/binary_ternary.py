@@ -71,7 +71,13 @@ def binary_quantize(
     return bits, scale, block
 
 
-def binary_dequantize(bits: jax.Array, scale: jax.Array, block: int, n: int, dtype=jnp.float32) -> jax.Array:
+def binary_dequantize(
+    bits: jax.Array,  # packed sign bits (8 per byte) along the last axis
+    scale: jax.Array,  # one scale per block
+    block: int,  # values per scale
+    n: int,  # the logical length of the last axis
+    dtype=jnp.float32,  # the dtype of the result
+) -> jax.Array:
     "`scale * (+1 or -1)` per value, the last axis cut back to `n`."
     signs = jnp.unpackbits(bits, axis=-1).astype(jnp.float32) * 2.0 - 1.0
     vals = signs.reshape(*signs.shape[:-1], signs.shape[-1] // block, block) * scale[..., None]
@@ -133,7 +139,13 @@ def ternary_quantize(
     return packed, scale, block
 
 
-def ternary_dequantize(packed: jax.Array, scale: jax.Array, block: int, n: int, dtype=jnp.float32) -> jax.Array:
+def ternary_dequantize(
+    packed: jax.Array,  # packed 2-bit codes (4 per byte) along the last axis
+    scale: jax.Array,  # one scale per block
+    block: int,  # values per scale
+    n: int,  # the logical length of the last axis
+    dtype=jnp.float32,  # the dtype of the result
+) -> jax.Array:
     "`scale * {-1, 0, +1}` per value, the last axis cut back to `n`."
     codes = jnp.stack([(packed >> s) & 3 for s in (6, 4, 2, 0)], axis=-1).reshape(*packed.shape[:-1], -1)
     vals = jnp.asarray(np.array([0.0, 1.0, -1.0, 0.0], np.float32))[codes]
@@ -163,7 +175,13 @@ class ArrayTernary(QuantizedArray):
         return restore_nonfinite(dense, self.nonfinite)
 
     @classmethod
-    def quantize(cls, x: jax.Array, block_size: int | None = 64, dtype=None, nonfinite: str = "raise") -> ArrayTernary:
+    def quantize(
+        cls,
+        x: jax.Array,  # the float array
+        block_size: int | None = 64,  # values per scale along the last axis; None: one per row
+        dtype=None,  # the logical dtype (None: `x`'s)
+        nonfinite: str = "raise",  # what NaN/Inf do: 'raise' (refuse them) or 'keep' (exactly)
+    ) -> ArrayTernary:
         """Ternarize `x` with a scale per block of `block_size` values along the last axis (`None`: per row); NaN/Inf
         as `nonfinite` says."""
         x, keep = split_nonfinite(x, "ternary", nonfinite)

@@ -34,7 +34,10 @@ class QuantizationType(str, enum.Enum):
     TERNARY = "ternary"
 
     @classmethod
-    def parse(cls, value: QuantizationType | str) -> QuantizationType:
+    def parse(
+        cls,
+        value: QuantizationType | str,  # a member, or its value or name in any case
+    ) -> QuantizationType:
         "`value` as a `QuantizationType` (a member or its name, any case); a clear error otherwise."
         if isinstance(value, cls):
             return value
@@ -96,7 +99,11 @@ class QuantizationConfig:
             raise ValueError(f"nonfinite={self.nonfinite!r} is not one of {NONFINITE_MODES}")
 
 # %% ../../../nbs/06a_ops.quantization.config.ipynb #f1c4b600
-def check_float_input(x: tp.Any, fmt: str, nonfinite: str = "raise") -> jax.Array:
+def check_float_input(
+    x: tp.Any,  # the array to check
+    fmt: str,  # the format's name, for the error message
+    nonfinite: str = "raise",  # what NaN/Inf do: 'raise' (refuse them) or 'keep' (exactly)
+) -> jax.Array:
     """`x` as a JAX array if it is a floating array with at least one dimension; a clear error otherwise.
     With `nonfinite="raise"` a concrete `x` holding NaN or Inf is a `ValueError` that says how many and where (under
     `jit` the values are unknown and cannot be checked: pass `nonfinite="keep"` there to keep them)."""
@@ -122,7 +129,11 @@ def check_float_input(x: tp.Any, fmt: str, nonfinite: str = "raise") -> jax.Arra
     return x
 
 
-def split_nonfinite(x: tp.Any, fmt: str, nonfinite: str = "raise") -> tuple[jax.Array, jax.Array | None]:
+def split_nonfinite(
+    x: tp.Any,  # the array to check and split
+    fmt: str,  # the format's name, for the error message
+    nonfinite: str = "raise",  # what NaN/Inf do: 'raise' (refuse them) or 'keep' (exactly)
+) -> tuple[jax.Array, jax.Array | None]:
     """`(finite x, codes)`: `x` checked as `check_float_input` does, with NaN/Inf replaced by 0 (so they never touch a
     block's scale) and, for `nonfinite="keep"`, uint8 codes of what was there (0 finite, 1 NaN, 2 +Inf, 3 -Inf)."""
     x = check_float_input(x, fmt, nonfinite)
@@ -133,7 +144,10 @@ def split_nonfinite(x: tp.Any, fmt: str, nonfinite: str = "raise") -> tuple[jax.
     return jnp.where(fin, x, jnp.zeros((), x.dtype)), codes
 
 
-def restore_nonfinite(out: jax.Array, codes: jax.Array | None) -> jax.Array:
+def restore_nonfinite(
+    out: jax.Array,  # the dequantized values
+    codes: jax.Array | None,  # `split_nonfinite`'s codes (None: nothing to put back)
+) -> jax.Array:
     "`out` with the NaN/Inf recorded by `split_nonfinite` put back where they were."
     if codes is None:
         return out
@@ -144,7 +158,12 @@ def restore_nonfinite(out: jax.Array, codes: jax.Array | None) -> jax.Array:
 SMALL_ROW_BLOCK = 64  # a block may pad a shorter row up to this many values (the default block size)
 
 
-def check_block_size(block_size: tp.Any, n: int | None, multiple: int, fmt: str) -> int:
+def check_block_size(
+    block_size: tp.Any,  # the value to check
+    n: int | None,  # values in a row (the last axis); None: not known
+    multiple: int,  # the block must be a multiple of this (whole bytes per block)
+    fmt: str,  # the format's name, for the error message
+) -> int:
     """`block_size` as an int if it is a positive multiple of `multiple` that fits a row of `n` values: a block beyond
     the row only pads it, and a mistyped `1 << 30` would allocate gigabytes. The row may be padded up to the default
     block (`SMALL_ROW_BLOCK`, so that one config quantizes small layers too) or up to the next multiple; anything
@@ -160,7 +179,10 @@ def check_block_size(block_size: tp.Any, n: int | None, multiple: int, fmt: str)
     return int(block_size)
 
 
-def pad_last(x: jax.Array, multiple: int) -> jax.Array:
+def pad_last(
+    x: jax.Array,  # the array to pad
+    multiple: int,  # the last axis is padded up to a multiple of this
+) -> jax.Array:
     "`x` zero-padded at the end of its last axis to a multiple of `multiple`."
     pad = -x.shape[-1] % multiple
     return x if pad == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
@@ -194,7 +216,10 @@ class QuantizedArray(ImplicitArray):
     def _shape_note(self) -> str:
         return f"an array of shape {tuple(self.shape)}"
 
-    def astype(self, dtype) -> QuantizedArray:
+    def astype(
+        self,
+        dtype,  # the new logical dtype (a float dtype)
+    ) -> QuantizedArray:
         "The same quantized data with logical dtype `dtype` (a float dtype)."
         dtype = jnp.dtype(dtype)
         if not jnp.issubdtype(dtype, jnp.floating):
@@ -247,7 +272,10 @@ def leaf_shardings(
             for k, v in leaves.items() if v is not None}
 
 
-def with_sharding(self: QuantizedArray, sharding: NamedSharding) -> QuantizedArray:
+def with_sharding(
+    self: QuantizedArray,
+    sharding: NamedSharding,  # the `NamedSharding` of the logical (dense) array
+) -> QuantizedArray:
     """A copy with every leaf placed as `leaf_shardings(sharding)` says (recorded in the `sharding` field where there
     is one)."""
     placed = {k: jax.device_put(getattr(self, k), s) for k, s in self.leaf_shardings(sharding).items()}
@@ -256,7 +284,10 @@ def with_sharding(self: QuantizedArray, sharding: NamedSharding) -> QuantizedArr
     return dataclasses.replace(self, **placed)
 
 
-def with_mesh_and_axis(self: QuantizedArray, mesh_and_axis: tuple) -> QuantizedArray:
+def with_mesh_and_axis(
+    self: QuantizedArray,
+    mesh_and_axis: tuple,  # `(mesh, spec)`: spec a PartitionSpec, or an axis name (or None) per axis
+) -> QuantizedArray:
     """`with_sharding(NamedSharding(mesh, spec))` for `(mesh, spec)`; `spec` a PartitionSpec or one axis name (or None)
     per axis."""
     mesh, spec = mesh_and_axis
@@ -328,13 +359,21 @@ def kernels_module():
     return _fused_kernels
 
 
-def dot_out_dtype(lhs, rhs, params: dict):
+def dot_out_dtype(
+    lhs,  # the left operand (anything with shape and dtype)
+    rhs,  # the right operand
+    params: dict,  # `dot_general`'s parameters (dimension_numbers, precision, preferred_element_type)
+):
     "The dtype JAX's `dot_general` returns for these operands and parameters."
     spec = lambda a: jax.ShapeDtypeStruct(tuple(a.shape), a.dtype)
     return jax.eval_shape(functools.partial(lax.dot_general_p.bind, **params), spec(lhs), spec(rhs)).dtype
 
 
-def plain_matmul_kind(lhs, rhs, dimension_numbers) -> str | None:
+def plain_matmul_kind(
+    lhs,  # the activations
+    rhs,  # the (quantized) weight
+    dimension_numbers,  # `dot_general`'s `((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))`
+) -> str | None:
     "'nn' for `x @ W`, 'nt' for `x @ Wᵀ` (x's last axis against W's axis 0 / 1, 2-D W, no batch dims), else None."
     (lc, rc), (lb, rb) = dimension_numbers
     if rhs.ndim != 2 or lhs.ndim < 1 or lb or rb or tuple(lc) != (lhs.ndim - 1,):

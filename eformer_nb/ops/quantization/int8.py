@@ -50,7 +50,12 @@ def int8_quantize(
     return q.reshape(x.shape), scale
 
 
-def int8_dequantize(q: jax.Array, scale: jax.Array, block_size: int | None = None, dtype=jnp.float32) -> jax.Array:
+def int8_dequantize(
+    q: jax.Array,  # the int8 values
+    scale: jax.Array,  # float32 scales: per channel, or per block of the last axis
+    block_size: int | None = None,  # values per scale along the last axis; None: one scale per channel
+    dtype=jnp.float32,  # the dtype of the result
+) -> jax.Array:
     "`q * scale` in float32, then `dtype`."
     if block_size is None:
         return (q.astype(jnp.float32) * scale).astype(dtype)

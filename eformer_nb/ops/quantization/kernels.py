@@ -40,7 +40,9 @@ def _check_backend(backend: str, what: str = "backend") -> str:
     return backend
 
 
-def set_default_backend(backend: str | None) -> None:
+def set_default_backend(
+    backend: str | None,  # 'auto', 'pallas' or 'xla'; None restores the env-var / auto choice
+) -> None:
     "Force `backend` for every call that passes `backend='auto'`; `None` restores the env-var / auto choice."
     global _forced_backend
     _forced_backend = None if backend is None else _check_backend(backend)
@@ -265,7 +267,12 @@ def _default_variant() -> str:
     return "tpu" if _platform() == "tpu" else "gpu" if _platform() in ("gpu", "cuda", "rocm") else "tpu"
 
 
-def default_tiles(variant: str, m: int, kind: str = "nf4", block_size: int = DEFAULT_BLOCK_SIZE) -> Tiles:
+def default_tiles(
+    variant: str,  # 'gpu' or 'tpu'
+    m: int,  # rows of the activations
+    kind: str = "nf4",  # 'nf4' or 'int8'
+    block_size: int = DEFAULT_BLOCK_SIZE,  # NF4 values per scale
+) -> Tiles:
     "Default tiles for `variant` ('gpu' or 'tpu'), `m` rows and weight `kind` ('nf4' or 'int8')."
     if variant not in VARIANTS:
         raise ValueError(f"unknown kernel variant {variant!r}; expected one of {VARIANTS}")
@@ -328,8 +335,17 @@ def _require(ok: bool, what: str, t: Tiles, shape):
                          f"fits`)")
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #17433030
-def nf4_matmul_pallas(x, packed, absmax, *, block_size: int = DEFAULT_BLOCK_SIZE, n: int,
-                      variant: str | None = None, tiles: Tiles | None = None, interpret: bool | None = None):
+def nf4_matmul_pallas(
+    x,  # activations (M, K)
+    packed,  # NF4 codes of W, two per byte (K, N/2)
+    absmax,  # W's absmax per block
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,  # NF4 values per scale
+    n: int,  # W's logical columns
+    variant: str | None = None,  # 'gpu' or 'tpu'; None: this backend's
+    tiles: Tiles | None = None,  # the tile sizes; None: `default_tiles`
+    interpret: bool | None = None,  # run the kernel in Pallas' interpreter (None: on CPU only)
+):
     "`x @ W` (NF4 `W`) with the fused Pallas kernel; `variant` 'gpu' (Triton schedule) or 'tpu' (Mosaic schedule)."
     pl = _pallas()
     _check_nf4(x, packed, absmax, block_size, n, 0, "x")
@@ -394,8 +410,17 @@ def _nf4_rand(K: int, n: int, seed: int = 0, block_size: int = DEFAULT_BLOCK_SIZ
     return jnp.asarray(p), jnp.asarray(a), n
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #82148d31
-def nf4_matmul_t_pallas(g, packed, absmax, *, block_size: int = DEFAULT_BLOCK_SIZE, n: int,
-                        variant: str | None = None, tiles: Tiles | None = None, interpret: bool | None = None):
+def nf4_matmul_t_pallas(
+    g,  # output gradients (M, n)
+    packed,  # NF4 codes of W, two per byte (K, N/2)
+    absmax,  # W's absmax per block
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,  # NF4 values per scale
+    n: int,  # W's logical columns
+    variant: str | None = None,  # 'gpu' or 'tpu'; None: this backend's
+    tiles: Tiles | None = None,  # the tile sizes; None: `default_tiles`
+    interpret: bool | None = None,  # run the kernel in Pallas' interpreter (None: on CPU only)
+):
     """`g @ Wᵀ` (NF4 `W`, `g` (M, n)) with the fused Pallas kernel; here `bn` is the chunk of `Np` contracted per step
     and `bk` the output tile."""
     pl = _pallas()
@@ -450,8 +475,15 @@ def nf4_matmul_t_pallas(g, packed, absmax, *, block_size: int = DEFAULT_BLOCK_SI
     return y[:M].astype(g.dtype)
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #edd18465
-def int8_matmul_pallas(x, q, scale, *, variant: str | None = None, tiles: Tiles | None = None,
-                       interpret: bool | None = None):
+def int8_matmul_pallas(
+    x,  # activations (M, K)
+    q,  # the int8 weight (K, N)
+    scale,  # float scales per column (N,)
+    *,
+    variant: str | None = None,  # 'gpu' or 'tpu'; None: this backend's
+    tiles: Tiles | None = None,  # the tile sizes; None: `default_tiles`
+    interpret: bool | None = None,  # run the kernel in Pallas' interpreter (None: on CPU only)
+):
     "`x @ (q * scale)` with the Pallas kernel: `(x @ q) * scale`, accumulated in float32."
     pl = _pallas()
     _check_int8(x, q, scale, 0, "x")
@@ -502,8 +534,15 @@ def int8_matmul_pallas(x, q, scale, *, variant: str | None = None, tiles: Tiles 
     return y[:M].astype(x.dtype)
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #f3a8a9b3
-def int8_matmul_t_pallas(g, q, scale, *, variant: str | None = None, tiles: Tiles | None = None,
-                         interpret: bool | None = None):
+def int8_matmul_t_pallas(
+    g,  # output gradients (M, N)
+    q,  # the int8 weight (K, N)
+    scale,  # float scales per column (N,)
+    *,
+    variant: str | None = None,  # 'gpu' or 'tpu'; None: this backend's
+    tiles: Tiles | None = None,  # the tile sizes; None: `default_tiles`
+    interpret: bool | None = None,  # run the kernel in Pallas' interpreter (None: on CPU only)
+):
     """`g @ (q * scale)ᵀ` with the Pallas kernel: `(g * scale) @ qᵀ`; `bn` is the contracted chunk of N, `bk` the
     output tile."""
     pl = _pallas()

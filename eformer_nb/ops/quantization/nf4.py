@@ -66,12 +66,16 @@ def nf4_encode(
     return codes.reshape(xf.shape), absmax
 
 
-def nf4_pack(codes: jax.Array) -> jax.Array:
+def nf4_pack(
+    codes: jax.Array,  # uint8 codes in [0, 16), an even-length last axis
+) -> jax.Array:
     "Two 4-bit codes per byte along the last axis (even length): element 2j in the high nibble, 2j+1 in the low."
     return (codes[..., 0::2] << 4) | codes[..., 1::2]
 
 
-def nf4_unpack(packed: jax.Array) -> jax.Array:
+def nf4_unpack(
+    packed: jax.Array,  # uint8 bytes from `nf4_pack`
+) -> jax.Array:
     "The inverse of `nf4_pack`: uint8 codes with twice the last axis."
     codes = jnp.stack([packed >> 4, packed & 0xF], axis=-1)
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
@@ -196,7 +200,10 @@ def torch_cpu_sum(x: jax.Array) -> jax.Array:
     return total
 
 # %% ../../../nbs/06b_ops.quantization.nf4.ipynb #ed9ff615
-def quantize_absmax(absmax: jax.Array, block: int = DOUBLE_QUANT_BLOCK) -> tuple[jax.Array, jax.Array, jax.Array]:
+def quantize_absmax(
+    absmax: jax.Array,  # the per-block absmax values of level one
+    block: int = DOUBLE_QUANT_BLOCK,  # values per second-level block
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """QLoRA's double quantization, as bitsandbytes (`quantize_4bit(..., compress_statistics=True)`) on CPU:
     uint8 codes of `DYNAMIC_MAP` (shape of `absmax`), the float32 absmax per `block` values of the
     flattened `absmax - offset`, and the float32 `offset` (the mean of `absmax`)."""
@@ -216,7 +223,12 @@ def quantize_absmax(absmax: jax.Array, block: int = DOUBLE_QUANT_BLOCK) -> tuple
     return codes.reshape(-1)[: absmax.size].reshape(absmax.shape), scale, offset
 
 
-def dequantize_absmax(q: jax.Array, scale: jax.Array, offset: jax.Array, block: int = DOUBLE_QUANT_BLOCK) -> jax.Array:
+def dequantize_absmax(
+    q: jax.Array,  # uint8 codes of `DYNAMIC_MAP`
+    scale: jax.Array,  # float32 absmax per second-level block
+    offset: jax.Array,  # the float32 mean that was subtracted
+    block: int = DOUBLE_QUANT_BLOCK,  # values per second-level block
+) -> jax.Array:
     "The float32 absmax values from `quantize_absmax`'s output: `DYNAMIC_MAP[q] * scale[block] + offset`."
     vals = jnp.asarray(DYNAMIC_MAP)[q.reshape(-1)]
     flat = (pad_last(vals, block).reshape(-1, block) * scale[:, None]).reshape(-1)[: q.size]

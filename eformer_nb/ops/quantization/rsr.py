@@ -39,7 +39,12 @@ class RSROperatorBinary(ImplicitArray):
         return jnp.dtype(self.org_dtype)
 
     @classmethod
-    def from_matrix(cls, A, k: int = 8, org_dtype=jnp.float32) -> RSROperatorBinary:
+    def from_matrix(
+        cls,
+        A,  # a 0/1 matrix (n, m)
+        k: int = 8,  # columns per pattern, in [1, 16]
+        org_dtype=jnp.float32,  # the dtype `dot` returns
+    ) -> RSROperatorBinary:
         "Encode a 0/1 matrix; anything else is an error naming the values found."
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
             raise ValueError(f"k must be an int in [1, 16], got {k!r}")
@@ -56,13 +61,20 @@ class RSROperatorBinary(ImplicitArray):
         return cls(codes.T.astype(jnp.int32), k, pad, jnp.dtype(org_dtype))
 
     @classmethod
-    def quantize(cls, A, k: int = 8) -> RSROperatorBinary:
+    def quantize(
+        cls,
+        A,  # a real matrix: `A > 0` becomes 1
+        k: int = 8,  # columns per pattern, in [1, 16]
+    ) -> RSROperatorBinary:
         "Binarize a real matrix (`A > 0` -> 1, else 0) and encode it."
         A = jnp.asarray(A)
         org = A.dtype if jnp.issubdtype(A.dtype, jnp.floating) else jnp.float32
         return cls.from_matrix((A > 0).astype(jnp.int8), k, org)
 
-    def dot(self, v: jax.Array) -> jax.Array:
+    def dot(
+        self,
+        v: jax.Array,  # a vector or batch of shape (..., n)
+    ) -> jax.Array:
         "`v @ A` for `v` of shape `(..., n)`: segment sums of `v` per pattern, times the pattern table."
         v = jnp.asarray(v)
         n, m = self.shape
@@ -93,7 +105,11 @@ class RSROperatorTernary(ImplicitArray):
         return self.rsr_b1.dtype
 
     @classmethod
-    def from_matrix(cls, A, k: int = 8) -> RSROperatorTernary:
+    def from_matrix(
+        cls,
+        A,  # a matrix of -1/0/+1 (n, m)
+        k: int = 8,  # columns per pattern, in [1, 16]
+    ) -> RSROperatorTernary:
         "Encode a -1/0/1 matrix; anything else is an error naming the values found."
         A = jnp.asarray(A)
         if not bool(jnp.all((A == 0) | (A == 1) | (A == -1))):
@@ -103,7 +119,10 @@ class RSROperatorTernary(ImplicitArray):
         return cls(RSROperatorBinary.from_matrix((A == 1).astype(jnp.int8), k, dt),
                    RSROperatorBinary.from_matrix((A == -1).astype(jnp.int8), k, dt))
 
-    def dot(self, v: jax.Array) -> jax.Array:
+    def dot(
+        self,
+        v: jax.Array,  # a vector or batch of shape (..., n)
+    ) -> jax.Array:
         "`v @ A`."
         return self.rsr_b1.dot(v) - self.rsr_b2.dot(v)
 
