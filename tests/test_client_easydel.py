@@ -225,3 +225,20 @@ def test_partition_axis_is_ours(easydel_llama):
     from eformer_nb.escale import PartitionAxis
     pa = easydel_llama.config.partition_axis
     assert isinstance(pa, PartitionAxis) and dataclasses.is_dataclass(pa)
+
+
+def test_eformer_codec_functions_at_eformers_path():
+    "eformer's codec functions, imported as an eformer user does (through the alias), on EasyDeL's jax."
+    from eformer.ops.quantization.quantization_functions import (dequantize_int8, dequantize_nf4, pack_weights_1bit,
+                                                                  quantize_and_pack_nf4, quantize_int8,
+                                                                  unpack_weights_1bit)
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(4, 128)), jnp.float32)
+    packed, absmax = quantize_and_pack_nf4(w, block_size=64)
+    assert packed.shape == (4, 2, 32) and packed.dtype == jnp.uint8 and absmax.shape == (4, 2)
+    back = dequantize_nf4(packed, absmax, 64)
+    assert back.shape == w.shape and float(jnp.max(jnp.abs(back - w))) <= float(jnp.max(absmax)) * 0.16
+    q, s = quantize_int8(w, axis=-1)
+    assert q.dtype == jnp.int8 and s.shape == (4, 1)
+    assert float(jnp.max(jnp.abs(dequantize_int8(q, s) - w))) <= float(jnp.max(s)) / 2 + 1e-7
+    t = jnp.asarray(np.random.default_rng(1).integers(-1, 2, size=(8, 3)), jnp.int8)
+    np.testing.assert_array_equal(np.asarray(unpack_weights_1bit(pack_weights_1bit(t), jnp.int8)), np.asarray(t))
