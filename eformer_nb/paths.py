@@ -25,8 +25,8 @@ from fastcore.basics import patch
 # %% auto #0
 __all__ = ['LOCAL_PROTOCOLS', 'GCS_PROTOCOLS', 'UniversalPath', 'ePathLike', 'path_protocol', 'is_remote_path', 'is_local_path',
            'make_gcs_filesystem', 'set_gcs_filesystem', 'get_gcs_filesystem', 'PathStat', 'ePath', 'LocalPath',
-           'atomic_write_local', 'FsspecPath', 'GCSPath', 'save_jax_array', 'load_jax_array', 'save_dict', 'load_dict',
-           'PathManager', 'MLUtilPath']
+           'atomic_write_local', 'FsspecPath', 'GCSPath', 'gcs_client_for', 'save_jax_array', 'load_jax_array',
+           'save_dict', 'load_dict', 'PathManager', 'MLUtilPath']
 
 # %% ../nbs/04_paths.ipynb #e5afb84b
 _PROTOCOL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
@@ -1199,6 +1199,9 @@ class GCSPath(FsspecPath):
     protocol = "gs"
 
     def _init(self, path: str, fs: tp.Any = None, **storage_options) -> None:
+        self._client = storage_options.pop("client", None)  # eformer's `client=`: see `GCSPath.client`
+        if self._client is not None:
+            fs = _fs_for_client(self._client, path, fs, storage_options)
         if fs is not None and storage_options:
             raise ValueError(f"GCSPath({path!r}): pass either fs= or storage options, not both "
                              f"(got {sorted(storage_options)})")
@@ -1284,6 +1287,47 @@ def _ensure_parent(self: GCSPath) -> None:
 @patch
 def _same_fs(self: GCSPath, other: ePath) -> bool:
     return isinstance(other, GCSPath) and other._fs_obj is self._fs_obj
+
+# %% ../nbs/04_paths.ipynb #dfd089e0
+_GCS_DEFAULT_API = "https://storage.googleapis.com"
+
+
+def gcs_client_for(
+    fs: tp.Any,  # a `gcsfs.GCSFileSystem` (e.g. `GCSPath.fs`)
+) -> tp.Any:  # a `google.cloud.storage.Client`
+    "A `google.cloud.storage.Client` for the store `fs` reaches: the same endpoint, project and credentials."
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    creds = getattr(fs, "credentials", None)
+    if creds is None or not hasattr(fs, "_endpoint"):
+        raise TypeError(f"gcs_client_for: expected a gcsfs.GCSFileSystem, got {type(fs).__name__}")
+    endpoint = fs._endpoint or None
+    anon = creds.method == "anon"
+    options = {"api_endpoint": endpoint} if endpoint and endpoint.rstrip("/") != _GCS_DEFAULT_API else None
+    return storage.Client(project=creds.project or fs.project or ("anonymous" if anon else None),
+                          credentials=AnonymousCredentials() if anon else creds.credentials, client_options=options)
+
+
+def _fs_for_client(client, path: str, fs, storage_options: dict) -> tp.Any:
+    "The gcsfs filesystem for eformer's `GCSPath(path, client=...)`: the client's endpoint, project and credentials."
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    if not isinstance(client, storage.Client):
+        raise TypeError(f"GCSPath({path!r}): client must be a google.cloud.storage.Client, got {type(client).__name__}")
+    if fs is not None or storage_options:
+        raise ValueError(f"GCSPath({path!r}): pass client= alone, or fs=/storage options; got client= and "
+                         f"{sorted(storage_options) or ['fs']}")
+    endpoint = client.api_endpoint if client.api_endpoint.rstrip("/") != _GCS_DEFAULT_API else None
+    token = "anon" if isinstance(client._credentials, AnonymousCredentials) else client._credentials
+    return make_gcs_filesystem(endpoint_url=endpoint, token=token, project=client.project)
+
+
+@patch(as_prop=True)
+def client(self: GCSPath) -> tp.Any:  # a `google.cloud.storage.Client`
+    "eformer's `GCSPath.client`: the client given as `client=`, else one for this path's filesystem (`gcs_client_for`)."
+    return self._client if self._client is not None else gcs_client_for(self._fs_obj)
 
 # %% ../nbs/04_paths.ipynb #79b0736e
 _ML_DTYPES_FIELD = "ml_dtypes."  # npy field-name prefix that marks an ml_dtypes array stored as raw unsigned ints

@@ -174,6 +174,35 @@ def test_state_roundtrip_through_our_checkpointer(trained_state, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_easydels_own_trainer(tmp_path):
+    """EasyDeL's `Trainer` end to end on a tiny in-memory dataset: its TrainingArguments, its optimizer and scheduler
+    (built by our OptimizerFactory through the alias), its data pipeline, sharded state and jitted step."""
+    from datasets import Dataset
+    from eformer_nb.optimizers import nonfinite_skips
+    config = ed.LlamaConfig(**TINY, attn_dtype=jnp.float32, attn_softmax_dtype=jnp.float32)
+    model = ed.LlamaForCausalLM(config=config, dtype=jnp.float32, param_dtype=jnp.float32, precision="highest",
+                                rngs=nnx.Rngs(1))
+    rows = (np.arange(48 * 16).reshape(48, 16) * 7) % TINY["vocab_size"]
+    data = Dataset.from_dict({"input_ids": rows.tolist(), "attention_mask": np.ones_like(rows).tolist(),
+                              "labels": rows.tolist()})
+
+    def mean_loss(m):
+        return float(np.mean([m.compute_loss(input_ids=jnp.asarray(b), labels=jnp.asarray(b))[1].loss
+                              for b in np.split(rows, 6)]))
+
+    before = mean_loss(model)
+    args = ed.TrainingArguments(save_directory=str(tmp_path), total_batch_size=8, num_train_epochs=1,
+                                max_training_steps=6, learning_rate=1e-2, optimizer="adamw", scheduler="none",
+                                max_length=16, use_wandb=False, do_last_save=False, save_steps=None, report_steps=1,
+                                log_steps=1, progress_bar_type="json", report_metrics=False)
+    out = ed.Trainer(arguments=args, model=model, dataset_train=data).train()
+    state = out.state
+    assert type(state).__name__ == "EasyDeLState" and int(state.step) == 6  # 48 rows / 8 per step, one epoch
+    assert nonfinite_skips(state.opt_state) == 0  # our non-finite guard is in EasyDeL's optimizer chain, unused
+    after = mean_loss(state.model)
+    assert np.isfinite(after) and after < before - 0.5, (before, after)
+
+
 @pytest.mark.xfail(strict=True, raises=(KeyError, FileExistsError, ValueError), reason=(
     "EasyDeL's save_state writes the optimizer (prefix 'tx'), then config.json, then the model (prefix 'model') into "
     "one directory through Checkpointer.save_pytree(prefix=...). eformer adds each prefix beside what is there; our "
@@ -196,3 +225,20 @@ def test_partition_axis_is_ours(easydel_llama):
     from eformer_nb.escale import PartitionAxis
     pa = easydel_llama.config.partition_axis
     assert isinstance(pa, PartitionAxis) and dataclasses.is_dataclass(pa)
+
+
+def test_eformer_codec_functions_at_eformers_path():
+    "eformer's codec functions, imported as an eformer user does (through the alias), on EasyDeL's jax."
+    from eformer.ops.quantization.quantization_functions import (dequantize_int8, dequantize_nf4, pack_weights_1bit,
+                                                                  quantize_and_pack_nf4, quantize_int8,
+                                                                  unpack_weights_1bit)
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(4, 128)), jnp.float32)
+    packed, absmax = quantize_and_pack_nf4(w, block_size=64)
+    assert packed.shape == (4, 2, 32) and packed.dtype == jnp.uint8 and absmax.shape == (4, 2)
+    back = dequantize_nf4(packed, absmax, 64)
+    assert back.shape == w.shape and float(jnp.max(jnp.abs(back - w))) <= float(jnp.max(absmax)) * 0.16
+    q, s = quantize_int8(w, axis=-1)
+    assert q.dtype == jnp.int8 and s.shape == (4, 1)
+    assert float(jnp.max(jnp.abs(dequantize_int8(q, s) - w))) <= float(jnp.max(s)) / 2 + 1e-7
+    t = jnp.asarray(np.random.default_rng(1).integers(-1, 2, size=(8, 3)), jnp.int8)
+    np.testing.assert_array_equal(np.asarray(unpack_weights_1bit(pack_weights_1bit(t), jnp.int8)), np.asarray(t))

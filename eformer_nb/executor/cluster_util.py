@@ -26,9 +26,9 @@ from ..loggings import get_logger
 logger = get_logger("eformer_nb.executor")
 
 # %% auto #0
-__all__ = ['logger', 'expand_hostlist', 'eSlurmCluster', 'DistributedConfig', 'resolve_ray_address', 'ray_start_command',
-           'RayClusterHandle', 'RayStartError', 'ray_processes', 'stop_processes', 'auto_ray_cluster',
-           'RayClusterConfig']
+__all__ = ['logger', 'expand_hostlist', 'eSlurmCluster', 'DistributedConfig', 'is_local_leader', 'resolve_ray_address',
+           'ray_start_command', 'RayClusterHandle', 'RayStartError', 'ray_processes', 'stop_processes',
+           'auto_ray_cluster', 'RayClusterConfig']
 
 # %% ../../nbs/14f_executor.cluster_util.ipynb #e8c0ea5b
 _GROUP = re.compile(r"\[([^\[\]]*)\]")
@@ -184,6 +184,63 @@ def initialize(self: DistributedConfig) -> DistributedConfig:
     jax.distributed.initialize(cfg.coordinator_address, cfg.num_processes, cfg.process_id, cfg.local_device_ids)
     return cfg
 
+# %% ../../nbs/14f_executor.cluster_util.ipynb #d92d8c80
+def _pid_alive(pid: int) -> bool:
+    "Whether a process with this id exists here (a zombie counts as gone)."
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+# %% ../../nbs/14f_executor.cluster_util.ipynb #35b23b22
+def _drop_claim(path: str, pid: int) -> None:
+    "Remove the leader claim `path` if this process (`pid`) still owns it (registered with `atexit`)."
+    with contextlib.suppress(OSError, ValueError):
+        with open(path) as f:
+            owner = int(f.read().strip() or -1)
+        if owner == pid:
+            os.remove(path)
+
+
+def is_local_leader(
+    key: str | None = None,  # the same string in every process of the job; None: the job's coordinator address
+    claim_dir: str | None = None,  # where the claim file lives (default: the temp dir)
+) -> bool:  # True in exactly one process per machine and key
+    """Elect one process per machine among those that call this with the same `key`: the first to claim it. The
+    leader's claim is removed when it exits (`atexit`); a claim left by a dead process is taken over."""
+    if key is None:
+        cfg = DistributedConfig().resolved()
+        if cfg.num_processes in (None, 1):
+            return True  # a single process leads itself
+        key = f"{cfg.coordinator_address}"
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"is_local_leader: key must be a non-empty string shared by the job's processes, got {key!r}")
+    import hashlib
+
+    name = "eformer_nb_leader." + hashlib.sha256(key.encode()).hexdigest()[:16]
+    path = os.path.join(claim_dir or tempfile.gettempdir(), name)
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            with contextlib.suppress(OSError, ValueError), open(path) as f:
+                owner = int(f.read().strip())
+                if owner != os.getpid() and not _pid_alive(owner):
+                    os.remove(path)  # stale: its owner died without exiting; claim it on the next try
+                    continue
+            return False
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        atexit.register(_drop_claim, path, os.getpid())
+        return True
+    return False
+
 # %% ../../nbs/14f_executor.cluster_util.ipynb #d4a9b251
 def resolve_ray_address(
     address: str | None = None,  # a cluster address, 'auto', or 'local' (always a new local Ray)
@@ -233,32 +290,36 @@ class RayClusterHandle:
     temp_dir: str | None = None  # a local Ray's private temp dir (session logs under it); None when not local
     owns_temp_dir: bool = False  # was `temp_dir` made by this call (so `shutdown` removes it)?
 
-    def shutdown(
-        self,
-        grace_s: float = 10.0,  # a local Ray's processes get SIGTERM, then SIGKILL after this many seconds
-    ) -> list[int]:
-        """Disconnect if this call connected; stop Ray only if this call started it (`ray stop` for a SLURM head;
-        every process of a local Ray). The pids that needed SIGKILL; calling it again does nothing."""
-        import ray
 
-        killed = []
-        if self.connected_here and ray.is_initialized():
-            ray.shutdown()
-        self.connected_here = False
-        if self.started_here and self.plan[0] == "slurm-head":
-            subprocess.run(["ray", "stop"], check=True, timeout=120)
-        if self.started_here and self.temp_dir is not None:
-            killed = stop_processes(ray_processes(self.temp_dir), grace_s)
-            if killed:
-                logger.warning(f"RayClusterHandle.shutdown: {len(killed)} Ray processes ignored SIGTERM for "
-                               f"{grace_s}s and were killed: {killed}")
-            if self.owns_temp_dir:
-                _remove_dir(self.temp_dir)
-            self.temp_dir = None
-        self.started_here = False
-        return killed
+# %% ../../nbs/14f_executor.cluster_util.ipynb #e38855a3
+@patch
+def shutdown(
+    self: RayClusterHandle,
+    grace_s: float = 10.0,  # a local Ray's processes get SIGTERM, then SIGKILL after this many seconds
+) -> list[int]:
+    """Disconnect if this call connected; stop Ray only if this call started it (`ray stop` for a SLURM head;
+    every process of a local Ray). The pids that needed SIGKILL; calling it again does nothing."""
+    import ray
+
+    killed = []
+    if self.connected_here and ray.is_initialized():
+        ray.shutdown()
+    self.connected_here = False
+    if self.started_here and self.plan[0] == "slurm-head":
+        subprocess.run(["ray", "stop"], check=True, timeout=120)
+    if self.started_here and self.temp_dir is not None:
+        killed = stop_processes(ray_processes(self.temp_dir), grace_s)
+        if killed:
+            logger.warning(f"RayClusterHandle.shutdown: {len(killed)} Ray processes ignored SIGTERM for "
+                           f"{grace_s}s and were killed: {killed}")
+        if self.owns_temp_dir:
+            _remove_dir(self.temp_dir)
+        self.temp_dir = None
+    self.started_here = False
+    return killed
 
 
+# %% ../../nbs/14f_executor.cluster_util.ipynb #2a7307cb
 @contextlib.contextmanager
 def _local_start_lock(
     enabled: bool,  # take the lock (local starts only)

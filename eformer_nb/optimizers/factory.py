@@ -289,11 +289,11 @@ def skip_nonfinite_updates(
         return optax.ApplyIfFiniteState(notfinite_count=jnp.zeros([], jnp.int32), last_finite=jnp.array(True),
                                         total_notfinite=jnp.zeros([], jnp.int32), inner_state=inner.init(params))
 
-    def update(grads, state, params=None, **extra_args):
-        finite = _all_finite(grads)
+    def update(updates, state, params=None, **extra_args):  # optax's parameter names: callers pass them by keyword
+        finite = _all_finite(updates)
         count = jnp.where(finite, 0, optax.safe_increment(state.notfinite_count))
         ok = jnp.logical_or(finite, count > max_consecutive_errors)
-        updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+        updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
         updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
         total = jnp.where(finite, state.total_notfinite, optax.safe_increment(state.total_notfinite))
         return updates, optax.ApplyIfFiniteState(count, finite, total, _select(ok, inner_state, state.inner_state))

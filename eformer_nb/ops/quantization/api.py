@@ -120,12 +120,28 @@ def is_kernel_available() -> bool:
     "True when the fused Pallas kernels run natively here (a GPU or TPU backend); on CPU the XLA path is used."
     return jax.default_backend() in ("gpu", "tpu")
 
+# %% ../../../nbs/06l_ops.quantization.ipynb #2a71f6c7
+class _KernelMode:
+    "`nf4_use_kernel`'s answer: the setting is already on; used as a context manager, the exit restores the previous."
+
+    def __init__(self, previous: str | None):
+        self._previous = previous
+
+    def __enter__(self) -> "_KernelMode":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from eformer_nb.ops.quantization.kernels import set_default_backend
+        set_default_backend(self._previous)
+
 
 def nf4_use_kernel(
     value: bool,  # True: the fused kernels where they run (the default); False: always the XLA path
-) -> None:
+) -> _KernelMode:  # also a context manager (eformer's form): `with` restores the previous setting on exit
     "Let quantized matmuls use the fused kernels where they run (`True`, the default) or always the XLA path (`False`)."
     if not isinstance(value, bool):
         raise TypeError(f"nf4_use_kernel expects True or False, got {value!r}")
-    from eformer_nb.ops.quantization.kernels import set_default_backend
+    from eformer_nb.ops.quantization.kernels import _forced_backend, set_default_backend
+    previous = _forced_backend
     set_default_backend(None if value else "xla")
+    return _KernelMode(previous)
