@@ -872,13 +872,13 @@ def fuzz_llama_generate(target_dir: Path, n: int) -> Outcomes:
     bad = st.sampled_from([("max_new_tokens", v) for v in (0, -1, True, 2.0, 15, 10**9, None)]
                           + [("temperature", v) for v in (0.0, -1.0, float("inf"), float("nan"), "1")]
                           + [("top_k", v) for v in (-1, 1.5, True, "2")] + [("top_p", v) for v in (0.0, 1.5, float("nan"))]
-                          + [("eos_token_id", v) for v in (-1, 64, 10**6, (2, 64), 2.0)]
+                          + [("eos_token_id", v) for v in (-2, 64, 10**6, (2, 64), 2.0)]
                           + [("pad_token_id", v) for v in (-1, 64, 10**6, True, 1.0)]
                           + [("num_beams", v) for v in (0, -2, 1.5)] + [("do_sample", "yes")])
 
     @_settings(n, deadline_ms=60_000)  # a new (shape, budget, profile) compiles the decode loop
     @given(st.sampled_from([(1, 2), (2, 3)]), st.data(), st.sampled_from([1, 4]), st.sampled_from(profiles),
-           st.sampled_from([2, 5, (2, 3), None]), st.sampled_from([0, 3, None]), st.none() | bad)
+           st.sampled_from([2, 5, (2, 3), -1, None]), st.sampled_from([0, 3, None]), st.none() | bad)
     def run(shape, data, new, profile, eos, pad, wrong):
         b, t = shape
         ids = np.array(data.draw(st.lists(st.integers(0, vocab - 1), min_size=b * t, max_size=b * t)), np.int64)

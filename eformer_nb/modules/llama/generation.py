@@ -189,9 +189,11 @@ def resolve_generation_config(
     vocab = model.config.vocab_size
     if not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < vocab:
         raise ValueError(f"pad_token_id={pad!r}; expected a token id in [0, vocab_size={vocab})")
-    bad_eos = [i for i in (eos if isinstance(eos, (list, tuple)) else [eos]) if i is not None and not 0 <= i < vocab]
+    bad_eos = [i for i in (eos if isinstance(eos, (list, tuple)) else [eos])
+               if i is not None and i != -1 and not 0 <= i < vocab]  # -1: no EOS (the documented idiom)
     if bad_eos:  # an id the model never emits: rows would never stop
-        raise ValueError(f"eos_token_id={eos!r}: {bad_eos} outside [0, vocab_size={vocab}); rows would never stop")
+        raise ValueError(f"eos_token_id={eos!r}: {bad_eos} outside [0, vocab_size={vocab}) and not -1 (no EOS); "
+                         "rows would never stop")
     return dataclasses.replace(g, eos_token_id=tuple(eos) if isinstance(eos, (list, tuple)) else eos, pad_token_id=pad)
 
 # %% ../../../nbs/12c_modules.llama.generation.ipynb #dd8f1ac4
