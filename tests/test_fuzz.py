@@ -7,6 +7,11 @@ wall-clock limit on the whole run); never more than `MEMORY_LIMIT` of address sp
 subprocess under `resource.RLIMIT_AS`); never a file touched outside the target directory (checked on the whole
 scratch tree around it).
 
+Issue 26 added the model's config, eager forward and `generate` (tiny model, oracles: the model's own
+teacher-forced argmax for greedy decoding, causality and row independence for the forward), `EasyDeLState`'s
+`apply_gradients` (against optax by hand) and the executors' accelerator configs; `ISSUE26` lists them and
+`test_issue26_budget` checks they try at least 2,000 inputs.
+
 Runs are derandomized (the same inputs every time) and bounded. Each target prints one JSON line with the number
 of inputs tried and the outcomes; `python tests/test_fuzz.py TARGET[,TARGET...] DIR` runs targets by hand
 (`FUZZ_EXAMPLES=N` changes how many inputs each tries)."""
@@ -700,14 +705,16 @@ def fuzz_llama_config(target_dir: Path, n: int) -> Outcomes:
                                            {"rope_type": "linear", "factor": float("inf")},
                                            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
                                             "high_freq_factor": 4.0},
-                                           {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 0},
+                                           {"rope_type": "llama3", "factor": 8.0,
+                                            "original_max_position_embeddings": 0},
                                            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": -1.0}])
     typo = st.sampled_from(["hidden_sise", "vocab_sze", "num_hiden_layers", "rope_thet", "rms_norm_epsilon",
                             "my_custom_flag", "intermediate_sizes"])
     fields = {**{k: size for k in LLAMA_INTS}, "rope_theta": real, "rms_norm_eps": real, "initializer_range": real,
               "bos_token_id": tok, "eos_token_id": tok | st.lists(st.integers(-1, 70), max_size=2),
               "pad_token_id": tok, "rope_scaling": scaling,
-              "hidden_act": st.sampled_from(["silu", "gelu", "swish", "", "SILU"]), "tie_word_embeddings": st.booleans()}
+              "hidden_act": st.sampled_from(["silu", "gelu", "swish", "", "SILU"]),
+              "tie_word_embeddings": st.booleans()}
     base = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                 max_position_embeddings=16)
 
@@ -741,7 +748,7 @@ def fuzz_llama_config(target_dir: Path, n: int) -> Outcomes:
            st.booleans())
     def run(over, typos, typo_value, on_base):
         kw = {**(base if on_base else {}), **over, **{t: typo_value for t in typos}}
-        if not on_base and not set(kw) & {"hidden_size", "intermediate_size"}:  # keep the default 4096-wide config cheap
+        if not on_base and not set(kw) & {"hidden_size", "intermediate_size"}:  # keep the 4096-wide default cheap
             kw.update(base)
         names = ["LlamaConfig"] + [k for k in kw] + [repr(v) for v in kw.values()]
         o.check(lambda: LlamaConfig(**kw), (ValueError, TypeError), names=names, size=len(repr(kw)), on_ok=ok_for(kw))
@@ -871,7 +878,8 @@ def fuzz_llama_generate(target_dir: Path, n: int) -> Outcomes:
     profiles = [{}, {"do_sample": True, "top_k": 1, "temperature": 0.7}]
     bad = st.sampled_from([("max_new_tokens", v) for v in (0, -1, True, 2.0, 15, 10**9, None)]
                           + [("temperature", v) for v in (0.0, -1.0, float("inf"), float("nan"), "1")]
-                          + [("top_k", v) for v in (-1, 1.5, True, "2")] + [("top_p", v) for v in (0.0, 1.5, float("nan"))]
+                          + [("top_k", v) for v in (-1, 1.5, True, "2")]
+                          + [("top_p", v) for v in (0.0, 1.5, float("nan"))]
                           + [("eos_token_id", v) for v in (-2, 64, 10**6, (2, 64), 2.0)]
                           + [("pad_token_id", v) for v in (-1, 64, 10**6, True, 1.0)]
                           + [("num_beams", v) for v in (0, -2, 1.5)] + [("do_sample", "yes")])
@@ -975,6 +983,7 @@ GROUPS = {  # targets sharing one process (one interpreter start each; the confi
     "model": ["llama_config", "llama_forward", "llama_generate"],  # issue 26: LlamaConfig, forward, generate
     "executor": ["executor_configs"],  # issue 26: the accelerator configs
 }
+ISSUE26 = ["state", "llama_config", "llama_forward", "llama_generate", "executor_configs"]  # >= 2,000 inputs in all
 
 
 def _main(targets: list[str], target_dir: str) -> None:
@@ -985,7 +994,7 @@ def _main(targets: list[str], target_dir: str) -> None:
         (Path(target_dir) / target).mkdir()
         out = fn(Path(target_dir) / target, int(os.environ.get("FUZZ_EXAMPLES", n)))
         line = json.loads(out.summary(target))
-        line["seconds"] = round(time.monotonic() - t0, 1)
+        line["budget"], line["seconds"] = int(os.environ.get("FUZZ_EXAMPLES", n)), round(time.monotonic() - t0, 1)
         print("FUZZ " + json.dumps(line), flush=True)
 
 
@@ -1029,9 +1038,17 @@ def test_fuzz(group, tmp_path):
     print("\n".join(lines))
     summaries = [json.loads(l[5:]) for l in lines]
     assert [s["target"] for s in summaries] == GROUPS[group], proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert all(s["inputs"] > 0 for s in summaries)
+    for s in summaries:  # every example reached the property at least once (none filtered away or cut short)
+        assert s["inputs"] >= s["budget"] > 0, s
     after = _snapshot(tmp_path, target_dir)
     assert after == before, f"{group} touched files outside its target: {sorted(set(after) ^ set(before))}"
+
+
+def test_issue26_budget():
+    "The model, generate, state and executor-config targets try at least 2,000 generated inputs between them."
+    total = sum(TARGETS[t][1] for t in ISSUE26)
+    print(f"issue-26 targets: {total} examples by budget (each checks one input or more)")
+    assert total >= 2000, total
 
 
 if __name__ == "__main__":
