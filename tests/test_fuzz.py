@@ -980,7 +980,8 @@ GROUPS = {  # targets sharing one process (one interpreter start each; the confi
     "config": ["aparser_dict", "aparser_cli", "aparser_files", "policy", "mesh"],
     "arrays": ["msgpack", "files", "quantization"],
     "state": ["state"],  # EasyDeLState (issue 26): apply_gradients, merge_to_state, create(step=)
-    "model": ["llama_config", "llama_forward", "llama_generate"],  # issue 26: LlamaConfig, forward, generate
+    "model": ["llama_config", "llama_forward"],  # issue 26: LlamaConfig and the eager forward
+    "generate": ["llama_generate"],  # issue 26: generate (its own process: it compiles decode loops)
     "executor": ["executor_configs"],  # issue 26: the accelerator configs
 }
 ISSUE26 = ["state", "llama_config", "llama_forward", "llama_generate", "executor_configs"]  # >= 2,000 inputs in all
