@@ -268,6 +268,8 @@ class LocalPath(ePath):
                                  f"(file:///abs/path){f', not the host {host!r}' if host else ''}; "
                                  "or pass a plain path")
             path = rest
+        if path == "":  # pathlib reads '' as '.': an unset setting would silently become the working directory
+            raise ValueError("LocalPath(''): the path is empty; pass '.' for the current directory")
         self._p = Path(path)
 
     @classmethod
@@ -277,6 +279,8 @@ class LocalPath(ePath):
         return self
 
     def _join(self, part: str) -> LocalPath:
+        if part.startswith("/") or _PROTOCOL_RE.match(part):  # pathlib would let it replace the base
+            raise ValueError(f"joinpath: cannot join the absolute path {part!r} onto {str(self)!r}")
         return LocalPath._from_pathlib(self._p / part)
 
     def __str__(self) -> str:
@@ -602,7 +606,7 @@ def rmtree(self: LocalPath,
            missing_ok: bool = False,  # no `FileNotFoundError` when the directory is missing
            allow_protected: bool = False,  # allow removing the root, the cwd, the home directory or a parent of them
            ) -> None:
-    "Remove this directory and everything below it (`ePath('')` is the current directory, and refused)."
+    "Remove this directory and everything below it (the current directory is refused)."
     if not self._p.exists() and not self._p.is_symlink():
         if missing_ok:
             return
@@ -791,6 +795,9 @@ def copy(self: ePath,
         raise FileNotFoundError(f"copy: no such file: {str(self)!r}")
     if dst.is_dir():
         dst = dst / self.name
+    if type(dst) is type(self) and (str(dst) == str(self) or (
+            isinstance(self, LocalPath) and dst.exists() and os.path.samefile(self.path, dst.path))):
+        raise ValueError(f"copy: {str(self)!r} and {str(dst)!r} are the same file; nothing would be copied")
     dst._ensure_parent()
     self._copy_file_to(dst)
     return dst
@@ -1417,6 +1424,10 @@ def load_jax_array(
 
     p = path if isinstance(path, ePath) else ePath(path)
     a = _from_stored(_read_npy(p.read_bytes(), repr(str(p))))
+    if a.dtype.type is np.void:  # np.save of an ml_dtypes array writes raw bytes ('|V2'): the dtype is lost
+        raise ValueError(f"load_jax_array: {str(p)!r} holds raw {a.dtype.itemsize}-byte values (dtype {a.dtype}), "
+                         "not numbers: an ml_dtypes array (bfloat16, float8) written by np.save loses its dtype. "
+                         "Save it with save_jax_array, or read it with np.load(...).view(ml_dtypes.bfloat16)")
     return jax.device_put(a, sharding) if sharding is not None else jax.numpy.asarray(a)
 
 
@@ -1444,6 +1455,18 @@ def _dict_format(p: ePath, format: str | None, fn: str) -> str:
     return fmt
 
 
+def _first_nonstr_key(x: tp.Any, at: str = "data") -> str | None:
+    "Where the first mapping key that is not a str (nested dicts and lists) is, as `1 in data['a']`, or None."
+    items = x.items() if isinstance(x, Mapping) else enumerate(x) if isinstance(x, (list, tuple)) else ()
+    for k, v in items:
+        if isinstance(x, Mapping) and not isinstance(k, str):
+            return f"{k!r} in {at}"
+        found = _first_nonstr_key(v, f"{at}[{k!r}]")
+        if found:
+            return found
+    return None
+
+
 def _first_nonfinite(x: tp.Any, at: str = "data") -> str | None:
     "Where the first NaN/Infinity float in `x` (nested dicts and lists) is, as `data['a'][0]`, or None."
     if isinstance(x, float) and not math.isfinite(x):
@@ -1468,6 +1491,9 @@ def save_dict(
     if not isinstance(data, Mapping):
         raise TypeError(f"save_dict: data must be a mapping, not {type(data).__name__}")
     fmt = _dict_format(p, format, "save_dict")
+    if fmt == "json" and (bad := _first_nonstr_key(data)):
+        raise ValueError(f"save_dict({str(p)!r}): the key {bad} is not a str; JSON keys are strings, so it would "
+                         "come back as a str. Use str keys, or save as .msgpack (which keeps int keys)")
     if fmt == "json" and (bad := _first_nonfinite(data)):
         raise ValueError(f"save_dict({str(p)!r}): {bad} has no JSON form (JSON allows no NaN/Infinity); "
                          "replace it, store it as a string, or save as .msgpack")

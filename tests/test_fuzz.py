@@ -7,6 +7,11 @@ wall-clock limit on the whole run); never more than `MEMORY_LIMIT` of address sp
 subprocess under `resource.RLIMIT_AS`); never a file touched outside the target directory (checked on the whole
 scratch tree around it).
 
+Issue 26 added the model's config, eager forward and `generate` (tiny model, oracles: the model's own
+teacher-forced argmax for greedy decoding, causality and row independence for the forward), `EasyDeLState`'s
+`apply_gradients` (against optax by hand) and the executors' accelerator configs; `ISSUE26` lists them and
+`test_issue26_budget` checks they try at least 2,000 inputs.
+
 Runs are derandomized (the same inputs every time) and bounded. Each target prints one JSON line with the number
 of inputs tried and the outcomes; `python tests/test_fuzz.py TARGET[,TARGET...] DIR` runs targets by hand
 (`FUZZ_EXAMPLES=N` changes how many inputs each tries)."""
@@ -659,6 +664,303 @@ def fuzz_state(target_dir: Path, n: int) -> Outcomes:
     return o
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Issue 26: the model config, forward and generate, and the executors' configs
+# --------------------------------------------------------------------------------------------------------------
+
+def _tiny_llama(**over):
+    "The tiny model the model targets share: vocab 64, 16 positions, 2 layers, 4 query and 2 key/value heads."
+    from flax import nnx
+    from eformer_nb.modules.llama import LlamaConfig, LlamaForCausalLM
+    kw = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=16, bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(LlamaConfig(**{**kw, **over}), rngs=nnx.Rngs(0))
+
+
+LLAMA_INTS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "max_position_embeddings"]
+
+
+def fuzz_llama_config(target_dir: Path, n: int) -> Outcomes:
+    """`LlamaConfig(**kwargs)` with sizes that do or do not fit together, non-finite or negative floats, token ids
+    in and out of the vocabulary, typos of field names, and wrong types. Oracle for an accepted config: every rule
+    holds (sizes positive ints that split into the heads, finite positive floats, ids in the vocabulary), no
+    typo'd key is kept, and the dict round trip gives an equal config."""
+    import math
+    from hypothesis import given, strategies as st
+    import numpy as np
+    from eformer_nb.modules.llama import LlamaConfig
+    from eformer_nb.modules.llama.modeling import rope_inv_freq
+    o = Outcomes()
+    bad = st.sampled_from([0, -1, -4, True, 2.0, 1.5, "8", None, float("nan"), 2**70])
+    size = st.sampled_from([1, 2, 3, 4, 6, 8, 16, 32, 34, 64]) | bad
+    real = st.sampled_from([1e-6, 0.02, 1.0, 1e4, 500000.0, 0.0, -1.0, -1e4, float("nan"), float("inf"), -float("inf"),
+                            True, "1e-6", None, 10**400 if False else 1e308])
+    tok = st.none() | st.integers(-3, 70) | st.sampled_from([10**6, True, 1.0, "2"])
+    scaling = st.none() | st.sampled_from([{"rope_type": "linear", "factor": 2.0}, {"rope_type": "linear", "factor": 0},
+                                           {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8},
+                                           {"rope_type": "yarn", "factor": 2.0}, {"type": "linear", "factor": -1.0},
+                                           {"rope_type": "linear"}, {}, {"rope_type": "linear", "factor": "2"},
+                                           {"rope_type": "linear", "factor": float("inf")},
+                                           {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                                            "high_freq_factor": 4.0},
+                                           {"rope_type": "llama3", "factor": 8.0,
+                                            "original_max_position_embeddings": 0},
+                                           {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": -1.0}])
+    typo = st.sampled_from(["hidden_sise", "vocab_sze", "num_hiden_layers", "rope_thet", "rms_norm_epsilon",
+                            "my_custom_flag", "intermediate_sizes"])
+    fields = {**{k: size for k in LLAMA_INTS}, "rope_theta": real, "rms_norm_eps": real, "initializer_range": real,
+              "bos_token_id": tok, "eos_token_id": tok | st.lists(st.integers(-1, 70), max_size=2),
+              "pad_token_id": tok, "rope_scaling": scaling,
+              "hidden_act": st.sampled_from(["silu", "gelu", "swish", "", "SILU"]),
+              "tie_word_embeddings": st.booleans()}
+    base = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=16)
+
+    def pos_int(v):
+        return type(v) is int and v > 0
+
+    def ok_for(kw):
+        def ok(c):
+            for k in LLAMA_INTS:
+                assert pos_int(getattr(c, k)), (k, getattr(c, k))
+            assert c.num_attention_heads % c.num_key_value_heads == 0 and c.head_dim % 2 == 0
+            if kw.get("head_dim") is None:
+                assert c.head_dim * c.num_attention_heads == c.hidden_size, (c.hidden_size, c.num_attention_heads)
+            assert c.rope_theta > 0 and c.rms_norm_eps > 0 and c.initializer_range >= 0
+            assert all(math.isfinite(float(getattr(c, k))) for k in ("rope_theta", "rms_norm_eps", "initializer_range"))
+            assert not any(type(getattr(c, k)) is bool for k in ("rope_theta", "rms_norm_eps", "initializer_range"))
+            eos = c.eos_token_id if isinstance(c.eos_token_id, (list, tuple)) else [c.eos_token_id]
+            for i in [c.bos_token_id, c.pad_token_id, *eos]:
+                assert i is None or (type(i) is int and 0 <= i < c.vocab_size), i
+            assert c.hidden_act in ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
+            for t in ("hidden_sise", "vocab_sze", "num_hiden_layers", "rope_thet", "intermediate_sizes"):
+                assert not hasattr(c, t), f"typo {t!r} kept silently"
+            inv = np.asarray(rope_inv_freq(c))  # the rotary frequencies the forward will use
+            assert inv.shape == (c.head_dim // 2,) and np.isfinite(inv).all() and (inv > 0).all(), (c.rope_scaling, inv)
+            again = LlamaConfig.from_dict(c.to_dict())
+            assert again.to_dict() == c.to_dict()
+        return ok
+
+    @_settings(n)
+    @given(st.fixed_dictionaries({}, optional=fields), st.lists(typo, max_size=1), st.sampled_from([0, 7, "x", -2]),
+           st.booleans())
+    def run(over, typos, typo_value, on_base):
+        kw = {**(base if on_base else {}), **over, **{t: typo_value for t in typos}}
+        if not on_base and not set(kw) & {"hidden_size", "intermediate_size"}:  # keep the 4096-wide default cheap
+            kw.update(base)
+        names = ["LlamaConfig"] + [k for k in kw] + [repr(v) for v in kw.values()]
+        o.check(lambda: LlamaConfig(**kw), (ValueError, TypeError), names=names, size=len(repr(kw)), on_ok=ok_for(kw))
+
+    run()
+    return o
+
+
+def _ids(st, vocab: int):
+    "Token ids: mostly in the vocabulary, sometimes the ids a buggy tokenizer or caller hands over."
+    return st.integers(0, vocab - 1) | st.sampled_from([-1, -1000, vocab, vocab + 1, 10**6, 2**31 - 1])
+
+
+def fuzz_llama_forward(target_dir: Path, n: int) -> Outcomes:
+    """The eager forward of the tiny model with ids in and out of the vocabulary, lengths past the position table,
+    position ids in and out of range, masks of every shape, integer/float/bool id arrays. Oracle for an accepted
+    call: logits `(batch, length, vocab)`, finite; causal (changing the last token leaves the earlier positions'
+    logits as they were); each row as if alone in the batch."""
+    import jax.numpy as jnp
+    import numpy as np
+    from hypothesis import given, strategies as st
+    model = _tiny_llama()
+    vocab, maxpos = 64, 16
+    o = Outcomes()
+    model(input_ids=jnp.ones((1, 3), jnp.int32))  # warm up: the first call starts JAX's backend
+
+    def ok_for(ids, kw, check_more):
+        def ok(out):
+            b, t = ids.shape
+            logits = np.asarray(out.logits)
+            assert logits.shape == (b, t, vocab) and np.isfinite(logits).all(), "non-finite or misshaped logits"
+            a = np.asarray(ids)
+            assert ((a >= 0) & (a < vocab)).all(), f"ids {a.tolist()} outside [0, {vocab}) were accepted"
+            if kw.get("position_ids") is not None:
+                p = np.asarray(kw["position_ids"])
+                assert ((p >= 0) & (p < maxpos)).all(), f"positions {p.tolist()} were accepted"
+                assert np.issubdtype(p.dtype, np.integer), f"positions of dtype {p.dtype} were accepted"
+            elif kw.get("attention_mask") is None:
+                assert t <= maxpos, f"length {t} > max_position_embeddings was accepted"
+            if not check_more or kw:
+                return
+            if t > 1:  # causal: the last token does not change what came before it
+                other = ids.at[:, -1].set((ids[:, -1] + 1) % vocab)
+                np.testing.assert_allclose(np.asarray(model(input_ids=other).logits)[:, :-1], logits[:, :-1],
+                                           rtol=2e-5, atol=2e-5)
+            if b > 1:  # a row's logits do not depend on the other rows
+                np.testing.assert_allclose(np.asarray(model(input_ids=ids[-1:]).logits)[0], logits[-1],
+                                           rtol=2e-5, atol=2e-5)
+        return ok
+
+    @_settings(n, deadline_ms=20_000)  # each new shape compiles the eager ops once
+    @given(st.integers(1, 2), st.sampled_from([1, 2, 3, 5, 16, 17, 40]), st.data(),
+           st.sampled_from(["int32"] * 4 + ["int64", "uint8", "float32", "bool"]),
+           st.sampled_from(["none"] * 4 + ["arange", "shifted", "negative", "big", "wrong-shape", "float"]),
+           st.sampled_from(["none"] * 4 + ["ones", "left-pad", "right-pad", "zeros", "wrong-shape"]), st.integers(0, 3))
+    def run(b, t, data, dtype, pos, mask, more):
+        ids = np.array(data.draw(st.lists(st.integers(0, vocab - 1), min_size=b * t, max_size=b * t)), np.int64)
+        for at, v in data.draw(st.lists(st.tuples(st.integers(0, b * t - 1), _ids(st, vocab)), max_size=2)):
+            ids[at] = v  # now and then an id a buggy tokenizer or caller hands over
+        ids = ids.reshape(b, t)
+        if dtype != "int64":
+            ids = ids.astype(dtype) if dtype in ("float32", "bool") else np.clip(ids, np.iinfo(dtype).min,
+                                                                              np.iinfo(dtype).max).astype(dtype)
+        ids = jnp.asarray(ids)
+        kw = {}
+        ar = np.broadcast_to(np.arange(t), (b, t))
+        if pos != "none":
+            kw["position_ids"] = jnp.asarray({"arange": ar, "shifted": ar + 3, "negative": ar - 1, "big": ar + maxpos,
+                                              "wrong-shape": ar[:, :-1] if t > 1 else ar[:0], "float": ar + 0.5}[pos])
+        if mask != "none":
+            m = {"ones": np.ones((b, t)), "zeros": np.zeros((b, t)), "wrong-shape": np.ones((b, t + 1)),
+                 "left-pad": (np.arange(t) >= t // 2)[None].repeat(b, 0),
+                 "right-pad": (np.arange(t) < max(t // 2, 1))[None].repeat(b, 0)}[mask]
+            kw["attention_mask"] = jnp.asarray(m, bool)
+        o.check(lambda: model(input_ids=ids, **kw), (ValueError, TypeError),
+                names=["input_ids", "position_ids", "attention_mask", "max_position_embeddings", "vocab_size"],
+                on_ok=ok_for(ids, kw, more == 0))
+
+    run()
+    return o
+
+
+def fuzz_llama_generate(target_dir: Path, n: int) -> Outcomes:
+    """`generate` with prompts in and out of the vocabulary, budgets past the position table (up to 10**9),
+    booleans, floats and infinities where ints and temperatures go, pad/EOS ids out of range, top-k/top-p values in
+    and out of range. Oracle for accepted greedy decoding: each generated token is the argmax of the model's own
+    forward logits on the sequence so far (teacher forcing), rows stop at EOS and are padded after it; for
+    sampling: tokens in the vocabulary, `top_k=1` equal to greedy."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from hypothesis import given, strategies as st
+    model = _tiny_llama()
+    vocab, maxpos = 64, 16
+    o = Outcomes()
+
+    def reference(prompt, steps, eos, pad):
+        "Greedy decoding by full forward passes, one token at a time, without a cache."
+        seq, done = np.asarray(prompt), np.zeros(prompt.shape[0], bool)
+        for _ in range(steps):
+            nxt = np.asarray(model(input_ids=jnp.asarray(seq)).logits)[:, -1].argmax(-1)
+            nxt = np.where(done, pad, nxt)
+            done = done | np.isin(nxt, eos)
+            seq = np.concatenate([seq, nxt[:, None]], 1)
+        return seq
+
+    def ok_for(prompt, kw, wrong):
+        def ok(out):
+            assert wrong is None, f"generate accepted {wrong[0]}={wrong[1]!r}"
+            b, t = prompt.shape
+            p = np.asarray(prompt)
+            assert ((p >= 0) & (p < vocab)).all(), f"generate accepted the prompt {p.tolist()}"
+            seqs = np.asarray(out.sequences)
+            new = kw.get("max_new_tokens", 1)
+            assert seqs.shape == (b, t + new) and (seqs >= 0).all() and (seqs < vocab).all(), seqs
+            assert type(new) is int and 1 <= new and t + new <= maxpos, f"max_new_tokens={new!r} accepted"
+            assert np.isfinite(np.asarray(out.scores)).all()
+            np.testing.assert_array_equal(seqs[:, :t], np.asarray(prompt))
+            eos = kw.get("eos_token_id", 2)
+            pad = kw.get("pad_token_id", 0)
+            if not kw.get("do_sample") or kw.get("top_k") == 1:
+                np.testing.assert_array_equal(seqs, reference(prompt, new, eos, pad))
+        return ok
+
+    # valid settings come from two profiles and two budgets on two prompt shapes, so at most 8 decode loops compile
+    # (eos and pad ids are traced: free to vary); the bad values replace one setting and fail before any compile
+    profiles = [{}, {"do_sample": True, "top_k": 1, "temperature": 0.7}]
+    bad = st.sampled_from([("max_new_tokens", v) for v in (0, -1, True, 2.0, 15, 10**9, None)]
+                          + [("temperature", v) for v in (0.0, -1.0, float("inf"), float("nan"), "1")]
+                          + [("top_k", v) for v in (-1, 1.5, True, "2")]
+                          + [("top_p", v) for v in (0.0, 1.5, float("nan"))]
+                          + [("eos_token_id", v) for v in (-2, 64, 10**6, (2, 64), 2.0)]
+                          + [("pad_token_id", v) for v in (-1, 64, 10**6, True, 1.0)]
+                          + [("num_beams", v) for v in (0, -2, 1.5)] + [("do_sample", "yes")])
+
+    @_settings(n, deadline_ms=60_000)  # a new (shape, budget, profile) compiles the decode loop
+    @given(st.sampled_from([(1, 2), (2, 3)]), st.data(), st.sampled_from([1, 4]), st.sampled_from(profiles),
+           st.sampled_from([2, 5, (2, 3), -1, None]), st.sampled_from([0, 3, None]), st.none() | bad)
+    def run(shape, data, new, profile, eos, pad, wrong):
+        b, t = shape
+        ids = np.array(data.draw(st.lists(st.integers(0, vocab - 1), min_size=b * t, max_size=b * t)), np.int64)
+        for at, v in data.draw(st.lists(st.tuples(st.integers(0, b * t - 1), st.sampled_from([-1, vocab, 10**6])),
+                                        max_size=1)):
+            ids[at] = v
+        prompt = jnp.asarray(ids.reshape(b, t), jnp.int32)
+        kw = {"max_new_tokens": new, **profile, **({} if eos is None else {"eos_token_id": eos}),
+              **({} if pad is None else {"pad_token_id": pad})}
+        if wrong is not None:
+            kw[wrong[0]] = wrong[1]
+        if kw.get("do_sample"):  # sampling draws from a fixed key: the same tokens every run
+            kw["prng_key"] = jax.random.key(0)
+        names = ["max_new_tokens", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id", "input_ids",
+                 "vocab_size", "max_position_embeddings", "num_beams", "do_sample"]
+        o.check(lambda: model.generate(prompt, **kw), (ValueError, TypeError), names=names,
+                on_ok=ok_for(prompt, {k: v for k, v in kw.items() if k != "prng_key"}, wrong))
+
+    run()
+    return o
+
+
+def fuzz_executor_configs(target_dir: Path, n: int) -> Outcomes:
+    """The CPU, GPU and TPU accelerator configs with counts of every wrong kind (0, negatives, NaN, inf, bools,
+    strings, floats) and TPU types real and made up. Oracle for an accepted config: what it asks Ray for is finite
+    and positive, one TPU worker per host of the slice with the slice's chips spread over them, and every worker's
+    environment names its index and count."""
+    import math
+    from hypothesis import given, strategies as st
+    from eformer_nb.executor.ray.resource_manager import (TPU_GENERATIONS, CpuAcceleratorConfig,
+                                                          GpuAcceleratorConfig, TpuAcceleratorConfig, tpu_spec)
+    o = Outcomes()
+    count = st.sampled_from([1, 2, 4, 8, 0, -1, -8, True, 2.5, 0.5, float("nan"), float("inf"), "2", None, 10**6])
+    tpu_types = st.sampled_from(["v4-8", "v4-16", "v5e-16", "v5p-128", "v6e-32", "v5litepod-4", "v6e-1", "v4-12",
+                                 "v7-8", "v4", "V4-8", "v4-０８", "v4-08", "", "tpu", "v5e-16 "])
+    env = st.sampled_from([{}, {"env_vars": {"A": "1"}}, None, "x", []])
+    names = st.sampled_from(["CPU", "GPU", "TPU", "", 3, None, "my-res"])
+
+    def ok(cfg):
+        r = cfg.to_ray_resources()
+        amounts = [r.num_cpus, r.num_gpus, *r.resources.values()]
+        assert all(type(a) in (int, float) and math.isfinite(a) and a >= 0 for a in amounts), r
+        assert all(isinstance(k, str) and k for k in r.resources), r.resources
+        for c in ("worker_count", "pod_count", "head_workers"):
+            v = getattr(cfg, c, 1)
+            assert type(v) is int and v >= 1, (c, v)
+        if isinstance(cfg, TpuAcceleratorConfig):
+            spec = tpu_spec(cfg.tpu_version)
+            assert cfg.tpu_version.split("-")[0] in TPU_GENERATIONS
+            assert cfg.worker_count == spec.num_hosts and cfg.chips_per_host * cfg.worker_count == spec.chips, (
+                cfg.tpu_version, cfg.worker_count, cfg.chips_per_host, spec)
+        else:
+            assert isinstance(cfg.resource_name, str) and cfg.resource_name
+        for i in range(cfg.worker_count):
+            e = cfg.worker_env(i)
+            assert e["EFORMER_PROCESS_INDEX"] == str(i) and e["EFORMER_PROCESS_COUNT"] == str(cfg.worker_count)
+
+    @_settings(n)
+    @given(st.sampled_from(["cpu", "gpu", "tpu"]), st.fixed_dictionaries({}, optional={
+        "core_count": count, "cpu_count": count, "device_count": count, "chips_per_host": count,
+        "worker_count": count, "pod_count": count, "head_workers": count, "execution_env": env,
+        "gpu_model": st.sampled_from(["A100", "", " ", None, 7]), "resource_name": names}), tpu_types)
+    def run(kind, kw, tpu_type):
+        cls = {"cpu": CpuAcceleratorConfig, "gpu": GpuAcceleratorConfig, "tpu": TpuAcceleratorConfig}[kind]
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in kw.items() if k in fields}
+        args = (tpu_type,) if kind == "tpu" else ()
+        o.check(lambda: cls(*args, **kw), (ValueError, TypeError),
+                names=[cls.__name__, "TPU type"] + list(kw), size=len(repr(kw)), on_ok=ok)
+
+    run()
+    return o
+
+
 TARGETS: dict[str, tuple[tp.Callable[[Path, int], Outcomes], int]] = {
     "aparser_dict": (fuzz_aparser_dict, 400),
     "aparser_cli": (fuzz_aparser_cli, 300),
@@ -669,12 +971,20 @@ TARGETS: dict[str, tuple[tp.Callable[[Path, int], Outcomes], int]] = {
     "files": (fuzz_files, 250),
     "quantization": (fuzz_quantization, 60),
     "state": (fuzz_state, 250),
+    "llama_config": (fuzz_llama_config, 700),
+    "llama_forward": (fuzz_llama_forward, 250),
+    "llama_generate": (fuzz_llama_generate, 120),
+    "executor_configs": (fuzz_executor_configs, 700),
 }
 GROUPS = {  # targets sharing one process (one interpreter start each; the config group never imports a backend)
     "config": ["aparser_dict", "aparser_cli", "aparser_files", "policy", "mesh"],
     "arrays": ["msgpack", "files", "quantization"],
     "state": ["state"],  # EasyDeLState (issue 26): apply_gradients, merge_to_state, create(step=)
+    "model": ["llama_config", "llama_forward"],  # issue 26: LlamaConfig and the eager forward
+    "generate": ["llama_generate"],  # issue 26: generate (its own process: it compiles decode loops)
+    "executor": ["executor_configs"],  # issue 26: the accelerator configs
 }
+ISSUE26 = ["state", "llama_config", "llama_forward", "llama_generate", "executor_configs"]  # >= 2,000 inputs in all
 
 
 def _main(targets: list[str], target_dir: str) -> None:
@@ -685,7 +995,7 @@ def _main(targets: list[str], target_dir: str) -> None:
         (Path(target_dir) / target).mkdir()
         out = fn(Path(target_dir) / target, int(os.environ.get("FUZZ_EXAMPLES", n)))
         line = json.loads(out.summary(target))
-        line["seconds"] = round(time.monotonic() - t0, 1)
+        line["budget"], line["seconds"] = int(os.environ.get("FUZZ_EXAMPLES", n)), round(time.monotonic() - t0, 1)
         print("FUZZ " + json.dumps(line), flush=True)
 
 
@@ -729,9 +1039,17 @@ def test_fuzz(group, tmp_path):
     print("\n".join(lines))
     summaries = [json.loads(l[5:]) for l in lines]
     assert [s["target"] for s in summaries] == GROUPS[group], proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert all(s["inputs"] > 0 for s in summaries)
+    for s in summaries:  # every example reached the property at least once (none filtered away or cut short)
+        assert s["inputs"] >= s["budget"] > 0, s
     after = _snapshot(tmp_path, target_dir)
     assert after == before, f"{group} touched files outside its target: {sorted(set(after) ^ set(before))}"
+
+
+def test_issue26_budget():
+    "The model, generate, state and executor-config targets try at least 2,000 generated inputs between them."
+    total = sum(TARGETS[t][1] for t in ISSUE26)
+    print(f"issue-26 targets: {total} examples by budget (each checks one input or more)")
+    assert total >= 2000, total
 
 
 if __name__ == "__main__":

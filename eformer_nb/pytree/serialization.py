@@ -351,6 +351,30 @@ class _Ref(tp.NamedTuple):
 _MAX_TUPLE_DEPTH = 100  # tuples inside tuples in one header; each level is a nested msgpack document
 
 
+def _map_of_pairs(pairs: list) -> dict:
+    "A decoded msgpack map as the encoder writes it: str or int keys (not bool), each once; else a ValueError."
+    out = {}
+    for k, v in pairs:
+        if type(k) not in (str, int):
+            raise ValueError(f"map key {k!r} of type {type(k).__name__}; the encoder writes only str and int keys")
+        if k in out:
+            raise ValueError(f"map key {k!r} appears twice; the encoder writes each key once")
+        out[k] = v
+    return out
+
+
+def _bigint(data: bytes) -> int:
+    """An int beyond 64 bits, written in canonical decimal: anything else (`' 12'`, `'1_0'`, `'+5'`, `'007'`,
+    full-width digits, or a value a plain msgpack int holds) is a ValueError."""
+    text = data.decode("ascii", errors="replace")
+    if not re.fullmatch(r"-?[1-9][0-9]*", text):
+        raise ValueError(f"big int {text[:40]!r} is not canonical decimal digits")
+    v = int(text)
+    if -2**63 <= v < 2**64:
+        raise ValueError(f"big int {v} fits a plain msgpack int; the encoder never writes it as an extension")
+    return v
+
+
 class _Decoder:
     "msgpack decoding of the header, with a bound on nested extension documents (a C-stack guard)."
 
@@ -358,7 +382,8 @@ class _Decoder:
         self.depth = 0
 
     def unpack(self, data: bytes | memoryview) -> tp.Any:
-        return msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False, use_list=True)
+        return msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False, use_list=True,
+                               object_pairs_hook=_map_of_pairs)
 
     def ext_hook(self, code: int, data: bytes) -> tp.Any:
         if code in (_EXT_ARRAY, _EXT_SCALAR):
@@ -385,7 +410,7 @@ class _Decoder:
             re_, im = struct.unpack("<dd", data)
             return complex(re_, im)
         if code == _EXT_BIGINT:
-            return int(data.decode("ascii"))
+            return _bigint(data)
         raise ValueError(f"unknown msgpack extension code {code}; known codes are 1-6")
 
 # %% ../../nbs/03b_pytree.serialization.ipynb #47b8421d
@@ -448,6 +473,8 @@ def _array_at(ref: _Ref, entries: list, buf: memoryview, data_start: int, copy: 
         arr = np.frombuffer(buf, dtype=dtype, count=count, offset=data_start + offset).reshape(shape)
         arr = arr.copy() if copy else arr
     if ref.kind == _EXT_SCALAR:
+        if shape != ():
+            raise ValueError(f"scalar reference {ref.index} points at an array of shape {shape}; a scalar has shape ()")
         return arr[()]
     if ref.kind == _EXT_KEY:
         try:

@@ -62,7 +62,7 @@ def tpu_spec(
     "The `TpuSpec` of a TPU type such as `'v4-8'`, `'v5e-16'`, `'v5litepod-16'`, `'v5p-128'` or `'v6e-32'`."
     gen, _, size = str(tpu_type).lower().rpartition("-")
     gen = TPU_GENERATION_ALIASES.get(gen, gen)
-    if gen not in TPU_GENERATIONS or not size.isdigit():
+    if gen not in TPU_GENERATIONS or not (size.isascii() and size.isdigit()):
         raise ValueError(f"unknown TPU type {tpu_type!r}: expected '<generation>-<size>' with a generation in "
                          f"{sorted(TPU_GENERATIONS)} (aliases {TPU_GENERATION_ALIASES}), such as 'v4-8' or 'v6e-32'")
     g, n = TPU_GENERATIONS[gen], int(size)
@@ -263,6 +263,13 @@ def _check_amount(owner: str, name: str, value: tp.Any, positive: bool) -> None:
                          f"(fractions such as 0.5 allowed), got {value!r}")
 
 
+def _check_resource_name(owner: str, value: tp.Any) -> None:
+    "`ValueError` naming `owner.resource_name` unless `value` is a non-empty string (Ray would be asked for `''`)."
+    if not (isinstance(value, str) and value.strip()):
+        raise ValueError(f"{owner}: resource_name must be a non-empty string naming a Ray resource, such as 'CPU', "
+                         f"'GPU' or 'TPU', got {value!r}")
+
+
 def _check_env(owner: str, execution_env: tp.Any) -> None:
     "`TypeError` unless `execution_env` is a mapping (a dict or a Ray `RuntimeEnv`)."
     if not isinstance(execution_env, tp.Mapping):
@@ -365,6 +372,7 @@ class CpuAcceleratorConfig(ComputeResourceConfig):
         _check_positive_int("CpuAcceleratorConfig", "worker_count", self.worker_count)
         _check_env("CpuAcceleratorConfig", self.execution_env)
         _check_amount("CpuAcceleratorConfig", "core_count", self.core_count, positive=True)
+        _check_resource_name("CpuAcceleratorConfig", self.resource_name)
 
     def hardware_identifier(self) -> str:
         return "CPU"
@@ -398,6 +406,7 @@ class GpuAcceleratorConfig(ComputeResourceConfig):
         if self.chips_per_host is None:
             self.chips_per_host = self.device_count
         _check_positive_int("GpuAcceleratorConfig", "chips_per_host", self.chips_per_host)
+        _check_resource_name("GpuAcceleratorConfig", self.resource_name)
 
     def hardware_identifier(self) -> str:
         return f"GPU-{self.gpu_model}" if self.gpu_model else "GPU"
@@ -441,6 +450,8 @@ class TpuAcceleratorConfig(ComputeResourceConfig):
         _check_positive_int("TpuAcceleratorConfig", "pod_count", self.pod_count)
         _check_positive_int("TpuAcceleratorConfig", "head_workers", self.head_workers)
         _check_env("TpuAcceleratorConfig", self.execution_env)
+        _check_resource_name("TpuAcceleratorConfig", self.resource_name)
+        _check_slice_shape(self)
 
     @property
     def head_name(self) -> str:
@@ -459,3 +470,15 @@ class TpuAcceleratorConfig(ComputeResourceConfig):
 
 
 AcceleratorConfigType = tp.Union[CpuAcceleratorConfig, GpuAcceleratorConfig, TpuAcceleratorConfig]
+
+# %% ../../../nbs/14b_executor.ray.resource_manager.ipynb #d70c685b
+def _check_slice_shape(cfg: TpuAcceleratorConfig) -> None:
+    """One worker per host of the slice, each holding that host's chips: `worker_count` and `chips_per_host` given by
+    hand must agree with the TPU table, else Ray would start too few or too many host workers, or ask each for chips
+    its host does not have (the job then waits forever or leaves chips idle)."""
+    s = cfg.spec
+    for name, want in (("worker_count", s.num_hosts), ("chips_per_host", s.chips_per_host)):
+        if getattr(cfg, name) != want:
+            raise ValueError(f"TpuAcceleratorConfig: {name}={getattr(cfg, name)!r} does not match a {s.tpu_type} slice "
+                             f"({s.chips} chips on {s.num_hosts} host(s) of {s.chips_per_host}); the valid value is "
+                             f"{want} (leave it out to take it from the TPU table)")

@@ -57,7 +57,8 @@ class LlamaConfig(EasyDeLBaseConfig):
         self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
         self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
         self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
-        self.head_dim = head_dim if head_dim is not None else hidden_size // max(num_attention_heads, 1)
+        sizes_ok = all(type(v) is int and v > 0 for v in (hidden_size, num_attention_heads))  # else validate() names them
+        self.head_dim = head_dim if head_dim is not None else (hidden_size // num_attention_heads if sizes_ok else None)
         self._derived_head_dim = head_dim is None  # then hidden_size must split evenly into the heads
         self.hidden_act, self.max_position_embeddings = hidden_act, max_position_embeddings
         if (
@@ -86,8 +87,9 @@ def _validate(self: LlamaConfig) -> LlamaConfig:
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "max_position_embeddings"):
         v = getattr(self, name)
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ValueError(f"LlamaConfig.{name}={v!r}; expected a positive int")
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 < v < 2**31:
+            raise ValueError(f"LlamaConfig.{name}={v!r}; expected a positive int (below 2**31: array sizes and token "
+                             "ids are int32)")
     if self.num_attention_heads % self.num_key_value_heads:
         raise ValueError(f"LlamaConfig.num_attention_heads={self.num_attention_heads} is not a multiple of "
                          f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention shares each "
@@ -100,9 +102,25 @@ def _validate(self: LlamaConfig) -> LlamaConfig:
         kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
         if kind not in ROPE_TYPES:
             raise ValueError(f"LlamaConfig.rope_scaling rope_type={kind!r}; valid choices are {list(ROPE_TYPES)}")
-        if kind in ("linear", "llama3") and not self.rope_scaling.get("factor", 0) > 0:
-            raise ValueError(f"LlamaConfig.rope_scaling={self.rope_scaling!r} needs a positive 'factor'")
+        _validate_rope_scaling(self.rope_scaling, kind)
     return _validate_values(self)
+
+
+def _validate_rope_scaling(rs: dict, kind: str) -> None:
+    "The numbers of a linear or llama3 `rope_scaling`: anything else would give zero, infinite or NaN frequencies."
+    if kind == "default":
+        return
+    need = [("factor", None)]
+    if kind == "llama3":
+        need += [("low_freq_factor", 1.0), ("high_freq_factor", 4.0), ("original_max_position_embeddings", 8192)]
+    for key, default in need:
+        v = rs.get(key, default)
+        if not _finite(v, 0.0):
+            raise ValueError(f"LlamaConfig.rope_scaling={rs!r} needs a positive 'factor'" if key == "factor" else
+                             f"LlamaConfig.rope_scaling {key}={v!r}; expected a finite number > 0")
+    if kind == "llama3" and not rs.get("low_freq_factor", 1.0) < rs.get("high_freq_factor", 4.0):
+        raise ValueError(f"LlamaConfig.rope_scaling={rs!r}: low_freq_factor must be below high_freq_factor (the "
+                         "llama3 ramp divides by their difference)")
 
 
 LlamaConfig.validate = _validate

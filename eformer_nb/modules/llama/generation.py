@@ -109,6 +109,30 @@ def update_inputs_for_generation(
         "position_ids": None,
     }
 
+# %% ../../../nbs/12c_modules.llama.generation.ipynb #a72aaae2
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_setting_types(g) -> None:
+    """The kinds of value `GenerationConfig`'s fields take, named in the error (found by the fuzzer: `top_k=1.5`
+    reached `jax.lax.top_k` and failed there without naming the setting; a string `top_p` failed in a comparison)."""
+    for name, ok, want in (
+        ("top_k", _is_int(g.top_k), "an int >= 0"),
+        ("num_beams", _is_int(g.num_beams), "an int >= 1"),
+        ("do_sample", isinstance(g.do_sample, bool), "True or False"),
+        ("use_cache", isinstance(g.use_cache, bool), "True or False"),
+        ("top_p", isinstance(g.top_p, (int, float)) and not isinstance(g.top_p, bool), "a number in (0, 1]"),
+        ("length_penalty", isinstance(g.length_penalty, (int, float)) and not isinstance(g.length_penalty, bool)
+         and -float("inf") < g.length_penalty < float("inf"), "a finite number"),
+        ("eos_token_id", g.eos_token_id is None or _is_int(g.eos_token_id)
+         or (isinstance(g.eos_token_id, (list, tuple)) and all(_is_int(i) for i in g.eos_token_id)),
+         "a token id, a list of them, or None"),
+        ("pad_token_id", g.pad_token_id is None or _is_int(g.pad_token_id), "a token id or None"),
+    ):
+        if not ok:
+            raise ValueError(f"{name}={getattr(g, name)!r}; expected {want}")
+
 # %% ../../../nbs/12c_modules.llama.generation.ipynb #fb99dd2b
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
@@ -126,6 +150,7 @@ class GenerationConfig:
     use_cache: bool = True  # decode with the KV cache (False recomputes the whole sequence each step)
 
     def __post_init__(self):
+        _check_setting_types(self)
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r}; expected an int >= 1")
         if not (isinstance(self.temperature, (int, float)) and 0 < self.temperature < float("inf")):
@@ -164,6 +189,11 @@ def resolve_generation_config(
     vocab = model.config.vocab_size
     if not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < vocab:
         raise ValueError(f"pad_token_id={pad!r}; expected a token id in [0, vocab_size={vocab})")
+    bad_eos = [i for i in (eos if isinstance(eos, (list, tuple)) else [eos])
+               if i is not None and i != -1 and not 0 <= i < vocab]  # -1: no EOS (the documented idiom)
+    if bad_eos:  # an id the model never emits: rows would never stop
+        raise ValueError(f"eos_token_id={eos!r}: {bad_eos} outside [0, vocab_size={vocab}) and not -1 (no EOS); "
+                         "rows would never stop")
     return dataclasses.replace(g, eos_token_id=tuple(eos) if isinstance(eos, (list, tuple)) else eos, pad_token_id=pad)
 
 # %% ../../../nbs/12c_modules.llama.generation.ipynb #dd8f1ac4

@@ -392,6 +392,9 @@ def _check_values(config, input_ids, position_ids):
     `[0, max_position_embeddings)`, else a ValueError naming the offending entries. Under `jit`, wrap the call in
     `jax.experimental.checkify` with your own checks, or check the batch before it enters the compiled step."""
     import numpy as np
+    if position_ids is not None and not jnp.issubdtype(position_ids.dtype, jnp.integer):  # dtype: known under jit too
+        raise ValueError(f"position_ids must be integers, got dtype {position_ids.dtype} (a fractional position "
+                         "would rotate the keys and queries by an angle no token has)")
     for name, value, hi in (("input_ids", input_ids, config.vocab_size),
                             ("position_ids", position_ids, config.max_position_embeddings)):
         if not _concrete(value):
