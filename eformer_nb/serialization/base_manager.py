@@ -470,9 +470,6 @@ class CheckpointManager:
         self.step_format = step_format
         self.removed_stale = clean_stale(self.base, step_format) if clean else []
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({str(self.base)!r}, steps={self.all_steps()})"
-
     @staticmethod
     def create_gcs_client(
         gcs_credentials_path: str | None = None,  # service-account JSON (None: default credentials)
@@ -499,6 +496,11 @@ class CheckpointManager:
         tree = tree_deserialize_leaves(p, dtype=dtype, callback=callback)
         return tree if shard_fns is None else apply_by_key(shard_fns, tree, mismatch_allowed, "shard_fns")
 
+
+# %% ../../nbs/10b_serialization.base_manager.ipynb #76378b06
+@patch
+def __repr__(self: CheckpointManager) -> str:
+    return f"{type(self).__name__}({str(self.base)!r}, steps={self.all_steps()})"
 
 # %% ../../nbs/10b_serialization.base_manager.ipynb #6d4f4d35
 @patch
