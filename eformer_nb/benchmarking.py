@@ -224,6 +224,34 @@ class Comparison:
                 f"  ratio {self.ratio:6.3f}x [{lo:.3f}, {hi:.3f}]  A/A {self.aa:.3f}x (noise {self.aa_noise:.1%})"
                 f"  n={len(self.ours)}  load {self.load[0]:.1f}")
 
+# %% ../nbs/99b_benchmarking.ipynb #efcb1823
+def _md_cell(x) -> str:
+    "Text safe inside a markdown table cell."
+    return str(x).replace("|", "\\|").replace("\n", " ")
+
+
+def _ms(s) -> str:
+    "Median seconds as milliseconds: 3 significant figures, whole milliseconds from 100 ms up."
+    ms = np.median(s) * 1e3
+    return f"{ms:.0f} ms" if ms >= 100 else f"{ms:.3g} ms"
+
+
+@patch
+def __repr__(self: Comparison) -> str:
+    lo, hi = self.ratio_ci
+    return (f"Comparison({self.label!r}: {self.ratio:.3f}x [{lo:.3f}, {hi:.3f}], A/A noise {self.aa_noise:.1%}, "
+            f"n={len(self.ours)})")
+
+
+@patch
+def _repr_markdown_(self: Comparison) -> str:
+    "The comparison as a one-row markdown table (Jupyter and the docs render it)."
+    lo, hi = self.ratio_ci
+    return ("| measurement | ours | peer | ratio ours/peer | 95% interval | A/A noise | rounds | load |\n"
+            "|:--|--:|--:|--:|:-:|--:|--:|--:|\n"
+            f"| {_md_cell(self.label)} | {_ms(self.ours)} | {_ms(self.peer)} | {self.ratio:.3f}x | [{lo:.3f}, {hi:.3f}] "
+            f"| {self.aa_noise:.1%} | {len(self.ours)} | {self.load[0]:.1f} |")
+
 # %% ../nbs/99b_benchmarking.ipynb #63f24d26
 def compare(
     ours: Callable[[], object],  # eformer-nb's side, called with no arguments
@@ -391,6 +419,19 @@ def report(self: Bench) -> dict:  # counts of each verdict
     if missed:
         raise TargetMissed(f"{self.name}: {len(missed)} target(s) missed: {', '.join(missed)}")
     return counts
+
+# %% ../nbs/99b_benchmarking.ipynb #cac5b1be
+def _bench_markdown(self: Bench) -> str:
+    "The page's verdict table in markdown, with its thread budget (Jupyter and the docs render it)."
+    rows = ["| measurement | ratio ours/peer | 95% interval | A/A noise | target | verdict |", "|:--|--:|:-:|--:|:--|:--|"]
+    for c, t, v in self.rows:
+        lo, hi = c.ratio_ci
+        rows.append(f"| {_md_cell(c.label)} | {c.ratio:.3f}x | [{lo:.3f}, {hi:.3f}] | {c.aa_noise:.1%} "
+                    f"| {_md_cell(t or '-')} | **{v}** |")
+    return f"**{_md_cell(self.name)}** ({_md_cell(self.threads)})\n\n" + "\n".join(rows)
+
+
+Bench._repr_markdown_ = _bench_markdown
 
 # %% ../nbs/99b_benchmarking.ipynb #5c3b303b
 _COLORS = {MET: "#3fb618", MISSED: "#d9534f", NOISY: "#f0ad4e", INFO: "#2780e3"}
