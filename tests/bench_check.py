@@ -37,7 +37,7 @@ TARGETS = {  # page -> {label: target}, as each page judges them
                      "NF4 GEMM M=4096 vs fp32 dense": Target("<=", 1.05)},
     "pytree_serialization": {"round trip 256 MiB, ours vs flax": Target("<=", 1.0, margin=0.10)},
     "state": {"train step: apply_gradients vs hand-written": Target("<=", 1.02),
-              "save_state + load_state vs safetensors directly": Target("<=", 1.1)},
+              "save_state + load_state vs checkpoint layer": Target("<=", 1.1)},
     "serialization": {"save 1 GiB, ours vs np": Target("<=", 1.1), "restore 1 GiB, ours vs np": Target("<=", 1.3)},
     "models": {"train step value_and_grad 4x128 vs plain function": Target("<=", 1.05)},
     "executor": {"100 tiny tasks: execute vs ray.remote": Target("<=", 1.2)},
