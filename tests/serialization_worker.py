@@ -2,6 +2,8 @@
 
 `multiprocess PORT PID DIR`: one of two JAX processes (4 host CPU devices each) on 127.0.0.1: together they save one
 sharded array as a step checkpoint and restore it onto another sharding; each checks the shards it holds.
+`multiprocess_gcs PORT PID URL DIR`: the same two processes saving to gs:// DIR on the fake-gcs-server at URL; each
+prints the JSON files it wrote, the chunks it wrote and what its commit callback saw.
 `crashloop DIR [KIND]`: saves forever (the test SIGKILLs it); prints "ready N" after each save. KIND `ckpt`
 (the default): step checkpoints 1, 2, 3, ..., each re-saved once (an overwrite), old ones deleted; `tree`:
 `tree_serialize_leaves` over the same directory, `expected(N)` each time; `state`: `EasyDeLState.save_state` over
@@ -69,6 +71,50 @@ def multiprocess(port: int, pid: int, root: str) -> None:
         np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
     print(f"process {pid}: checked {len(back['w'].addressable_shards)} shards", flush=True)
     policies(pid, root, arr, full)
+    jax.distributed.shutdown()
+
+
+def multiprocess_gcs(port: int, pid: int, url: str, root: str) -> None:
+    import json
+
+    import jax
+
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid,
+                               initialization_timeout=120)
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import eformer_nb.serialization.base_manager as bm
+    import eformer_nb.serialization.serialization as ser
+    from eformer_nb.paths import ePath, make_gcs_filesystem, set_gcs_filesystem
+    from eformer_nb.serialization import CheckpointManager, read_metadata
+
+    set_gcs_filesystem(make_gcs_filesystem(endpoint_url=url))
+    wrote, chunks = [], []
+    real_json, real_arrays = ser._write_json, ser._write_arrays
+
+    def spy_json(f, obj):  # records, then writes for real
+        wrote.append(ePath(f).name)
+        return real_json(f, obj)
+
+    def spy_arrays(tree_dir, plan, compression):
+        chunks.append(sum(len(owned) for _, _, owned in plan.writes))
+        return real_arrays(tree_dir, plan, compression)
+
+    ser._write_json, bm._write_json, ser._write_arrays = spy_json, spy_json, spy_arrays
+    mesh = jax.make_mesh((4, 2), ("x", "y"), devices=jax.devices())
+    full = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    arr = jax.make_array_from_callback(full.shape, NamedSharding(mesh, P("x", "y")), lambda idx: full[idx])
+    mgr = CheckpointManager(root)
+    seen = {}
+
+    def callback():  # runs on every process after the commit: the committed checkpoint must be visible here
+        seen["step"] = read_metadata(mgr.step_path(3))["step"]
+
+    bm.save_checkpoint_dir({"w": arr}, mgr.step_path(3), step=3, commit_callback=callback)()
+    back = mgr.load(3, template={"w": jax.ShapeDtypeStruct(full.shape, np.float32, sharding=arr.sharding)})
+    for shard in back["w"].addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
+    print(f"process {pid}: " + json.dumps({"json": sorted(wrote), "chunks": chunks, "callback": seen}), flush=True)
     jax.distributed.shutdown()
 
 
@@ -152,9 +198,11 @@ if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "multiprocess":
         multiprocess(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    elif mode == "multiprocess_gcs":
+        multiprocess_gcs(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
     elif mode == "crashloop":
         crashloop(*sys.argv[2:4])
     elif mode == "fsize":
         fsize(sys.argv[2], int(sys.argv[3]), *sys.argv[4:5])
     else:
-        sys.exit(f"unknown mode {mode!r}; expected multiprocess, crashloop or fsize")
+        sys.exit(f"unknown mode {mode!r}; expected multiprocess, multiprocess_gcs, crashloop or fsize")

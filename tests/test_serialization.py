@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -293,6 +294,37 @@ def test_two_processes_save_and_reshard(tmp_path):
     assert [s for s, _ in list_checkpoints(run)] == [7]
 
 
+def test_two_processes_on_gcs_share_the_work(gcs_root, gcs_emulator):
+    """Two JAX processes save one sharded array to gs://: each writes its own shards, only process 0 writes the shared
+    index.json and metadata.json, and process 1's commit callback runs only once the commit is visible."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "multiprocess_gcs", str(port), str(i), gcs_emulator.url,
+                               str(gcs_root)], env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    said = {}
+    for i, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"process {i} failed:\n{out[-3000:]}"
+        line = next(ln for ln in out.splitlines() if ln.startswith(f"process {i}: {{"))
+        said[i] = json.loads(line.split(": ", 1)[1])
+    assert said[0]["json"] == ["index.json", "metadata.json"], said
+    assert said[1]["json"] == [], said  # never the shared files
+    assert said[0]["chunks"][0] > 0 and said[1]["chunks"][0] > 0, said  # both wrote shards
+    assert said[0]["callback"] == said[1]["callback"] == {"step": 3}, said
+    assert [s for s, _ in list_checkpoints(gcs_root)] == [3]
+    assert not any(p.name.endswith(".lock") for p in gcs_root.iterdir())
+
+
 # --- crash safety: SIGKILL at random moments ---------------------------------------------------------------------
 
 def _check_after_kill(root: Path) -> str | None:
@@ -394,3 +426,74 @@ def test_sigkill_loop(tmp_path, kind):
     print(f"{kind}: {trial} SIGKILLs, {kills_mid_save} landed inside a save, {len(failures)} trials failed")
     assert not failures, f"{len(failures)} of {trial} trials failed:\n" + "\n".join(failures)
     assert kills_mid_save >= 1  # the kills did hit saves in flight
+
+
+# --- gs:// writers: the lock object and what crashed saves leave ---------------------------------------------------
+
+def test_gcs_second_writer_is_told(gcs_root):
+    """On gs:// a step's lock is an object created only if absent (`ifGenerationMatch=0`): while one writer holds it,
+    a second save of that step fails naming the step and the lock object, the committed checkpoint stays whole, and
+    the lock object is gone once the holder finishes."""
+    mgr = CheckpointManager(gcs_root)
+    mgr.save(expected(1), 1)
+    lock = gcs_root / ".step-1.lock"
+    assert not lock.exists()
+    held, release = threading.Event(), threading.Event()
+
+    def other_writer():  # another thread: the lock is not re-entrant across threads
+        with ser_format.exclusive_writer(gcs_root / "step-1", "checkpoint"):
+            held.set()
+            release.wait(60)
+
+    t = threading.Thread(target=other_writer)
+    t.start()
+    try:
+        assert held.wait(60)
+        assert lock.exists() and f"pid {os.getpid()}" in lock.read_text()
+        with pytest.raises(ser_format.CheckpointLockedError) as err:
+            mgr.save(expected(2), 1)
+        said = str(err.value)
+        assert f"checkpoint {str(gcs_root / 'step-1')!r} is being saved by another writer (pid {os.getpid()}" in said
+        assert str(lock) in said
+        mgr.save(expected(2), 2)  # another step is another lock
+    finally:
+        release.set()
+        t.join(60)
+    assert not lock.exists()
+    assert _bits(mgr.load(1)) == _bits(expected(1)) and _bits(mgr.load(2)) == _bits(expected(2))
+    mgr.save(expected(3), 1)  # free again: the re-save goes through
+    assert _bits(mgr.load(1)) == _bits(expected(3))
+
+
+def test_gcs_stale_lock_is_never_broken_silently(gcs_root):
+    "A lock object left by a writer that died refuses the next save with the object to delete; deleting it is enough."
+    tree_serialize_leaves(gcs_root / "t", {"w": np.arange(8.0)})
+    lock = gcs_root / ".t.lock"
+    lock.write_text("pid 4242 on a-host-that-died")
+    with pytest.raises(ser_format.CheckpointLockedError, match="pid 4242 on a-host-that-died.*delete that object"):
+        tree_serialize_leaves(gcs_root / "t", {"w": np.arange(8.0) * 2})
+    assert np.asarray(tree_deserialize_leaves(gcs_root / "t")["w"]).tolist() == list(np.arange(8.0))
+    lock.unlink()
+    tree_serialize_leaves(gcs_root / "t", {"w": np.arange(8.0) * 2})
+    assert np.asarray(tree_deserialize_leaves(gcs_root / "t")["w"]).tolist() == list(np.arange(8.0) * 2)
+
+
+def test_gcs_crashed_save_arrays_are_cleaned(gcs_root, monkeypatch):
+    """A gs:// save that dies after writing chunks leaves its marked `arrays.<token>/`; the next save of the tree (under
+    the lock) removes it. An `arrays.<hex>` directory without our marker is never touched."""
+    d = gcs_root / "tree"
+    tree_serialize_leaves(d, {"w": np.arange(4096.0)})
+    committed = ser_format.read_index(d)["arrays"]
+    (d / "arrays.deadbeef" / "keep.txt").write_text("not ours")
+    with monkeypatch.context() as m:
+        m.setattr(ser_format, "_write_arrays", _chunks_then_fail(ser_format._write_arrays, 1))
+        with pytest.raises(OSError, match="injected failure"):
+            tree_serialize_leaves(d, {"w": np.arange(4096.0) + 1})
+    left = sorted(p.name for p in d.iterdir() if p.name.startswith("arrays."))
+    assert len(left) == 3 and committed in left and "arrays.deadbeef" in left, left
+    assert np.asarray(tree_deserialize_leaves(d)["w"]).tolist() == list(np.arange(4096.0))
+    tree_serialize_leaves(d, {"w": np.arange(4096.0) + 2})
+    now = ser_format.read_index(d)["arrays"]
+    assert sorted(p.name for p in d.iterdir() if p.name.startswith("arrays.")) == sorted(["arrays.deadbeef", now])
+    assert (d / "arrays.deadbeef" / "keep.txt").read_text() == "not ours"
+    assert np.asarray(tree_deserialize_leaves(d)["w"]).tolist() == list(np.arange(4096.0) + 2)

@@ -139,26 +139,11 @@ def _missing_opt(what: str, state: EasyDeLState) -> OptimizerStateMissingError:
         "call state.init_tx(tx) first, or create the state with EasyDeLState.create(..., tx=tx, init_opt_state=True)"
     )
 
-
-@_method("create", kind="classmethod")
-def _create(
-    cls,
-    *,
-    step: int | None = None,  # the initial step (default 0)
-    graphdef: nnx.GraphDef | None = None,  # the model's structure, with `graphstate` and `graphother`
-    graphstate: nnx.State | None = None,  # the model's parameters
-    graphother: nnx.State | None = None,  # the model's other variables
-    model: nnx.Module | None = None,  # a model to split (instead of the three graph components)
-    tx: optax.GradientTransformation | None = None,  # the optimizer
-    opt_state: optax.OptState | None = None,  # an existing optimizer state (not with `init_opt_state`)
-    init_opt_state: bool = False,  # create the optimizer state with `init_tx(tx)` (sharded like the params)
-    nonfinite: str = "skip",  # NaN/Inf gradients in `apply_gradients`: 'skip' (and count), 'raise' or 'off'
-) -> EasyDeLState:
-    "A new state from `model` or from `graphdef`/`graphstate`/`graphother`; optionally with a fresh optimizer state."
-    step = _checked_step(step)
+# %% ../../nbs/13a_infra.base_state.ipynb #85f3fdcb
+def _check_create_args(model, parts: dict, tx, opt_state, init_opt_state: bool, nonfinite: str) -> None:
+    "The argument rules of `EasyDeLState.create`: each broken one is a `ValueError` naming what was given."
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"EasyDeLState.create: nonfinite={nonfinite!r} is invalid: expected one of {NONFINITE_POLICIES}")
-    parts = {"graphdef": graphdef, "graphstate": graphstate, "graphother": graphother}
     given = [k for k, v in parts.items() if v is not None]
     if model is not None and given:
         raise ValueError(
@@ -176,6 +161,26 @@ def _create(
         )
     if init_opt_state and tx is None:
         raise ValueError("EasyDeLState.create: init_opt_state=True needs tx= (an optax.GradientTransformation)")
+
+# %% ../../nbs/13a_infra.base_state.ipynb #718c6b1d
+@_method("create", kind="classmethod")
+def _create(
+    cls,
+    *,
+    step: int | None = None,  # the initial step (default 0)
+    graphdef: nnx.GraphDef | None = None,  # the model's structure, with `graphstate` and `graphother`
+    graphstate: nnx.State | None = None,  # the model's parameters
+    graphother: nnx.State | None = None,  # the model's other variables
+    model: nnx.Module | None = None,  # a model to split (instead of the three graph components)
+    tx: optax.GradientTransformation | None = None,  # the optimizer
+    opt_state: optax.OptState | None = None,  # an existing optimizer state (not with `init_opt_state`)
+    init_opt_state: bool = False,  # create the optimizer state with `init_tx(tx)` (sharded like the params)
+    nonfinite: str = "skip",  # NaN/Inf gradients in `apply_gradients`: 'skip' (and count), 'raise' or 'off'
+) -> EasyDeLState:
+    "A new state from `model` or from `graphdef`/`graphstate`/`graphother`; optionally with a fresh optimizer state."
+    step = _checked_step(step)
+    _check_create_args(model, {"graphdef": graphdef, "graphstate": graphstate, "graphother": graphother}, tx,
+                       opt_state, init_opt_state, nonfinite)
     if model is not None:
         graphdef, graphstate, graphother = nnx.split(model, nnx.Param, ...)
     state = cls(

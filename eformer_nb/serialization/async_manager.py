@@ -17,7 +17,8 @@ from fastcore.basics import patch
 from ..loggings import get_logger
 from ..paths import ePath
 from eformer_nb.serialization.base_manager import (
-    DEFAULT_STEP_FORMAT, METADATA_FILE, CheckpointManager, apply_by_key, read_metadata,
+    DEFAULT_STEP_FORMAT, METADATA_FILE, PREFIX_INDEX_FILE, CheckpointManager, apply_by_key, read_metadata,
+    read_prefix_index,
 )
 from .serialization import INDEX_FILE, read_index
 
@@ -38,15 +39,15 @@ class _EformerAsyncAPI:
 
     @staticmethod
     def is_tensorstore(path: str | ePath) -> bool:
-        "True when `path` is a checkpoint or a tree directory of this format."
+        "True when `path` is a checkpoint, a tree directory or a folder of prefix-scoped trees of this format."
         p = path if isinstance(path, ePath) else ePath(path)
-        return (p / METADATA_FILE).exists() or (p / INDEX_FILE).exists()
+        return (p / METADATA_FILE).exists() or (p / INDEX_FILE).exists() or (p / PREFIX_INDEX_FILE).exists()
 
     @staticmethod
     def safe_loadpath(path: str | ePath) -> ePath:
-        "`path` as an ePath, checked to be a committed checkpoint or a tree directory."
+        "`path` as an ePath, checked to be a committed checkpoint, a tree directory or a folder of prefix-scoped trees."
         p = path if isinstance(path, ePath) else ePath(path)
-        if not (p / INDEX_FILE).exists():
+        if not (p / INDEX_FILE).exists() and read_prefix_index(p) is None:
             read_metadata(p)
         return p
 

@@ -43,8 +43,9 @@ from eformer_nb.serialization.serialization import (
 
 # %% auto #0
 __all__ = ['METADATA_FILE', 'PARTIAL_SUFFIX', 'CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'MARKER_FILE', 'DEFAULT_STEP_FORMAT',
-           'parse_step', 'read_metadata', 'fresh_work_dir', 'rename_into_place', 'save_checkpoint_dir',
-           'list_checkpoints', 'clean_stale', 'apply_by_key', 'CheckpointManager']
+           'PREFIX_INDEX_FILE', 'PREFIX_INDEX_FORMAT', 'PREFIX_INDEX_VERSION', 'parse_step', 'read_metadata',
+           'fresh_work_dir', 'rename_into_place', 'save_checkpoint_dir', 'list_checkpoints', 'clean_stale',
+           'read_prefix_index', 'save_prefix_tree', 'load_prefix_tree', 'apply_by_key', 'CheckpointManager']
 
 # %% ../../nbs/10b_serialization.base_manager.ipynb #65da9aa0
 METADATA_FILE = "metadata.json"
@@ -336,6 +337,89 @@ def clean_stale(
             removed.append(child.name)
     return sorted(removed)
 
+# %% ../../nbs/10b_serialization.base_manager.ipynb #6c1e166c
+PREFIX_INDEX_FILE = "tensorstore_index.json"  # eformer's name: EasyDeL looks for it to find a folder of trees
+PREFIX_INDEX_FORMAT, PREFIX_INDEX_VERSION = "eformer_nb.prefixes", 2  # 2: carries its digest, like our other files
+
+
+def read_prefix_index(
+    folder: str | ePath,  # a folder holding prefix-scoped trees
+) -> dict | None:
+    """The checked prefix record of `folder` (`{"prefixes": {prefix: {"step", "time", "user"}}, ...}`), None when it has
+    none; `CorruptCheckpointError` when the file is not ours or was modified."""
+    folder = folder if isinstance(folder, ePath) else ePath(folder)
+    f = folder / PREFIX_INDEX_FILE
+    if not f.exists():
+        return None
+    idx = _read_json(f, "prefix index")
+    if idx.get("format") != PREFIX_INDEX_FORMAT or not isinstance(idx.get("prefixes"), dict):
+        raise CorruptCheckpointError(f"{str(f)!r} is not an {PREFIX_INDEX_FORMAT} record (format={idx.get('format')!r}):"
+                                     " another program wrote it; save the trees into another folder")
+    if idx.get("version") != PREFIX_INDEX_VERSION:
+        raise CorruptCheckpointError(f"{str(f)!r} has version {idx.get('version')!r}; this eformer_nb reads version "
+                                     f"{PREFIX_INDEX_VERSION} (a newer eformer_nb wrote it: upgrade to read it)")
+    _check_digest(idx, f, "prefix index")
+    return idx
+
+
+def _record_prefix(folder: ePath, prefix: str, entry: dict) -> None:
+    "Process 0: add or replace `prefix`'s entry in `folder`'s prefix record (read, merge, atomic replace; under a lock)."
+    with exclusive_writer(folder / PREFIX_INDEX_FILE, "prefix index"):
+        idx = read_prefix_index(folder) or {"format": PREFIX_INDEX_FORMAT, "version": PREFIX_INDEX_VERSION,
+                                            "prefixes": {}}
+        idx.pop("digest", None)
+        idx["prefixes"][prefix] = entry
+        _write_json(folder / PREFIX_INDEX_FILE, idx)
+
+# %% ../../nbs/10b_serialization.base_manager.ipynb #97c62c38
+def save_prefix_tree(
+    pytree: tp.Any,  # the tree to save (see `tree_serialize_leaves`)
+    folder: str | ePath,  # the folder to add it to (it may hold other programs' files: they are never touched)
+    prefix: str,  # the tree's name in the folder: it is saved in folder/prefix
+    *,
+    step: int | None = None,  # recorded in the folder's prefix record
+    metadata: Mapping | None = None,  # user metadata (JSON-able), recorded under "user"
+    dtype: tp.Any = None,  # cast floating arrays before saving
+    compression: str | None = None,  # None, 'zstd', 'gzip' or 'blosc'
+    write_index: bool = True,  # store the structure (restore without a template)
+    copy: bool = False,  # take host copies of the shards (async saves)
+) -> Callable[[], ePath]:
+    """Plan the save of `pytree` as the tree `prefix` of `folder`, beside whatever else `folder` holds; returns the
+    function that writes it, commits the tree and records it in `folder/tensorstore_index.json`."""
+    folder = folder if isinstance(folder, ePath) else ePath(folder)
+    refuse_destination(folder, "save_pytree")
+    if not isinstance(prefix, str) or not prefix:
+        raise ValueError(f"prefix={prefix!r}: a prefix-scoped save needs the tree's name, such as 'model' or 'tx'")
+    tree_dir = _tree_dir(folder, prefix)  # validates prefix
+    user = dict(metadata or {})
+    json.dumps(user, allow_nan=False)  # TypeError/ValueError now, not after the arrays are written
+    if process_info()[0] == 0:
+        read_prefix_index(folder)  # a foreign tensorstore_index.json is refused before anything is written
+    plan = _plan_save(pytree, copy=copy, dtype=dtype, with_structure=write_index)
+
+    def write() -> ePath:
+        _commit_tree(tree_dir, plan, compression)  # refuses a foreign folder/prefix; atomic per tree
+        if process_info()[0] == 0:
+            _record_prefix(folder, prefix, {"step": step, "time": time.time(), "user": user})
+        sync_processes("prefix-recorded")
+        return folder
+
+    return write
+
+# %% ../../nbs/10b_serialization.base_manager.ipynb #82a28e49
+def load_prefix_tree(
+    folder: str | ePath,  # a folder holding prefix-scoped trees
+    prefix: str,  # the tree's name in the folder
+    mesh: tp.Any = None,  # mesh for partition rules / PartitionSpecs
+    **kwargs,  # passed to `tree_deserialize_leaves` (shardings, partition_rules, dtype, template, callback, ...)
+) -> tuple[tp.Any, dict]:
+    """`(tree, record)`: the verified tree `folder/prefix` and its entry in the folder's prefix record (`{}` when a
+    crash left the tree committed but not yet recorded)."""
+    folder = folder if isinstance(folder, ePath) else ePath(folder)
+    idx = read_prefix_index(folder) or {"prefixes": {}}
+    tree = tree_deserialize_leaves(folder, mesh, prefix=prefix, **kwargs)
+    return tree, dict(idx["prefixes"].get(prefix) or {})
+
 # %% ../../nbs/10b_serialization.base_manager.ipynb #9f1745d6
 def apply_by_key(
     fns: tp.Any,  # a tree of functions, keyed like `tree`
@@ -386,9 +470,6 @@ class CheckpointManager:
         self.step_format = step_format
         self.removed_stale = clean_stale(self.base, step_format) if clean else []
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({str(self.base)!r}, steps={self.all_steps()})"
-
     @staticmethod
     def create_gcs_client(
         gcs_credentials_path: str | None = None,  # service-account JSON (None: default credentials)
@@ -415,6 +496,11 @@ class CheckpointManager:
         tree = tree_deserialize_leaves(p, dtype=dtype, callback=callback)
         return tree if shard_fns is None else apply_by_key(shard_fns, tree, mismatch_allowed, "shard_fns")
 
+
+# %% ../../nbs/10b_serialization.base_manager.ipynb #76378b06
+@patch
+def __repr__(self: CheckpointManager) -> str:
+    return f"{type(self).__name__}({str(self.base)!r}, steps={self.all_steps()})"
 
 # %% ../../nbs/10b_serialization.base_manager.ipynb #6d4f4d35
 @patch

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
 import os
 import typing as tp
 from collections.abc import Callable, Mapping, Sequence
@@ -15,7 +16,8 @@ from fastcore.basics import patch
 
 from ..paths import ePath, is_remote_path
 from eformer_nb.serialization.base_manager import (
-    DEFAULT_STEP_FORMAT, CheckpointManager, list_checkpoints, parse_step, read_metadata,
+    DEFAULT_STEP_FORMAT, METADATA_FILE, CheckpointManager, list_checkpoints, load_prefix_tree, parse_step,
+    read_metadata, read_prefix_index, save_prefix_tree,
 )
 from .serialization import CheckpointNotFoundError, broadcast_from_first
 
@@ -299,6 +301,8 @@ def _resolve(self: Checkpointer, path: str | ePath | None, step: int | None, dis
     if not discover_latest:
         raise ValueError("load_checkpoint: pass path= or step=, or discover_latest=True")
     latest = self.latest()
+    if latest is None and read_prefix_index(self.base) is not None:  # trees saved into base itself, by prefix
+        return self.base
     if latest is None:
         raise CheckpointNotFoundError(f"no committed checkpoint under {str(self.base)!r}")
     return latest
@@ -319,12 +323,32 @@ def save_pytree(
     temporary: bool = False,  # temporary: deleted once a newer checkpoint commits
     write_index: bool = True,  # store the structure (restore without a template)
 ) -> ePath | None:
-    "Save `tree` under `prefix` at `destination` (default: the step's directory)."
+    """Save `tree` under `prefix` at `destination` (default: the step's directory); with neither step nor destination,
+    into `base_path` itself, beside what is there (`save_prefix_tree`: eformer's and EasyDeL's way)."""
     if destination is None and step is None:
-        raise ValueError("save_pytree needs step= or destination=")
+        if not prefix:
+            raise ValueError("save_pytree needs step=, destination= or a prefix (to save into base_path itself)")
+        return save_prefix_tree(tree, self.base, prefix, dtype=dtype, metadata=extras, write_index=write_index)()
     return self.save_checkpoint(tree, destination, step=-1 if step is None else step, prefix=prefix, dtype=dtype,
                                 extras=extras, is_temporary=temporary, write_index=write_index)
 
+
+# %% ../../nbs/10c_serialization.checkpointer.ipynb #7d7ffde8
+def _with_step(meta: dict, folder: ePath) -> dict:
+    """`meta` with its step: ours when the save recorded one, else the step of the folder's own `metadata.json` when
+    another program wrote an int there (EasyDeL's `save_state` does, after its trees), named in `step_from`; no `step`
+    key when neither has one."""
+    meta = dict(meta)
+    if meta.get("step") is None:
+        meta.pop("step", None)
+        try:
+            theirs = json.loads((folder / METADATA_FILE).read_text())
+        except (OSError, ValueError):
+            theirs = None
+        s = theirs.get("step") if isinstance(theirs, dict) else None
+        if isinstance(s, int) and not isinstance(s, bool):
+            meta.update(step=s, step_from=str(folder / METADATA_FILE))
+    return meta
 
 # %% ../../nbs/10c_serialization.checkpointer.ipynb #e68fd2a5
 @patch
@@ -343,16 +367,21 @@ def load_pytree(
     template: tp.Any = None,  # structure, shapes, dtypes, shardings to restore into
     strict_shapes: bool = True,  # shape mismatches with the template are errors
     chunk_size: int | None = None,  # array leaves read at a time
-) -> tp.Any:
-    """Restore the tree under `prefix` (latest checkpoint by default); None instead of an error when
-    `discover_raise=False` finds none."""
+) -> tuple[tp.Any, dict] | None:
+    """`(tree, metadata)` of the tree under `prefix` (latest checkpoint by default), as eformer returns them; None
+    instead of an error when `discover_raise=False` finds none."""
     try:
         path = self._resolve(path, None, discover_latest)
     except CheckpointNotFoundError:
         if discover_raise:
             raise
         return None
-    return self.manager.load_pytree(path, mesh, prefix=prefix, partition_rules=partition_rules, dtype=dtype,
-                                    callback=callback, template=template, strict_shapes=strict_shapes,
-                                    chunk_size=chunk_size)
+    kw = dict(partition_rules=partition_rules, dtype=dtype, callback=callback, template=template,
+              strict_shapes=strict_shapes, chunk_size=chunk_size)
+    path = path if isinstance(path, ePath) else ePath(path)
+    if prefix and read_prefix_index(path) is not None:
+        tree, meta = load_prefix_tree(path, prefix, mesh, **kw)
+        return tree, _with_step(meta, path)
+    tree = self.manager.load_pytree(path, mesh, prefix=prefix, **kw)
+    return tree, (read_metadata(path) if (path / METADATA_FILE).exists() else {})
 

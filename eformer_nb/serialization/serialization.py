@@ -69,6 +69,7 @@ FORMAT_NAME, FORMAT_VERSION = "eformer_nb.tree", 2  # 2: crc32c chunks, versione
 READ_VERSIONS = (1, 2)  # index versions this eformer_nb reads (1: before checksums; still restores)
 INDEX_FILE, ARRAYS_DIR = "index.json", "arrays"
 _ARRAYS_RE = re.compile(r"^arrays\.[0-9a-f]{8}$")  # the array directory of one save: arrays.<token>
+_ARRAYS_MARKER = ".eformer_nb"  # written first into each arrays.<token>: only marked ones are ever cleaned
 _ts_dtype_ok: dict[str, bool] = {}
 
 
@@ -487,16 +488,53 @@ def _write_json(f: ePath, obj: dict) -> None:
     _fsync_dir(os.path.dirname(os.path.abspath(os.fspath(f))))
 
 
+# %% ../../nbs/10a_serialization.serialization.ipynb #b889372d
+_REMOTE_HELD = threading.local()  # the lock objects this thread holds
+
+
+@contextlib.contextmanager
+def _remote_lock(d: ePath, what: str) -> tp.Iterator[None]:
+    """Hold `d`'s lock object `.{name}.lock` (beside it in the bucket) while writing `d`: created only if absent (GCS's
+    `ifGenerationMatch=0`), so exactly one writer gets it; deleted when done. A writer that dies keeps it: the next
+    save of `d` is refused, naming the object to delete once no writer is alive (never broken silently)."""
+    lock = d.parent / f".{d.name}.lock"
+    held = _REMOTE_HELD.__dict__.setdefault("locks", set())
+    if str(lock) in held:  # re-entered by this thread (a remote checkpoint's tree is written in the step directory)
+        yield
+        return
+    fs = lock._fs_obj
+    try:
+        fs.pipe_file(lock.path, f"pid {os.getpid()} on {socket.gethostname()}".encode(), mode="create")
+    except FileExistsError:
+        try:
+            holder = fs.cat_file(lock.path).decode(errors="replace")
+        except FileNotFoundError:
+            holder = "it just finished"
+        raise CheckpointLockedError(f"{what} {str(d)!r} is being saved by another writer ({holder}, lock object "
+                                    f"{str(lock)!r}); wait for it to finish or save elsewhere (if no writer is alive, "
+                                    "a save crashed: delete that object)") from None
+    held.add(str(lock))
+    try:
+        yield
+    finally:
+        held.discard(str(lock))
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(lock.path)
+
 # %% ../../nbs/10a_serialization.serialization.ipynb #dab82807
 @contextlib.contextmanager
 def exclusive_writer(
-    d: ePath,  # the local directory about to be written (its lock file `.{name}.lock` sits beside it)
+    d: ePath,  # the directory about to be written (its lock file `.{name}.lock` sits beside it)
     what: str = "directory",  # what `d` is, for the message
 ) -> tp.Iterator[None]:
-    """Hold an exclusive `flock` on `d`'s lock file while writing `d` (process 0; remote paths: no lock). A second
-    writer gets `CheckpointLockedError`; the kernel drops the lock when the holder dies, even by SIGKILL."""
-    if is_remote_path(d) or process_info()[0] != 0:
+    """Hold an exclusive `flock` on `d`'s lock file while writing `d` (process 0; remote paths: `_remote_lock`). A
+    second writer gets `CheckpointLockedError`; the kernel drops the lock when the holder dies, even by SIGKILL."""
+    if process_info()[0] != 0:
         yield
+        return
+    if is_remote_path(d):
+        with _remote_lock(d, what):
+            yield
         return
     import fcntl
 
@@ -538,11 +576,12 @@ def _begin_tree(tree_dir: ePath, arrays: str, overwrite: bool) -> dict | None:
         raise FileExistsError(f"{str(tree_dir)!r} holds files that are not an eformer_nb tree: {sorted(foreign)[:10]}; "
                               "save into an empty or new directory, or pass overwrite=True to save beside them "
                               "(they are never deleted)")
-    if not is_remote_path(tree_dir) and tree_dir.is_dir():  # a crashed save's arrays: ours by name, and we hold the lock
+    if tree_dir.is_dir():  # a crashed save's arrays: ours by name and marker, and we hold the lock (local or gs://)
         for p in tree_dir.iterdir():
-            if _ARRAYS_RE.match(p.name) and p.name != (index or {}).get("arrays"):
+            if _ARRAYS_RE.match(p.name) and p.name != (index or {}).get("arrays") and (p / _ARRAYS_MARKER).exists():
                 p.rmtree()
     (tree_dir / arrays).mkdir(parents=True, exist_ok=False)
+    (tree_dir / arrays / _ARRAYS_MARKER).write_text(str(os.getpid()))  # proof that a save of ours made it
     return index
 
 
@@ -759,7 +798,7 @@ def _cast_leaf(key: str, data: np.ndarray, want: np.dtype, lossy: bool) -> np.nd
                              f"(e.g. {data[bad].flat[0]}); pass allow_lossy_cast=True to accept inf/nan there")
     return out
 
-
+# %% ../../nbs/10a_serialization.serialization.ipynb #b5cb13fd
 def _aligned_read(arr: tp.Any, box: tuple) -> tuple[tp.Any, np.ndarray]:
     "Start reading `arr[box]` into a new 64-byte-aligned buffer (which a CPU `jax.Array` can adopt without a copy)."
     import tensorstore as ts

@@ -18,8 +18,9 @@ from ...paths import ePath
 logger = get_logger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'WEIGHTS_NAME', 'WEIGHTS_INDEX_NAME', 'safetensors_dumps', 'safetensors_loads', 'hf_name',
-           'to_hf_state_dict', 'parse_size', 'save_pretrained', 'load_weights', 'from_pretrained', 'push_to_hub']
+__all__ = ['logger', 'WEIGHTS_NAME', 'WEIGHTS_INDEX_NAME', 'WEIGHTS_DIGEST_KEY', 'safetensors_dumps', 'safetensors_loads',
+           'hf_name', 'to_hf_state_dict', 'parse_size', 'weights_digest', 'read_verified_weights', 'save_pretrained',
+           'load_weights', 'from_pretrained', 'push_to_hub']
 
 # %% ../../../nbs/12e_modules.llama.files.ipynb #cb732a9b
 WEIGHTS_NAME = "model.safetensors"
@@ -135,6 +136,39 @@ def _shards(tensors: dict[str, np.ndarray], limit: int) -> list[dict[str, np.nda
         size += arr.nbytes
     return shards + [current] if current else shards
 
+# %% ../../../nbs/12e_modules.llama.files.ipynb #fc940db9
+WEIGHTS_DIGEST_KEY = "eformer_nb.sha256"  # in each safetensors file's header: the digest of its tensors
+
+
+def weights_digest(
+    tensors: dict[str, np.ndarray],  # name -> array, as stored in one safetensors file
+) -> str:
+    "sha256 of the tensors' names, dtypes, shapes and bytes (name order): what `save_pretrained` records per file."
+    import hashlib
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        h.update(f"{name}|{a.dtype.name}|{a.shape}|".encode())
+        h.update(a.reshape(-1).view(np.uint8).data if a.size else b"")
+    return h.hexdigest()
+
+
+def read_verified_weights(
+    f: ePath,  # a safetensors file
+) -> dict[str, np.ndarray]:
+    """The tensors of `f`, checked against the digest `save_pretrained` recorded in its header (files written
+    elsewhere carry none and are read as they are); a mismatch is an error naming the file."""
+    import json as _j
+    blob = f.read_bytes()
+    tensors = safetensors_loads(blob)
+    n = int.from_bytes(blob[:8], "little")
+    recorded = (_j.loads(blob[8:8 + n]).get("__metadata__") or {}).get(WEIGHTS_DIGEST_KEY)
+    if recorded is not None and recorded != weights_digest(tensors):
+        raise ValueError(f"{str(f)!r}: its tensors do not match the digest save_pretrained recorded (stored "
+                         f"{recorded[:16]}..., computed {weights_digest(tensors)[:16]}...): the file was modified or "
+                         "is damaged; restore it from a good copy")
+    return tensors
+
 # %% ../../../nbs/12e_modules.llama.files.ipynb #a1f58579
 _HF_OWNED = re.compile(r"^(config\.json|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json)$")
 
@@ -149,7 +183,7 @@ def _write_files(model, d: ePath, tensors: dict, max_shard_size) -> int:
     n = len(shards)
     names = [WEIGHTS_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     for name, shard in zip(names, shards):
-        (d / name).write_bytes(safetensors_dumps(shard, {"format": "pt"}))
+        (d / name).write_bytes(safetensors_dumps(shard, {"format": "pt", WEIGHTS_DIGEST_KEY: weights_digest(shard)}))
     if n > 1:
         index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))},
                  "weight_map": {t: name for name, shard in zip(names, shards) for t in shard}}
@@ -324,7 +358,7 @@ def from_pretrained(
         return from_gguf(cls, str(d), gguf_file, dtype=dtype, param_dtype=param_dtype, precision=precision,
                          rngs=rngs, mesh=mesh, partition_rules=partition_rules, config_kwargs=config_kwargs)
     config = cls.config_class.from_pretrained(d, strict=strict_config, **(config_kwargs or {}))
-    sources = [(str(f), lambda f=f: safetensors_loads(f.read_bytes())) for f in _weight_files(d)]
+    sources = [(str(f), lambda f=f: read_verified_weights(f)) for f in _weight_files(d)]
     return load_weights(cls, config, sources, str(d), dtype=dtype, param_dtype=param_dtype, precision=precision,
                         rngs=rngs, mesh=mesh, partition_rules=partition_rules)
 
