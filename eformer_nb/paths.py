@@ -268,8 +268,6 @@ class LocalPath(ePath):
                                  f"(file:///abs/path){f', not the host {host!r}' if host else ''}; "
                                  "or pass a plain path")
             path = rest
-        if path == "":  # pathlib reads '' as '.': an unset setting would silently become the working directory
-            raise ValueError("LocalPath(''): the path is empty; pass '.' for the current directory")
         self._p = Path(path)
 
     @classmethod
@@ -279,8 +277,6 @@ class LocalPath(ePath):
         return self
 
     def _join(self, part: str) -> LocalPath:
-        if part.startswith("/") or _PROTOCOL_RE.match(part):  # pathlib would let it replace the base
-            raise ValueError(f"joinpath: cannot join the absolute path {part!r} onto {str(self)!r}")
         return LocalPath._from_pathlib(self._p / part)
 
     def __str__(self) -> str:
