@@ -419,11 +419,12 @@ def report(
     counts = {k: sum(v == k for *_, v in self.rows) for k in (MET, NOISY, MISSED, INFO)}
     print(", ".join(f"{n} {k}" for k, n in counts.items()))
     accept = accept or {}
+    verdicts = {c.label: v for c, _, v in self.rows}
     for label in accept:
-        if not any(c.label == label and v == MISSED for c, _, v in self.rows):
-            raise ValueError(f"{self.name}: accept names {label!r}, which is not a missed row here; missed rows: "
-                             f"{[c.label for c, _, v in self.rows if v == MISSED]}")
-        print(f"known miss: {label}: {accept[label]}")
+        if label not in verdicts:
+            raise ValueError(f"{self.name}: accept names {label!r}, which is no row here; rows: {list(verdicts)}")
+        print(f"known miss: {label}: {accept[label]}" if verdicts[label] == MISSED else
+              f"accepted as a known miss, but {verdicts[label]!r} in this run: {label} (drop it from accept once met)")
     missed = [c.label for c, _, v in self.rows if v == MISSED and c.label not in accept]
     if missed:
         raise TargetMissed(f"{self.name}: {len(missed)} target(s) missed: {', '.join(missed)}")

@@ -8,7 +8,8 @@ base finds exactly what these tests started (other Rays on the machine are not c
 parent died or that renamed itself (`ray::DashboardAgent`).
 
 - `test_failed_start_leaves_nothing`: a start that cannot succeed (the metrics port Ray is told to use is taken)
-  ends in one `RayStartError` line that names the cause and the session logs, and every process it started
+  ends in one `RayStartError` line that names the cause and the session logs, the processes of a failed try are
+  gone before the next try starts (no poll sees two tries' processes alive at once), and every process it started
   (seen while it ran) is gone afterwards.
 - `test_three_drivers_under_cpu_hog`: three drivers start at once while a CPU hog keeps the machine busy; each runs
   its job or fails with the one-line error, within a bound; afterwards none of their processes remain. (On a
@@ -63,27 +64,33 @@ def base():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _ours(base: str) -> list[str]:
-    "`name(pid)` of every live, non-zombie process whose Ray mark lies under `base`."
+def _ours(base: str, marks: set | None = None) -> list[str]:
+    "`name(pid)` of every live, non-zombie process whose Ray mark lies under `base`; their marks added to `marks`."
     out = []
     for p in psutil.process_iter(["environ", "name", "status"]):
         mark = (p.info["environ"] or {}).get(MARK) or ""
         if mark.startswith(base + os.sep) and p.info["status"] != psutil.STATUS_ZOMBIE:
             out.append(f"{p.info['name']}({p.pid})")
+            if marks is not None:
+                marks.add(mark)
     return out
 
 
 class _Watcher:
-    "Polls `_ours(base)` in a thread; `seen` collects every process name that was ever there."
+    """Polls `_ours(base)` in a thread; `seen` collects every process name that was ever there, `together` every
+    poll that found processes of more than one Ray start (temp dir) alive at once."""
 
     def __init__(self, base: str):
-        self.base, self.seen, self._stop = base, set(), threading.Event()
+        self.base, self.seen, self.together, self._stop = base, set(), [], threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self):
         while not self._stop.is_set():
-            self.seen.update(n.split("(")[0] for n in _ours(self.base))
+            marks = set()
+            self.seen.update(n.split("(")[0] for n in _ours(self.base, marks))
+            if len(marks) > 1:
+                self.together.append(sorted(marks))
             self._stop.wait(0.5)
 
     def stop(self):
@@ -130,6 +137,7 @@ def test_failed_start_leaves_nothing(base):
     assert len(report["temp_dirs"]) == 2 and all(d.startswith(base) for d in report["temp_dirs"])  # a fresh dir a try
     assert "local Ray start 1 of 2 failed" in err and "its processes stopped" in err, err[-3000:]
     assert {"gcs_server", "raylet"} <= watcher.seen, watcher.seen  # the tries did start processes ...
+    assert watcher.together == [], watcher.together[:3]  # ... a failed try's were gone before the next try started
     assert _wait_gone(base) == []  # ... and none is left
 
 
