@@ -506,9 +506,9 @@ def saved_rows(
     return rows
 
 # %% ../nbs/99b_benchmarking.ipynb #d0c1a003
-def _clash(saved: str, now: str) -> bool:
-    "A miss that the saved verdict did not call (saved met or too noisy, now missed)."
-    return now == MISSED and saved in (MET, NOISY)
+def _clash(saved: str, now: str, claims: tuple[str, ...] = (MET, NOISY)) -> bool:
+    "A miss that the saved verdict did not call: now missed, saved one of `claims`."
+    return now == MISSED and saved in claims
 
 
 def disagreements(
@@ -529,7 +529,9 @@ def disagreements(
                        f"{target} says {own!r}")
         if fresh and label in fresh:
             now = verdict(fresh[label], target)
-            if _clash(row["verdict"], now):
+            # against a fresh run only a saved "met" is a claim: a saved "too noisy" claimed nothing either way (its
+            # own interval is checked above), so a short re-run that misses it is a note to re-run the page
+            if _clash(row["verdict"], now, claims=(MET,)):
                 lo, hi = fresh[label].ratio_ci
                 out.append(f"{label!r}: saved {row['verdict']!r}, a fresh run says {now!r} (ratio {fresh[label].ratio:.3f}x "
                            f"[{lo:.3f}, {hi:.3f}], {len(fresh[label].ours)} rounds, load {fresh[label].load[0]:.1f})")
