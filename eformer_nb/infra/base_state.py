@@ -437,8 +437,7 @@ def _shard_optimizer_state(
 @_method("gather_optimizer_state")
 def _gather_optimizer_state(
     self,
-    partition_rules: tp.Sequence[tuple[str, PartitionSpec]]
-    | None = None,  # checked against the optimizer state when given
+    partition_rules: tp.Sequence[tuple[str, PartitionSpec]] | None = None,  # checked against the optimizer state when given
 ) -> EasyDeLState:
     "The state with every optimizer-state leaf fully replicated on its mesh."
     if self.opt_state is None:
@@ -764,7 +763,7 @@ def _load_state(
     verbose: bool = True,  # log what was loaded
     tx: optax.GradientTransformation | None = None,  # the optimizer: also load the saved optimizer state
     **kwargs,  # more arguments for the model's `from_pretrained`
-) -> EasyDeLState:
+) -> EasyDeLState:  # the loaded state
     "Rebuild the model from `config.json` through the registry, load its weights, step and (with `tx`) optimizer state."
     from eformer_nb.escale.mesh import create_mesh
     from eformer_nb.paths import ePath

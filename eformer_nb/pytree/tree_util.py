@@ -611,7 +611,9 @@ import functools
 
 # %% ../../nbs/03a_pytree.tree_util.ipynb #49de801a
 def _leafwise(fn: Callable[[jax.Array], jax.Array], doc: str) -> Callable[[PyTree], PyTree]:
-    def f(tree: PyTree) -> PyTree:
+    def f(
+        tree: PyTree,  # a pytree; `fn` maps each of its leaves
+    ) -> PyTree:  # `tree`'s structure with `fn(leaf)` at each leaf
         return jax.tree.map(fn, tree)
     f.__doc__ = doc
     return f
@@ -728,7 +730,7 @@ def tree_random_like(
     key: jax.Array,  # a PRNG key; split into one key per leaf
     distribution: str = "normal",  # a `jax.random` sampler name ('normal', 'uniform', ...)
     **kwargs: tp.Any,  # passed to the sampler (e.g. `minval`, `maxval`)
-) -> PyTree:
+) -> PyTree:  # `tree`'s structure with a random array at each leaf
     "Random arrays with each leaf's shape and dtype, an independent key per leaf (`jax.random.<distribution>`)."
     if distribution not in _DISTRIBUTIONS:
         raise ValueError(f"unknown distribution {distribution!r}; expected one of {sorted(_DISTRIBUTIONS)}")
