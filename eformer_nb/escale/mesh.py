@@ -161,7 +161,7 @@ def create_mesh(
     allow_split_physical_axes: bool = True,  # let one mesh axis span several physical axes
     backend: str | None = None,  # `'cpu'`, `'gpu'` or `'tpu'` (ignored when `devices` is given)
     use_jax: bool = False,  # lay out with `jax.make_mesh` (single slice only)
-    axis_types: Sequence[AxisType | str] | AxisType | str | None = None,  # `AxisType`s or their names, one for all or one per axis (default: `Auto`)
+    axis_types: Sequence[AxisType | str] | AxisType | str | None = None,  # one `AxisType` (or name) for all axes, or one per axis
     *,
     devices: Sequence | None = None,  # the devices to use (default: those of `backend`)
     process_is_granule: bool = False,  # treat each process as one slice

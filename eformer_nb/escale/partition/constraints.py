@@ -446,7 +446,7 @@ def extract_shardings(
 
 
 def create_pattern_based_partition_spec(
-    pattern: tp.Mapping[str, PartitionSpec] | Sequence[tuple[str, PartitionSpec]],  # `{regex: spec}` or `[(regex, spec), ...]`, first match wins
+    pattern: tp.Mapping[str, PartitionSpec] | Sequence[tuple[str, PartitionSpec]],  # `{regex: spec}` or `(regex, spec)` pairs
     mesh: Mesh | None = None,  # the mesh the specs are fitted to (default: the one in context)
     default_spec: PartitionSpec | None = None,  # the spec when no regex matches (default: replicated)
 ) -> Callable[[str, tp.Any], PartitionSpec]:
