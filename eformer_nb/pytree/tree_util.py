@@ -612,8 +612,8 @@ import functools
 # %% ../../nbs/03a_pytree.tree_util.ipynb #49de801a
 def _leafwise(fn: Callable[[jax.Array], jax.Array], doc: str) -> Callable[[PyTree], PyTree]:
     def f(
-        tree: PyTree,  # a pytree; `fn` maps each of its leaves
-    ) -> PyTree:  # `tree`'s structure with `fn(leaf)` at each leaf
+        tree: PyTree,  # a pytree of arrays
+    ) -> PyTree:  # `tree`'s structure, each leaf transformed
         return jax.tree.map(fn, tree)
     f.__doc__ = doc
     return f
