@@ -293,8 +293,7 @@ def _opt_shardings(self, tree, partition_rules=None):
 def _init_tx(
     self,
     tx: optax.GradientTransformation,  # the optimizer
-    partition_rules: tp.Sequence[tuple[str, PartitionSpec]]
-    | None = None,  # rules for its state; None: follow the params
+    partition_rules: tp.Sequence[tuple[str, PartitionSpec]] | None = None,  # rules for its state; None: follow the params
 ) -> EasyDeLState:
     "The state with optimizer `tx` and its state, created directly with its final sharding."
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
@@ -402,8 +401,7 @@ def _shard_model(
 @_method("gather_model")
 def _gather_model(
     self,
-    partition_rules: tp.Sequence[tuple[str, PartitionSpec]]
-    | None = None,  # checked against the params when given; gathering needs none
+    partition_rules: tp.Sequence[tuple[str, PartitionSpec]] | None = None,  # checked against the params; gathering needs none
     mesh: Mesh | None = None,  # None: each leaf's own mesh
 ) -> EasyDeLState:
     "The state with `step`, `graphstate` and `graphother` fully replicated on their mesh."

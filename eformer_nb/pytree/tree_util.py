@@ -100,10 +100,10 @@ empty_node = _EmptyNode()
 
 
 def flatten_dict(
-    xs: Mapping,
-    keep_empty_nodes: bool = False,
-    is_leaf: Callable[[tuple, tp.Any], bool] | None = None,
-    sep: str | None = None,
+    xs: Mapping,  # nested mappings
+    keep_empty_nodes: bool = False,  # an empty mapping below the top becomes an `empty_node` leaf
+    is_leaf: Callable[[tuple, tp.Any], bool] | None = None,  # `(path, node) -> bool`: keep that node whole
+    sep: str | None = None,  # join string keys with it (None: tuple keys)
     fumap: bool = False,  # also flatten non-mapping nodes (lists, tuples, dataclass pytrees) by their key paths
 ) -> dict[tp.Any, tp.Any]:
     "Flatten nested mappings to `{tuple_path: value}`, or `{'a<sep>b': value}` when `sep` is given."
