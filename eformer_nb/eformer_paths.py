@@ -101,7 +101,12 @@ class _Promote(importlib.abc.Loader):
 class EformerPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     "Serves eformer's module paths listed in EFORMER_PATHS as thin modules."
 
-    def find_spec(self, fullname, path=None, target=None):
+    def find_spec(
+        self,
+        fullname,  # the dotted module name asked for
+        path=None,  # the parent package's `__path__`
+        target=None,  # unused (the import protocol's argument)
+    ):
         if not fullname.startswith("eformer_nb."):
             return None
         rel = fullname[len("eformer_nb."):]
@@ -114,8 +119,16 @@ class EformerPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             return spec
         return None
 
-    def create_module(self, spec): return thin_module(spec.name[len("eformer_nb."):])
-    def exec_module(self, module): pass
+    def create_module(
+        self,
+        spec,  # a spec this finder returned
+    ):
+        return thin_module(spec.name[len("eformer_nb."):])
+    def exec_module(
+        self,
+        module,  # the thin module, already complete
+    ):
+        pass
 
 
 def install() -> EformerPaths:

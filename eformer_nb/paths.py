@@ -484,7 +484,9 @@ def is_relative_to(self: ePath,
 
 
 @patch
-def relative_to(self: LocalPath, other: str | os.PathLike | ePath) -> PurePosixPath:
+def relative_to(self: LocalPath,
+                other: str | os.PathLike | ePath,  # a local directory at or above this path
+                ) -> PurePosixPath:  # the rest of this path below `other`
     "This path relative to `other` (as `pathlib` computes it), as a `PurePosixPath`."
     other = ePath(other) if not isinstance(other, ePath) else other
     if not isinstance(other, LocalPath):

@@ -93,7 +93,9 @@ def rel_err(
     return num / max(float(np.max(np.abs(np.asarray(y, np.float64)))) for y in lb)
 
 # %% ../nbs/99_testing.ipynb #4c196284
-def tree_nbytes(tree) -> int:  # the total bytes of every array leaf of `tree`
+def tree_nbytes(
+    tree,  # a pytree; leaves without `size`/`dtype` count 0
+) -> int:  # the total bytes of every array leaf of `tree`
     "Bytes held by the array leaves of `tree` (size times itemsize, summed)."
     import jax
 

@@ -53,16 +53,25 @@ class MeshPartitionHelper:
     def __repr__(self) -> str:
         return f"MeshPartitionHelper(mesh={self.axis_sizes}, axis_order={self.axis_order})"
 
-    def propose_spec(self, x) -> PartitionSpec:
+    def propose_spec(
+        self,
+        x,  # an array or a shape
+    ) -> PartitionSpec:
         "The proposed spec for one array (or shape)."
         return auto_partition_spec(x, self.mesh, self.axis_order, self.min_sharding_size)
 
-    def propose_specs(self, tree):
+    def propose_specs(
+        self,
+        tree,  # a pytree; its array leaves get a proposal
+    ):
         "A tree like `tree` with a proposed spec per leaf (`PartitionSpec()` for leaves that are not arrays)."
         return map_leaves_with_path(lambda path, x: self.propose_spec(x) if hasattr(x, "shape") else PartitionSpec(),
                                     tree)
 
-    def analyze_pytree(self, pytree) -> dict[str, dict[str, tp.Any]]:
+    def analyze_pytree(
+        self,
+        pytree,  # a pytree of arrays (or shape/dtype structs)
+    ) -> dict[str, dict[str, tp.Any]]:
         "`{path: {shape, dtype, spec, shard_shape}}` for every array leaf: the plan, before anything moves."
         plan: dict[str, dict[str, tp.Any]] = {}
 
@@ -109,8 +118,12 @@ def auto_shard_pytree(
     return self.shard_pytree(pytree, self.propose_specs(pytree))
 
 # %% ../../nbs/09e_escale.helpers.ipynb #7321dcd9
-def _create_partition_spec(self, array_shape: Sequence[int], methods: Sequence[str] | str,
-                           min_shard_size: int = 1024) -> PartitionSpec:
+def _create_partition_spec(
+    self,
+    array_shape: Sequence[int],  # the array's shape
+    methods: Sequence[str] | str,  # mesh axes to use, in priority order
+    min_shard_size: int = 1024,  # arrays with fewer elements are replicated
+) -> PartitionSpec:
     """A spec for `array_shape` that uses the mesh axes in `methods` (in that priority); arrays under `min_shard_size`
     elements are replicated."""
     methods = (methods,) if isinstance(methods, str) else tuple(methods)
@@ -120,7 +133,11 @@ def _create_partition_spec(self, array_shape: Sequence[int], methods: Sequence[s
     return auto_partition_spec(tuple(array_shape), self.mesh, methods, min_shard_size)
 
 
-def _shard_array(self, array, partition_spec: PartitionSpec):
+def _shard_array(
+    self,
+    array,  # the array to place
+    partition_spec: PartitionSpec,  # its spec, fitted to the array's shape
+):
     "`array` placed on the mesh with `partition_spec` (fitted to its shape)."
     spec = correct_partition_spec(np.shape(array), partition_spec, self.mesh)
     return jax.device_put(array, NamedSharding(self.mesh, spec))
@@ -140,7 +157,10 @@ class ShardingRule(abc.ABC):
     "A rule that proposes a `PartitionSpec` for every array leaf of a pytree."
 
     @abc.abstractmethod
-    def apply(self, pytree) -> tp.Any:
+    def apply(
+        self,
+        pytree,  # a pytree of arrays
+    ) -> tp.Any:
         "A tree like `pytree` of `PartitionSpec`s (`PartitionSpec()` for leaves that are not arrays)."
 
 
@@ -150,11 +170,19 @@ def _specs(pytree, fn) -> tp.Any:
 
 class AutoShardingRule(ShardingRule):
     "`auto_partition_spec` for every array."
-    def __init__(self, mesh: Mesh | None = None, axis_names: Sequence[str] | None = None,
-                 min_shard_size: int | None = None, reverse: bool = False):
+    def __init__(
+        self,
+        mesh: Mesh | None = None,  # the mesh (default: the one in context)
+        axis_names: Sequence[str] | None = None,  # mesh axes to use, in order (default: all)
+        min_shard_size: int | None = None,  # smaller arrays are replicated (default: the mesh size)
+        reverse: bool = False,  # ties go to the later dimension
+    ):
         self.mesh, self.axis_names, self.min_shard_size, self.reverse = mesh, axis_names, min_shard_size, reverse
 
-    def apply(self, pytree):
+    def apply(
+        self,
+        pytree,  # a pytree of arrays
+    ):
         return _specs(pytree, lambda x: auto_partition_spec(x, self.mesh, self.axis_names, self.min_shard_size,
                                                             self.reverse))
 
@@ -162,7 +190,10 @@ class AutoShardingRule(ShardingRule):
 class ShapeBasedShardingRule(ShardingRule):
     """Specs by shape: `shape_patterns` maps a shape (None matches any size in that dimension) or a predicate on the
     shape to a spec; the first match wins."""
-    def __init__(self, shape_patterns: tp.Mapping[tp.Any, PartitionSpec]):
+    def __init__(
+        self,
+        shape_patterns: tp.Mapping[tp.Any, PartitionSpec],  # `{shape or predicate: spec}`; `None` in a shape matches any size
+    ):
         self.shape_patterns = dict(shape_patterns)
 
     @staticmethod
@@ -171,31 +202,48 @@ class ShapeBasedShardingRule(ShardingRule):
             return bool(pattern(shape))
         return len(pattern) == len(shape) and all(p is None or p == s for p, s in zip(pattern, shape))
 
-    def apply(self, pytree):
+    def apply(
+        self,
+        pytree,  # a pytree of arrays
+    ):
         return _specs(pytree, lambda x: next((s for p, s in self.shape_patterns.items()
                                               if self._matches(p, tuple(x.shape))), PartitionSpec()))
 
 
 class MemoryConstrainedShardingRule(ShardingRule):
     "`optimize_sharding_for_memory` with a per-device byte budget."
-    def __init__(self, max_memory_per_device: int, mesh: Mesh | None = None, axis_names: Sequence[str] | None = None):
+    def __init__(
+        self,
+        max_memory_per_device: int,  # the per-device byte budget (> 0)
+        mesh: Mesh | None = None,  # the mesh (default: the one in context)
+        axis_names: Sequence[str] | None = None,  # mesh axes to use (default: all)
+    ):
         if not isinstance(max_memory_per_device, (int, np.integer)) or max_memory_per_device <= 0:
             raise ValueError(f"max_memory_per_device must be a positive number of bytes, got {max_memory_per_device!r}")
         self.max_memory_per_device, self.mesh, self.axis_names = int(max_memory_per_device), mesh, axis_names
 
-    def apply(self, pytree):
+    def apply(
+        self,
+        pytree,  # a pytree of arrays
+    ):
         return optimize_sharding_for_memory(pytree, self.mesh, self.max_memory_per_device, self.axis_names)
 
 
 class CompositeShardingRule(ShardingRule):
     "Several rules in order: each leaf takes the first spec that shards it (replicated if none does)."
-    def __init__(self, *rules: ShardingRule):
+    def __init__(
+        self,
+        *rules: ShardingRule,  # one or more `ShardingRule`s; per leaf, the first non-replicated proposal wins
+    ):
         bad = [r for r in rules if not isinstance(r, ShardingRule)]
         if not rules or bad:
             raise TypeError(f"CompositeShardingRule takes one or more ShardingRule objects, got {bad or 'none'}")
         self.rules = rules
 
-    def apply(self, pytree):
+    def apply(
+        self,
+        pytree,  # a pytree of arrays
+    ):
         is_spec = lambda s: isinstance(s, PartitionSpec)
         proposals = [r.apply(pytree) for r in self.rules]
         pick = lambda *specs: next((s for s in specs if any(e is not None for e in s)), PartitionSpec())
@@ -204,7 +252,10 @@ class CompositeShardingRule(ShardingRule):
 # %% ../../nbs/09e_escale.helpers.ipynb #ce258b81
 class ShardingAnalyzer:
     "Check partition specs against a pytree and a mesh (default: the mesh in context), and estimate per-device memory."
-    def __init__(self, mesh: Mesh | None = None):
+    def __init__(
+        self,
+        mesh: Mesh | None = None,  # the mesh (default: the one in context when used)
+    ):
         self.mesh = mesh
 
     def _mesh(self):
@@ -222,14 +273,22 @@ class ShardingAnalyzer:
                              "spec per leaf")
         return [(jax.tree_util.keystr(p), x, s) for (p, x), s in zip(flat, specs)]
 
-    def validate_partition_specs(self, pytree, partition_specs) -> list[str]:
+    def validate_partition_specs(
+        self,
+        pytree,  # a pytree of arrays (or shape/dtype structs)
+        partition_specs,  # one `PartitionSpec` per leaf, same structure
+    ) -> list[str]:
         """Every problem (`'<path>: <why>'`) with placing `pytree` by `partition_specs` as written; `[]` when they all
         fit."""
         mesh = self._mesh()
         return [f"{path}: {msg}" for path, x, s in self._pairs(pytree, partition_specs) if hasattr(x, "shape")
                 for msg in sharding_problems(np.shape(x), s, mesh)]
 
-    def estimate_memory_usage(self, pytree, partition_specs) -> dict[str, int]:
+    def estimate_memory_usage(
+        self,
+        pytree,  # a pytree of arrays (or shape/dtype structs)
+        partition_specs,  # one `PartitionSpec` per leaf, same structure
+    ) -> dict[str, int]:
         "Bytes of the arrays in total and on each device once placed (specs fitted to the shapes, as placement does)."
         mesh = self._mesh()
         pairs = [(x, s) for _, x, s in self._pairs(pytree, partition_specs) if hasattr(x, "shape")]
@@ -241,7 +300,9 @@ class ShardingAnalyzer:
 _BARRIERS = [0]
 
 
-def barrier_sync(timeout: float = 200) -> None:
+def barrier_sync(
+    timeout: float = 200,  # seconds to wait at most (> 0)
+) -> None:
     "Wait until every process reaches this point (at most `timeout` seconds); returns at once with one process."
     if not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")

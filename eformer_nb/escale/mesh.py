@@ -82,8 +82,12 @@ def count_granules(
     return len({_granule_key(d, process_is_granule) for d in devices})
 
 
-def split_dcn_dims(dims: Sequence[int], num_granules: int, dcn_mesh_dims: Sequence[int] | None = None,
-                   axis_names: Sequence[str] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def split_dcn_dims(
+    dims: Sequence[int],  # the full size of each mesh axis
+    num_granules: int,  # how many slices the devices span
+    dcn_mesh_dims: Sequence[int] | None = None,  # slices per axis (default: the first axis divisible by `num_granules`)
+    axis_names: Sequence[str] | None = None,  # axis names for error messages (default: `axis0`, `axis1`, ...)
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     "Split full mesh sizes `dims` into `(ici_dims, dcn_dims)` for `num_granules` slices."
     dims = tuple(dims)
     names = tuple(axis_names) if axis_names is not None else tuple(f"axis{i}" for i in range(len(dims)))
@@ -109,10 +113,16 @@ def split_dcn_dims(dims: Sequence[int], num_granules: int, dcn_mesh_dims: Sequen
     return tuple(d // c for d, c in zip(dims, dcn)), dcn
 
 # %% ../../nbs/09a_escale.mesh.ipynb #8b5a4f98
-def create_device_array(axis_dims: Sequence[int], axis_names: Sequence[str] = DEFAULT_AXIS_NAMES,
-                        dcn_mesh_dims: Sequence[int] | None = None, devices: Sequence | None = None, *,
-                        process_is_granule: bool = False, should_sort_granules_by_key: bool = True,
-                        allow_split_physical_axes: bool = True) -> np.ndarray:
+def create_device_array(
+    axis_dims: Sequence[int],  # size of each mesh axis; one `-1` takes the remaining devices
+    axis_names: Sequence[str] = DEFAULT_AXIS_NAMES,  # one name per axis
+    dcn_mesh_dims: Sequence[int] | None = None,  # slices per axis (default: inferred)
+    devices: Sequence | None = None,  # the devices to lay out (default: `jax.devices()`)
+    *,
+    process_is_granule: bool = False,  # treat each process as one slice
+    should_sort_granules_by_key: bool = True,  # order the slices by their key
+    allow_split_physical_axes: bool = True,  # let one mesh axis span several physical axes
+) -> np.ndarray:
     "The devices of a mesh with sizes `axis_dims` (one `-1` allowed), hybrid across slices when there are several."
     from jax.experimental import mesh_utils
     devices = list(jax.devices() if devices is None else devices)
@@ -143,11 +153,19 @@ def _axis_types(axis_types, n: int) -> tuple[AxisType, ...]:
     return tuple(one(t) for t in axis_types)
 
 
-def create_mesh(axis_dims: Sequence[int] = DEFAULT_AXIS_DIMS, axis_names: Sequence[str] = DEFAULT_AXIS_NAMES,
-                dcn_mesh_dims: Sequence[int] | None = None, should_sort_granules_by_key: bool = True,
-                allow_split_physical_axes: bool = True, backend: str | None = None, use_jax: bool = False,
-                axis_types: Sequence[AxisType | str] | AxisType | str | None = None, *, devices: Sequence | None = None,
-                process_is_granule: bool = False) -> Mesh:
+def create_mesh(
+    axis_dims: Sequence[int] = DEFAULT_AXIS_DIMS,  # size of each mesh axis; one `-1` takes the remaining devices
+    axis_names: Sequence[str] = DEFAULT_AXIS_NAMES,  # one name per axis
+    dcn_mesh_dims: Sequence[int] | None = None,  # slices per axis (default: inferred)
+    should_sort_granules_by_key: bool = True,  # order the slices by their key
+    allow_split_physical_axes: bool = True,  # let one mesh axis span several physical axes
+    backend: str | None = None,  # `'cpu'`, `'gpu'` or `'tpu'` (ignored when `devices` is given)
+    use_jax: bool = False,  # lay out with `jax.make_mesh` (single slice only)
+    axis_types: Sequence[AxisType | str] | AxisType | str | None = None,  # one `AxisType` (or name) for all axes, or one per axis
+    *,
+    devices: Sequence | None = None,  # the devices to use (default: those of `backend`)
+    process_is_granule: bool = False,  # treat each process as one slice
+) -> Mesh:
     """A `Mesh` with axes `axis_names` of sizes `axis_dims` (one `-1` is filled from the device count).
 
     `dcn_mesh_dims` gives how many slices each axis spans on a multi-slice system (inferred when the
@@ -213,7 +231,7 @@ def parse_mesh_from_string(
     axis_dims: str,  # a string such as "dp:2,tp:4"
     names: Sequence[str] | None = None,  # axis names for a string of bare sizes
     **create_mesh_kwargs,  # `create_mesh` options
-) -> Mesh:
+) -> Mesh:  # the mesh `create_mesh` builds
     "A mesh from `'dp:2,tp:4'` (or `'2,4'` with `names`); keyword arguments go to `create_mesh`."
     dims, names = parse_mesh_spec(axis_dims, names)
     return create_mesh(dims, names, **create_mesh_kwargs)

@@ -293,8 +293,7 @@ def _opt_shardings(self, tree, partition_rules=None):
 def _init_tx(
     self,
     tx: optax.GradientTransformation,  # the optimizer
-    partition_rules: tp.Sequence[tuple[str, PartitionSpec]]
-    | None = None,  # rules for its state; None: follow the params
+    partition_rules: tp.Sequence[tuple[str, PartitionSpec]] | None = None,  # rules for its state; None: follow the params
 ) -> EasyDeLState:
     "The state with optimizer `tx` and its state, created directly with its final sharding."
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
@@ -402,8 +401,7 @@ def _shard_model(
 @_method("gather_model")
 def _gather_model(
     self,
-    partition_rules: tp.Sequence[tuple[str, PartitionSpec]]
-    | None = None,  # checked against the params when given; gathering needs none
+    partition_rules: tp.Sequence[tuple[str, PartitionSpec]] | None = None,  # checked against the params; gathering needs none
     mesh: Mesh | None = None,  # None: each leaf's own mesh
 ) -> EasyDeLState:
     "The state with `step`, `graphstate` and `graphother` fully replicated on their mesh."
@@ -437,8 +435,7 @@ def _shard_optimizer_state(
 @_method("gather_optimizer_state")
 def _gather_optimizer_state(
     self,
-    partition_rules: tp.Sequence[tuple[str, PartitionSpec]]
-    | None = None,  # checked against the optimizer state when given
+    partition_rules: tp.Sequence[tuple[str, PartitionSpec]] | None = None,  # checked against the optimizer state when given
 ) -> EasyDeLState:
     "The state with every optimizer-state leaf fully replicated on its mesh."
     if self.opt_state is None:
@@ -764,7 +761,7 @@ def _load_state(
     verbose: bool = True,  # log what was loaded
     tx: optax.GradientTransformation | None = None,  # the optimizer: also load the saved optimizer state
     **kwargs,  # more arguments for the model's `from_pretrained`
-) -> EasyDeLState:
+) -> EasyDeLState:  # the loaded state
     "Rebuild the model from `config.json` through the registry, load its weights, step and (with `tx`) optimizer state."
     from eformer_nb.escale.mesh import create_mesh
     from eformer_nb.paths import ePath

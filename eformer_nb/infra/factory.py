@@ -188,7 +188,10 @@ class AutoConfig:
     "Builds the config class that `model_type` names."
 
     @staticmethod
-    def from_pretrained(pretrained_model_name_or_path: str | os.PathLike | ePath, **kwargs) -> EasyDeLBaseConfig:
+    def from_pretrained(
+        pretrained_model_name_or_path: str | os.PathLike | ePath,  # the model folder holding `config.json`
+        **kwargs,  # passed to the config class's `from_pretrained`
+    ) -> EasyDeLBaseConfig:  # an instance of the registered config class
         "Read `config.json` with the class registered for its `model_type`."
         cls = get_config_class(_read_model_type(pretrained_model_name_or_path))
         return cls.from_pretrained(pretrained_model_name_or_path, **kwargs)
@@ -197,7 +200,7 @@ class AutoConfig:
     def for_model(
         model_type: str,  # the config's `model_type`
         **kwargs,  # more keyword arguments (see the description)
-    ) -> EasyDeLBaseConfig:
+    ) -> EasyDeLBaseConfig:  # an instance of the registered config class
         "A fresh config of `model_type` with `kwargs`."
         return get_config_class(model_type)(**kwargs)
 

@@ -35,7 +35,7 @@ def field(
     *,
     metadata: tp.Mapping | None = None,  # more field metadata, kept
     **kwargs,  # passed to `dataclasses.field` (`default`, `default_factory`, ...)
-) -> tp.Any:
+) -> tp.Any:  # a `dataclasses.Field`
     "A `dataclasses.field`; `pytree_node=False` makes it a meta (static) field."
     meta = dict(metadata or {})
     meta["pytree_node"] = bool(pytree_node)
@@ -206,7 +206,7 @@ class _PyTreeMethods:
     def replace(
         self: _T,
         **changes: tp.Any,  # field names and their new values
-    ) -> _T:
+    ) -> _T:  # a new instance of the same class
         "A copy of `self` with the given fields changed."
         names = [f.name for f in dataclasses.fields(self) if f.init]
         unknown = sorted(set(changes) - set(names))
@@ -243,7 +243,7 @@ class _PyTreeMethods:
 def to_json(
     self: _PyTreeMethods,
     **kwargs: tp.Any,  # passed to `json.dumps` (e.g. `indent=2`)
-) -> str:
+) -> str:  # JSON text
     "JSON text of `to_dict()`; `kwargs` go to `json.dumps` (e.g. `indent=2`)."
     return json.dumps(self.to_dict(), default=_json_default, **kwargs)
 
@@ -335,7 +335,7 @@ class xTree(PyTree):
 def dataclass(
     clz: type[_T],  # the class to turn into a dataclass pytree
     **kwargs: tp.Any,  # passed to `dataclasses.dataclass` (`frozen=False` for a mutable one)
-) -> type[_T]:
+) -> type[_T]:  # `clz`, now a dataclass pytree
     "A frozen dataclass pytree, as `flax.struct.dataclass` (`frozen=False` for a mutable one)."
     kwargs.setdefault("frozen", True)
     if "__dataclass_fields__" not in clz.__dict__:
@@ -349,12 +349,19 @@ def _xtree_to_state_dict(self) -> dict[str, tp.Any]:
     return to_state_dict(self)
 
 
-def _xtree_from_state_dict(cls, state: tp.Mapping[str, tp.Any]):
+def _xtree_from_state_dict(
+    cls,
+    state: tp.Mapping[str, tp.Any],  # `{field: value}` as `to_state_dict()` returns it
+):
     "An instance from `to_state_dict()` output; meta fields are not in a state dict, so they take their defaults."
     return cls.from_dict(state)
 
 
-def _xtree_init(self, *args: tp.Any, **kwargs: tp.Any):
+def _xtree_init(
+    self,
+    *args: tp.Any,  # refused: `xTree` itself has no fields
+    **kwargs: tp.Any,  # refused likewise
+):
     "`xTree` itself is a base class: subclasses get their dataclass `__init__`."
     raise TypeError(f"{type(self).__name__} is a base class: subclass it with fields and construct the subclass")
 

@@ -100,10 +100,10 @@ empty_node = _EmptyNode()
 
 
 def flatten_dict(
-    xs: Mapping,
-    keep_empty_nodes: bool = False,
-    is_leaf: Callable[[tuple, tp.Any], bool] | None = None,
-    sep: str | None = None,
+    xs: Mapping,  # nested mappings
+    keep_empty_nodes: bool = False,  # an empty mapping below the top becomes an `empty_node` leaf
+    is_leaf: Callable[[tuple, tp.Any], bool] | None = None,  # `(path, node) -> bool`: keep that node whole
+    sep: str | None = None,  # join string keys with it (None: tuple keys)
     fumap: bool = False,  # also flatten non-mapping nodes (lists, tuples, dataclass pytrees) by their key paths
 ) -> dict[tp.Any, tp.Any]:
     "Flatten nested mappings to `{tuple_path: value}`, or `{'a<sep>b': value}` when `sep` is given."
@@ -611,7 +611,9 @@ import functools
 
 # %% ../../nbs/03a_pytree.tree_util.ipynb #49de801a
 def _leafwise(fn: Callable[[jax.Array], jax.Array], doc: str) -> Callable[[PyTree], PyTree]:
-    def f(tree: PyTree) -> PyTree:
+    def f(
+        tree: PyTree,  # a pytree of arrays
+    ) -> PyTree:  # `tree`'s structure, each leaf transformed
         return jax.tree.map(fn, tree)
     f.__doc__ = doc
     return f
@@ -728,7 +730,7 @@ def tree_random_like(
     key: jax.Array,  # a PRNG key; split into one key per leaf
     distribution: str = "normal",  # a `jax.random` sampler name ('normal', 'uniform', ...)
     **kwargs: tp.Any,  # passed to the sampler (e.g. `minval`, `maxval`)
-) -> PyTree:
+) -> PyTree:  # `tree`'s structure with a random array at each leaf
     "Random arrays with each leaf's shape and dtype, an independent key per leaf (`jax.random.<distribution>`)."
     if distribution not in _DISTRIBUTIONS:
         raise ValueError(f"unknown distribution {distribution!r}; expected one of {sorted(_DISTRIBUTIONS)}")

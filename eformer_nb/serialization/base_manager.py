@@ -208,7 +208,10 @@ def _exchange(a: str, b: str) -> bool:
 
 
 # %% ../../nbs/10b_serialization.base_manager.ipynb #4f5abe4f
-def rename_into_place(work: ePath, dest: ePath) -> None:
+def rename_into_place(
+    work: ePath,  # a finished local directory or file
+    dest: ePath,  # where it goes, on the same filesystem
+) -> None:
     """Put local `work` at `dest` atomically: a rename, or a swap with a committed `dest` (whose old version is then
     removed); without renameat2, two renames, the old one put back if the second fails."""
     _restore_old(dest)
@@ -412,7 +415,7 @@ def load_prefix_tree(
     prefix: str,  # the tree's name in the folder
     mesh: tp.Any = None,  # mesh for partition rules / PartitionSpecs
     **kwargs,  # passed to `tree_deserialize_leaves` (shardings, partition_rules, dtype, template, callback, ...)
-) -> tuple[tp.Any, dict]:
+) -> tuple[tp.Any, dict]:  # `(tree, record)`
     """`(tree, record)`: the verified tree `folder/prefix` and its entry in the folder's prefix record (`{}` when a
     crash left the tree committed but not yet recorded)."""
     folder = folder if isinstance(folder, ePath) else ePath(folder)

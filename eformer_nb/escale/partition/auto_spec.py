@@ -102,8 +102,13 @@ def auto_shard_array(
     return jax.device_put(x, auto_namedsharding(mesh, names, min_sharding_size, reverse)(x))
 
 
-def vrn_auto_partition_spec(x, mesh: Mesh | AbstractMesh | None = None, names: Sequence[str] | None = None,
-                            min_sharding_size: int | None = None, reverse: bool = False) -> PartitionSpec:
+def vrn_auto_partition_spec(
+    x,  # an array or a shape
+    mesh: Mesh | AbstractMesh | None = None,  # the mesh (default: the one in context)
+    names: Sequence[str] | None = None,  # mesh axes to use, in order (default: all, largest first)
+    min_sharding_size: int | None = None,  # smaller arrays are replicated (default: the mesh size)
+    reverse: bool = False,  # visit the dimensions smallest first
+) -> PartitionSpec:
     """A variant proposal: at most one mesh axis per dimension. Dimensions are visited largest first
     (smallest first with `reverse`); each takes the first unused axis of `names` (default: mesh axes,
     largest first) that divides it."""

@@ -364,7 +364,9 @@ def get_mesh_axis_size(
     return get_axes_size_in_mesh(axis_names)
 
 
-def names_in_current_mesh(*names: str) -> bool:
+def names_in_current_mesh(
+    *names: str,  # mesh axis names
+) -> bool:
     "True when every name is an axis of the mesh in context (False with no mesh)."
     mesh = get_current_mesh()
     return mesh is not None and set(names) <= set(mesh.axis_names)
@@ -404,25 +406,34 @@ def get_submesh_device_index(
     return index
 
 # %% ../../../nbs/09b_escale.partition.constraints.ipynb #eb6f17d6
-def get_partition_spec(tree) -> tp.Any:
+def get_partition_spec(
+    tree,  # a pytree of arrays
+) -> tp.Any:
     "The `PartitionSpec` of each array leaf (`PartitionSpec()` for leaves that are not on a `NamedSharding`)."
     return jax.tree_util.tree_map(
         lambda x: x.sharding.spec if isinstance(getattr(x, "sharding", None), NamedSharding) else PartitionSpec(), tree)
 
 
-def get_shardings_with_structure(pytree) -> tp.Any:
+def get_shardings_with_structure(
+    pytree,  # a pytree of arrays
+) -> tp.Any:
     "A tree like `pytree` with each `jax.Array` leaf's sharding (any kind) and None elsewhere."
     return jax.tree_util.tree_map(lambda x: x.sharding if isinstance(x, jax.Array) else None, pytree)
 
 
-def extract_sharding_structure(pytree) -> tp.Any:
+def extract_sharding_structure(
+    pytree,  # a pytree of arrays and/or `NamedSharding`s
+) -> tp.Any:
     "A tree like `pytree` with each leaf's `NamedSharding`, and None for leaves without one."
     return jax.tree_util.tree_map(
         lambda x: x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding) else x
         if isinstance(x, NamedSharding) else None, pytree, is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
-def extract_shardings(tree, mesh: Mesh | None = None) -> tp.Any:
+def extract_shardings(
+    tree,  # a pytree of arrays, `NamedSharding`s or `PartitionSpec`s
+    mesh: Mesh | None = None,  # the mesh for bare `PartitionSpec`s (default: the one in context)
+) -> tp.Any:
     """Shardings from a tree of arrays, `NamedSharding`s or `PartitionSpec`s (these placed on `mesh`, default: in
     context)."""
     def one(x):
@@ -434,9 +445,11 @@ def extract_shardings(tree, mesh: Mesh | None = None) -> tp.Any:
     return jax.tree_util.tree_map(one, tree, is_leaf=lambda x: isinstance(x, (PartitionSpec, jax.sharding.Sharding)))
 
 
-def create_pattern_based_partition_spec(pattern: tp.Mapping[str, PartitionSpec] | Sequence[tuple[str, PartitionSpec]],
-                                        mesh: Mesh | None = None, default_spec: PartitionSpec | None = None
-                                        ) -> Callable[[str, tp.Any], PartitionSpec]:
+def create_pattern_based_partition_spec(
+    pattern: tp.Mapping[str, PartitionSpec] | Sequence[tuple[str, PartitionSpec]],  # `{regex: spec}` or `(regex, spec)` pairs
+    mesh: Mesh | None = None,  # the mesh the specs are fitted to (default: the one in context)
+    default_spec: PartitionSpec | None = None,  # the spec when no regex matches (default: replicated)
+) -> Callable[[str, tp.Any], PartitionSpec]:
     """A function `(name, array) -> PartitionSpec`: the spec of the first regex in `pattern` that searches `name`,
     fitted to the array on `mesh`; else `default_spec` (replicated)."""
     rules = _compile_rules(list(pattern.items()) if isinstance(pattern, tp.Mapping) else pattern)
@@ -448,7 +461,12 @@ def create_pattern_based_partition_spec(pattern: tp.Mapping[str, PartitionSpec] 
     return spec_for
 
 # %% ../../../nbs/09b_escale.partition.constraints.ipynb #921a1177
-def shard_nbytes(shape: Sequence[int], dtype: tp.Any, spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> int:
+def shard_nbytes(
+    shape: Sequence[int],  # the array's full shape
+    dtype: tp.Any,  # the array's dtype
+    spec: PartitionSpec,  # its `PartitionSpec`
+    mesh: Mesh | AbstractMesh,  # a mesh, or `{axis: size}`
+) -> int:
     """Bytes one device holds of an array of `shape` and `dtype` placed with `spec` (fitted to the shape) on `mesh` (or
     `{axis: size}`)."""
     spec = correct_partition_spec(shape, spec, mesh)
@@ -460,7 +478,11 @@ def shard_nbytes(shape: Sequence[int], dtype: tp.Any, spec: PartitionSpec, mesh:
     return math.prod(shard) * np.dtype(dtype).itemsize
 
 
-def analyze_sharding_strategy(pytree, partition_specs, mesh: Mesh | None = None) -> dict[str, tp.Any]:
+def analyze_sharding_strategy(
+    pytree,  # a pytree of arrays (or shape/dtype structs)
+    partition_specs,  # a matching pytree of `PartitionSpec`s
+    mesh: Mesh | None = None,  # the mesh (default: the one in context)
+) -> dict[str, tp.Any]:
     "Memory and balance of placing `pytree`'s arrays with `partition_specs` on `mesh` (default: in context)."
     mesh = _require_mesh(mesh, "analyze_sharding_strategy")
     is_spec = lambda s: isinstance(s, PartitionSpec)

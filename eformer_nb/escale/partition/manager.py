@@ -152,7 +152,10 @@ jax.tree_util.register_static(PartitionAxis)
 
 # %% ../../../nbs/09c_escale.partition.manager.ipynb #cf39560a
 @patch
-def replace(self: PartitionAxis, **updates) -> PartitionAxis:
+def replace(
+    self: PartitionAxis,
+    **updates,  # `field=value` pairs
+) -> PartitionAxis:  # a new `PartitionAxis`
     "A copy with `updates` applied (fields already derived from defaults are kept as they are)."
     valid = {f.name for f in dataclasses.fields(self)}
     bad = sorted(set(updates) - valid)
@@ -169,7 +172,10 @@ def to_dict(self: PartitionAxis) -> dict[str, tp.Any]:
 
 
 @patch(cls_method=True)
-def from_dict(cls: PartitionAxis, data: dict[str, tp.Any]) -> PartitionAxis:
+def from_dict(
+    cls: PartitionAxis,
+    data: dict[str, tp.Any],  # `{field: value}` as `to_dict()` returns it
+) -> PartitionAxis:
     "Rebuild from `to_dict`'s output."
     valid = {f.name for f in dataclasses.fields(cls)}
     bad = sorted(set(data) - valid)
@@ -179,13 +185,19 @@ def from_dict(cls: PartitionAxis, data: dict[str, tp.Any]) -> PartitionAxis:
 
 
 @patch
-def to_json(self: PartitionAxis, **kwargs) -> str:
+def to_json(
+    self: PartitionAxis,
+    **kwargs,  # passed to `json.dumps`
+) -> str:  # JSON text
     "The fields as JSON (`kwargs` go to `json.dumps`)."
     return json.dumps(self.to_dict(), **kwargs)
 
 
 @patch(cls_method=True)
-def from_json(cls: PartitionAxis, text: str) -> PartitionAxis:
+def from_json(
+    cls: PartitionAxis,
+    text: str,  # JSON as `to_json()` returns it
+) -> PartitionAxis:
     "Rebuild from `to_json`'s output."
     return cls.from_dict(json.loads(text))
 
@@ -318,8 +330,14 @@ def _check_rule(rule, what: str):
 
 
 @patch(cls_method=True)
-def register(cls: PartitionAxis, semantic_axis: str, axis_rule, *, generation_axis_rule=NOT_GIVEN,
-             override: bool = False) -> None:
+def register(
+    cls: PartitionAxis,
+    semantic_axis: str,  # the new semantic axis name (not a field name)
+    axis_rule,  # a field name, semantic axis or mesh axis name, a list/tuple of them, or `None`
+    *,
+    generation_axis_rule=NOT_GIVEN,  # its rule while generating (default: derived from `axis_rule`)
+    override: bool = False,  # replace an existing axis of that name
+) -> None:
     "Register `semantic_axis` for every `PartitionAxis` of this process (`override=True` replaces an existing one)."
     if not isinstance(semantic_axis, str) or not semantic_axis.strip() or semantic_axis == EMPTY:
         raise ValueError(f"semantic_axis must be a non-empty string other than {EMPTY!r}, got {semantic_axis!r}")
@@ -338,7 +356,12 @@ def register(cls: PartitionAxis, semantic_axis: str, axis_rule, *, generation_ax
 
 
 @patch(cls_method=True)
-def unregister(cls: PartitionAxis, semantic_axis: str, *, missing_ok: bool = True) -> None:
+def unregister(
+    cls: PartitionAxis,
+    semantic_axis: str,  # a registered semantic axis
+    *,
+    missing_ok: bool = True,  # return quietly when it is not registered (else `KeyError`)
+) -> None:
     "Remove a registered semantic axis (built-in ones cannot be removed)."
     with cls._registry_lock:
         if semantic_axis not in cls._registry:
@@ -440,20 +463,32 @@ class PartitionManager:
         return {"paxis": self.paxis.to_dict()}
 
     @classmethod
-    def from_dict(cls, data: dict[str, tp.Any]) -> PartitionManager:
+    def from_dict(
+        cls,
+        data: dict[str, tp.Any],  # `{'paxis': ...}` as `to_dict()` returns it
+    ) -> PartitionManager:
         "Rebuild from `to_dict`'s output."
         return cls(PartitionAxis.from_dict(data["paxis"]))
 
-    def to_json(self, **kwargs) -> str:
+    def to_json(
+        self,
+        **kwargs,  # passed to `json.dumps`
+    ) -> str:  # JSON text
         "`to_dict` as JSON (`kwargs` go to `json.dumps`)."
         return json.dumps(self.to_dict(), **kwargs)
 
     @classmethod
-    def from_json(cls, text: str) -> PartitionManager:
+    def from_json(
+        cls,
+        text: str,  # JSON as `to_json()` returns it
+    ) -> PartitionManager:
         "Rebuild from `to_json`'s output."
         return cls.from_dict(json.loads(text))
 
-    def replace(self, **kwargs) -> PartitionManager:
+    def replace(
+        self,
+        **kwargs,  # `field=value` pairs (`paxis=...`)
+    ) -> PartitionManager:  # a new `PartitionManager`
         "A copy with fields replaced (`paxis=...`)."
         return dataclasses.replace(self, **kwargs)
 
