@@ -157,7 +157,7 @@ def fresh_work_dir(
 # %% ../../nbs/10b_serialization.base_manager.ipynb #4a8f8b6d
 def _begin_checkpoint(dest: ePath, overwrite: bool = False) -> ePath:
     """The directory a checkpoint is written into: locally a fresh `.partial` sibling holding our marker and links to
-    the user's files in `dest`; remotely `dest` itself (its trees are replaced atomically one by one)."""
+    the user's files in `dest`; remotely `dest` itself (the commit is then one metadata.json write)."""
     local = not is_remote_path(dest)
     work = dest.parent / (dest.name + PARTIAL_SUFFIX) if local else dest
     if process_info()[0] == 0:
