@@ -3243,6 +3243,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                             'eformer_nb/serialization/serialization.py'),
                                                         'eformer_nb.serialization.serialization._drop_arrays': ( 'nbs/serialization.serialization.html#_drop_arrays',
                                                                                                                  'eformer_nb/serialization/serialization.py'),
+                                                        'eformer_nb.serialization.serialization._embedded_index': ( 'nbs/serialization.serialization.html#_embedded_index',
+                                                                                                                    'eformer_nb/serialization/serialization.py'),
                                                         'eformer_nb.serialization.serialization._flat_with_keys': ( 'nbs/serialization.serialization.html#_flat_with_keys',
                                                                                                                     'eformer_nb/serialization/serialization.py'),
                                                         'eformer_nb.serialization.serialization._fsync_dir': ( 'nbs/serialization.serialization.html#_fsync_dir',

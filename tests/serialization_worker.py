@@ -4,6 +4,8 @@
 sharded array as a step checkpoint and restore it onto another sharding; each checks the shards it holds.
 `multiprocess_gcs PORT PID URL DIR`: the same two processes saving to gs:// DIR on the fake-gcs-server at URL; each
 prints the JSON files it wrote, the chunks it wrote and what its commit callback saw.
+`gcs_kill URL DIR POINT`: saves step 1 to gs:// DIR on the emulator at URL, then SIGKILLs itself at POINT of a
+re-save of step 1 (`arrays`, `commit`, `copy`, `drop`).
 `crashloop DIR [KIND]`: saves forever (the test SIGKILLs it); prints "ready N" after each save. KIND `ckpt`
 (the default): step checkpoints 1, 2, 3, ..., each re-saved once (an overwrite), old ones deleted; `tree`:
 `tree_serialize_leaves` over the same directory, `expected(N)` each time; `state`: `EasyDeLState.save_state` over
@@ -146,6 +148,49 @@ def policies(pid: int, root: str, arr, full) -> None:
     print(f"process {pid}: policies agreed on {saved}", flush=True)
 
 
+def gcs_kill(url: str, root: str, point: str) -> None:
+    "Save step 1 (`expected(1)`, prefix 'model') to gs:// ROOT, then re-save it (`expected(2)`), SIGKILLed at POINT."
+    import os
+    import signal
+
+    import eformer_nb.serialization.base_manager as bm
+    import eformer_nb.serialization.serialization as ser
+    from eformer_nb.paths import ePath, make_gcs_filesystem, set_gcs_filesystem
+    from eformer_nb.serialization import CheckpointManager
+
+    set_gcs_filesystem(make_gcs_filesystem(endpoint_url=url))
+    mgr = CheckpointManager(root)
+    mgr.save(expected(1), 1, prefix="model")
+    kill = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+    real_arrays, real_ser_json, real_bm_json, real_drop = ser._write_arrays, ser._write_json, bm._write_json, \
+        ser._drop_arrays
+
+    def arrays(*a):  # every chunk of the new version is written, nothing committed
+        real_arrays(*a)
+        if point == "arrays":
+            kill()
+
+    def bm_json(f, obj):  # the commit: metadata.json carrying the new index
+        if point == "commit" and ePath(f).name == "metadata.json":
+            kill()
+        return real_bm_json(f, obj)
+
+    def ser_json(f, obj):  # after the commit: index.json, its copy
+        if point == "copy" and ePath(f).name == "index.json":
+            kill()
+        return real_ser_json(f, obj)
+
+    def drop(*a):  # after the commit: the replaced arrays are removed
+        if point == "drop":
+            kill()
+        return real_drop(*a)
+
+    ser._write_arrays, ser._write_json, bm._write_json, ser._drop_arrays = arrays, ser_json, bm_json, drop
+    print("re-saving", flush=True)
+    mgr.save(expected(2), 1, prefix="model")
+    print("not killed", flush=True)
+
+
 def crashloop(root: str, kind: str = "ckpt") -> None:
     from eformer_nb.serialization import CheckpointManager, tree_serialize_leaves
 
@@ -200,6 +245,8 @@ if __name__ == "__main__":
         multiprocess(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
     elif mode == "multiprocess_gcs":
         multiprocess_gcs(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    elif mode == "gcs_kill":
+        gcs_kill(*sys.argv[2:5])
     elif mode == "crashloop":
         crashloop(*sys.argv[2:4])
     elif mode == "fsize":

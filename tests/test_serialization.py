@@ -108,8 +108,8 @@ def test_injected_failure_keeps_previous(any_root, fault, resave, monkeypatch):
     byte-identical: after the k-th chunk (0, mid-array, all of them), writing index.json, writing metadata.json,
     renaming the work directory."""
     remote = any_root.protocol != "file"
-    if remote and (fault == "rename" or resave):
-        pytest.skip("gs:// has no rename: a re-save of the same step uncommits it first (by design)")
+    if remote and fault == "rename":
+        pytest.skip("gs:// has no rename: its commit is the one metadata.json write (the metadata.json fault)")
     mesh = _mesh()
     state1 = dict(_state(1, mesh), big=np.arange(3000, dtype=np.float64).reshape(60, 50))  # 8 shards of w + 1 chunk
     mgr = CheckpointManager(any_root)
@@ -142,12 +142,22 @@ def test_injected_failure_keeps_previous(any_root, fault, resave, monkeypatch):
             raise OSError("injected failure exchanging the work directory")
         monkeypatch.setattr(os, "replace", failing_replace)
         monkeypatch.setattr(base_manager, "_exchange", failing_exchange)
+    state2 = dict(_state(step, mesh), big=np.zeros((60, 50)))
     with pytest.raises(OSError, match="injected failure"):
-        mgr.save(dict(_state(step, mesh), big=np.zeros((60, 50))), step)
+        mgr.save(state2, step)
     monkeypatch.undo()
+    if remote and fault == "index.json":  # gs://: index.json is written after the commit (metadata.json) as its copy
+        assert _bits(mgr.load(step)) == _bits(state2) and mgr.all_steps() == sorted({1, step})
+        assert resave or _hashes(any_root / "step-1") == before
+        return
     assert mgr.all_steps() == [1] and CheckpointManager(any_root, clean=False).all_steps() == [1]
     assert find_latest_checkpoint(any_root).name == "step-1"
-    assert _hashes(any_root / "step-1") == before  # every file, byte for byte, and no new one
+    if remote and resave:  # gs:// re-save: the failed save's marked arrays.<token>/ stay aside until the next save
+        after = _hashes(any_root / "step-1")
+        assert {k: after.get(k) for k in before} == before  # every previous file, byte for byte
+        assert all(k.split("/")[0].startswith("arrays.") for k in set(after) - set(before)), sorted(after)
+    else:
+        assert _hashes(any_root / "step-1") == before  # every file, byte for byte, and no new one
     assert _bits(mgr.load(1)) == _bits(state1)
     if remote and not resave:
         with pytest.raises(TornCheckpointError, match="never committed"):
@@ -155,7 +165,8 @@ def test_injected_failure_keeps_previous(any_root, fault, resave, monkeypatch):
     fresh = CheckpointManager(any_root)  # a new manager cleans what the failed save left
     assert sorted(p.name for p in any_root.iterdir()) == ["step-1"], fresh.removed_stale
     fresh.save(_state(2, mesh), 2)  # and saving works again
-    assert fresh.all_steps() == [1, 2] and _hashes(any_root / "step-1") == before
+    assert fresh.all_steps() == [1, 2]
+    assert _hashes(any_root / "step-1") == before or remote and resave
 
 
 def _fsize(root, limit: int, kind: str) -> dict:
@@ -497,3 +508,60 @@ def test_gcs_crashed_save_arrays_are_cleaned(gcs_root, monkeypatch):
     assert sorted(p.name for p in d.iterdir() if p.name.startswith("arrays.")) == sorted(["arrays.deadbeef", now])
     assert (d / "arrays.deadbeef" / "keep.txt").read_text() == "not ours"
     assert np.asarray(tree_deserialize_leaves(d)["w"]).tolist() == list(np.arange(4096.0) + 2)
+
+
+# --- gs:// re-saves: the commit is one metadata.json write ------------------------------------------------------
+
+GCS_KILL_POINTS = {"arrays": 1, "commit": 1, "copy": 2, "drop": 2}  # point -> the version step-1 must load after
+
+
+@pytest.mark.parametrize("point", list(GCS_KILL_POINTS))
+def test_gcs_resave_sigkill_keeps_a_whole_version(gcs_root, gcs_emulator, point):
+    """A re-save of a gs:// checkpoint SIGKILLed between its writes: every new chunk written (`arrays`), just before
+    the commit (`commit`: metadata.json), after it (`copy`: before index.json; `drop`: before the old arrays go). Before
+    the commit the previous version loads bit-exactly; after it, the new one. The dead writer's lock object is named by
+    the next save; once deleted, the next save works and removes what the dead one left (only marked arrays)."""
+    out = subprocess.run([sys.executable, str(WORKER), "gcs_kill", gcs_emulator.url, str(gcs_root), point],
+                         env=_env(1), capture_output=True, text=True, timeout=240)
+    assert out.returncode == -signal.SIGKILL and out.stdout.strip() == "re-saving", out.stdout + out.stderr[-3000:]
+    mgr = CheckpointManager(gcs_root, clean=False)
+    want = expected(GCS_KILL_POINTS[point])
+    assert mgr.all_steps() == [1]
+    back = mgr.load(1, prefix="model")
+    assert _bits(back) == _bits(want)
+    assert _bits(tree_deserialize_leaves(gcs_root / "step-1" / "model")) == _bits(want)  # the tree alone: same one
+    for lock in (gcs_root / ".step-1.lock", gcs_root / "step-1" / ".model.lock"):  # the step's, then the tree's
+        with pytest.raises(ser_format.CheckpointLockedError, match=f"lock object '{lock}'.*delete that object"):
+            mgr.save(expected(3), 1, prefix="model")
+        assert _bits(mgr.load(1, prefix="model")) == _bits(want)
+        lock.unlink()
+    mgr.save(expected(3), 1, prefix="model")
+    assert _bits(mgr.load(1, prefix="model")) == _bits(expected(3))
+    arrays = [p.name for p in (gcs_root / "step-1" / "model").iterdir() if p.name.startswith("arrays.")]
+    assert arrays == [ser_format.read_index(gcs_root / "step-1" / "model")["arrays"]], arrays
+
+
+def test_gcs_old_format_and_later_tree_saves(gcs_root):
+    """A gs:// checkpoint written before metadata.json carried the index (index.json is the tree's only record) still
+    loads and re-saves; a `tree_serialize_leaves` into a committed checkpoint later is what loads (the newest `seq`)."""
+    mgr = CheckpointManager(gcs_root)
+    mgr.save({"w": np.arange(2048.0)}, 1)
+    meta_file = gcs_root / "step-1" / METADATA_FILE
+    meta = json.loads(meta_file.read_bytes())
+    assert meta["indexes"][""]["arrays"] == ser_format.read_index(gcs_root / "step-1")["arrays"]
+    old = {k: v for k, v in meta.items() if k not in ("indexes", "digest")}  # as this format was written before
+    base_manager._write_json(meta_file, old)
+    idx_file = gcs_root / "step-1" / "index.json"
+    ser_format._write_json(idx_file, {k: v for k, v in json.loads(idx_file.read_bytes()).items()
+                                      if k not in ("seq", "digest")})
+    assert np.asarray(mgr.load(1)["w"]).tolist() == list(np.arange(2048.0))
+    mgr.save({"w": np.arange(2048.0) + 1}, 1)  # a re-save over the old format
+    assert np.asarray(mgr.load(1)["w"]).tolist() == list(np.arange(2048.0) + 1)
+    tree_serialize_leaves(gcs_root / "step-1", {"w": np.arange(2048.0) + 2})  # a later save of the tree alone
+    assert np.asarray(mgr.load(1)["w"]).tolist() == list(np.arange(2048.0) + 2)
+    assert ser_format.read_index(gcs_root / "step-1")["seq"] == 2  # the old format counts as 0
+    arrays = [p.name for p in (gcs_root / "step-1").iterdir() if p.name.startswith("arrays.")]
+    assert arrays == [ser_format.read_index(gcs_root / "step-1")["arrays"]], arrays
+    meta_file.write_bytes(meta_file.read_bytes().replace(b'"step": 1', b'"step": 7'))
+    with pytest.raises(ser_format.CorruptCheckpointError, match="does not match its digest"):
+        ser_format.read_index(gcs_root / "step-1")  # a modified commit object is never followed silently

@@ -157,7 +157,7 @@ def fresh_work_dir(
 # %% ../../nbs/10b_serialization.base_manager.ipynb #4a8f8b6d
 def _begin_checkpoint(dest: ePath, overwrite: bool = False) -> ePath:
     """The directory a checkpoint is written into: locally a fresh `.partial` sibling holding our marker and links to
-    the user's files in `dest`; remotely `dest` itself (its trees are replaced atomically one by one)."""
+    the user's files in `dest`; remotely `dest` itself (the commit is then one metadata.json write)."""
     local = not is_remote_path(dest)
     work = dest.parent / (dest.name + PARTIAL_SUFFIX) if local else dest
     if process_info()[0] == 0:
@@ -237,12 +237,12 @@ def rename_into_place(
 
 
 def _commit_checkpoint(work: ePath, dest: ePath, metadata: dict) -> None:
-    "After every process wrote: process 0 writes metadata.json and, locally, renames the work directory into place."
+    """After every process wrote: locally, process 0 writes metadata.json and renames the work directory into place
+    (remotely `_commit_tree` already wrote metadata.json, carrying the tree's index, as the commit)."""
     sync_processes("ckpt-written")
-    if process_info()[0] == 0:
+    if process_info()[0] == 0 and work != dest:  # local: metadata.json, then the rename is the commit
         _write_json(work / METADATA_FILE, metadata)
-        if work != dest:  # local: the rename is the commit
-            rename_into_place(work, dest)
+        rename_into_place(work, dest)
     sync_processes("ckpt-committed")
 
 
@@ -287,8 +287,12 @@ def save_checkpoint_dir(
     def write() -> ePath:
         with exclusive_writer(dest, "checkpoint"):  # a second writer of this step gets a clear error
             work = _begin_checkpoint(dest, overwrite)
-            _commit_tree(_tree_dir(work, prefix), plan, compression, overwrite)
             meta["time"] = time.time()
+            # gs:// has no rename: the commit is ONE object write, metadata.json carrying the new tree's index; until
+            # it lands the previous version (its metadata.json, index and arrays) is untouched and loads as before
+            commit = None if work != dest else (
+                lambda index: _write_json(dest / METADATA_FILE, dict(meta, indexes={prefix or "": index})))
+            _commit_tree(_tree_dir(work, prefix), plan, compression, overwrite, commit)
             _commit_checkpoint(work, dest, meta)
         if commit_callback is not None:
             commit_callback()

@@ -385,6 +385,23 @@ def _read_json(f: ePath, what: str) -> dict:
 
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #87c927f7
+def _embedded_index(d: ePath) -> tuple[dict, ePath] | None:
+    """`(index, file)`: the index of tree `d` that its checkpoint's `metadata.json` carries (on gs:// that object is the
+    checkpoint's commit), None when there is none; a `metadata.json` of ours that fails its digest is an error."""
+    for f, key in ((d / "metadata.json", ""), (d.parent / "metadata.json", d.name)):
+        try:
+            meta = json.loads(f.read_bytes())
+        except (FileNotFoundError, NotADirectoryError, ValueError):
+            continue  # no checkpoint here, or not JSON (read_metadata names that file)
+        if not isinstance(meta, dict) or meta.get("format") != "eformer_nb.checkpoint":
+            continue  # another program's metadata.json: not a commit of ours
+        _check_digest(meta, f, "checkpoint metadata")
+        index = (meta.get("indexes") or {}).get(key)
+        if isinstance(index, dict):
+            return index, f
+    return None
+
+
 def read_index(
     tree_dir: str | ePath,  # a tree directory, or a checkpoint holding one
     prefix: str | None = None,  # the tree's prefix in the checkpoint
@@ -396,6 +413,11 @@ def read_index(
     try:
         index = _read_json(f, "index")
     except FileNotFoundError:
+        index = None
+    embedded = _embedded_index(d)
+    if embedded is not None and (index is None or embedded[0].get("seq", 0) >= index.get("seq", 0)):
+        index, f = embedded  # the committed version (index.json is its copy, or older when a crash came between)
+    if index is None:
         if d.is_dir():
             raise TornCheckpointError(
                 f"{str(d)!r} has no {INDEX_FILE}: its save did not finish (it crashed or is still "
@@ -570,7 +592,10 @@ def _begin_tree(tree_dir: ePath, arrays: str, overwrite: bool) -> dict | None:
     """Check that `tree_dir` may be written (ours, empty, or `overwrite`), drop what crashed saves of it left, create
     `tree_dir/arrays` for this save; returns the index it replaces (process 0, under the lock)."""
     refuse_destination(tree_dir, "tree_serialize_leaves")
-    index = read_index(tree_dir) if (tree_dir / INDEX_FILE).exists() else None
+    try:
+        index = read_index(tree_dir)  # the committed version: index.json, or the one metadata.json carries
+    except (CheckpointNotFoundError, TornCheckpointError):
+        index = None
     foreign = _tree_foreign(tree_dir, index)
     if foreign and not overwrite:
         raise FileExistsError(f"{str(tree_dir)!r} holds files that are not an eformer_nb tree: {sorted(foreign)[:10]}; "
@@ -600,9 +625,11 @@ def _drop_arrays(tree_dir: ePath, old: dict) -> None:
 
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #9bbde567
-def _commit_tree(tree_dir: ePath, plan: _SavePlan, compression: str | None, overwrite: bool = False) -> None:
+def _commit_tree(tree_dir: ePath, plan: _SavePlan, compression: str | None, overwrite: bool = False,
+                 commit: Callable[[dict], None] | None = None) -> None:
     """Write every process's chunks into a new `arrays.<token>/`, then (process 0) replace `index.json` atomically and
-    remove the arrays it replaced: until that rename, the previous tree stays whole and loadable."""
+    remove the arrays it replaced: until that rename, the previous tree stays whole and loadable. `commit(index)`, when
+    given, is the commit instead (a gs:// checkpoint's one `metadata.json` write); index.json is then its copy."""
     first = process_info()[0] == 0
     arrays = f"{ARRAYS_DIR}.{broadcast_from_first(secrets.token_hex(4), 'tree-token')}"
     records = {k: dict(r, file=arrays + r["file"][len(ARRAYS_DIR):]) if r.get("file") else r
@@ -613,8 +640,11 @@ def _commit_tree(tree_dir: ePath, plan: _SavePlan, compression: str | None, over
         _write_arrays(tree_dir, plan._replace(records=records), compression)
         sync_processes("tree-written")
         if first:
-            _write_json(tree_dir / INDEX_FILE, {"format": FORMAT_NAME, "version": FORMAT_VERSION, "arrays": arrays,
-                                                "leaves": records, "tree": plan.structure})
+            body = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "arrays": arrays, "leaves": records,
+                    "tree": plan.structure, "seq": (old or {}).get("seq", 0) + 1}  # the newest committed wins
+            if commit is not None:
+                commit(dict(body, digest=_digest(body)))
+            _write_json(tree_dir / INDEX_FILE, body)
             if old is not None and old.get("arrays") != arrays:
                 _drop_arrays(tree_dir, old)
         sync_processes("tree-committed")
