@@ -419,7 +419,7 @@ def test_sigkill_loop(tmp_path, kind):
             deadline = time.monotonic() + 120
             line = p.stdout.readline()  # "ready N": at least one save of this run committed
             said = line or (p.wait(timeout=30), (tmp_path / f"stderr-{trial}.txt").read_text()[-2000:])[1]
-            assert line.startswith("ready"), f"trial {trial}: worker said {said!r}"
+            assert line.startswith("ready"), f"trial {trial}: worker exited {p.poll()} before 'ready'; it said {said!r}"
             assert time.monotonic() < deadline
             time.sleep(rng.uniform(0.0, pause))
         finally:
