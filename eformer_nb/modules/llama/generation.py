@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from ...infra.mixins.protocol import GenerateOutput
-from .modeling import LayerCache, TransformerCache, TransformerMetadata
+from .modeling import TransformerCache, TransformerMetadata
 
 # %% auto #0
 __all__ = ['create_cache_metadata', 'init_cache', 'prepare_inputs_for_generation', 'update_inputs_for_generation',
@@ -47,6 +47,13 @@ def create_cache_metadata(
     )
 
 
+def _stacked_sharding(s):
+    "A one-layer `NamedSharding` (4 axes) lifted to the stacked cache (layers first, not split); others as given."
+    if isinstance(s, jax.sharding.NamedSharding) and len(s.spec) == 4:
+        return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(None, *s.spec))
+    return s
+
+
 def init_cache(
     model,  # the model
     batch_size: int,  # number of sequences
@@ -55,21 +62,16 @@ def init_cache(
     shardings=None,  # shardings of the cache arrays
     pad_token_id: int | None = None,  # id of the padding token
 ) -> TransformerCache:
-    """An empty dense cache: zero keys/values, no valid slot, next write at `starts` (0). `shardings`, a sharding
-    (or a dict with `key`/`value`), places the key/value arrays."""
+    """An empty dense cache: zero keys/values `(layers, batch, max_length, kv_heads, head_dim)`, no valid slot, next
+    write at `starts` (0). `shardings`, a sharding (or a dict with `key`/`value`) of one layer's
+    `(batch, max_length, kv_heads, head_dim)` array or of the stacked array, places the key/value arrays."""
     m = create_cache_metadata(model, batch_size, max_length, pad_token_id)
-    shape = (m.batch_size, m.max_length, m.num_key_value_heads, m.head_dim)
-    place = (
-        (lambda x, _: x)
-        if shardings is None
-        else (lambda x, name: jax.device_put(x, shardings[name] if isinstance(shardings, dict) else shardings))
-    )
-    layers = tuple(
-        LayerCache(key=place(jnp.zeros(shape, m.dtype), "key"), value=place(jnp.zeros(shape, m.dtype), "value"))
-        for _ in range(m.num_hidden_layers)
-    )
+    shape = (m.num_hidden_layers, m.batch_size, m.max_length, m.num_key_value_heads, m.head_dim)
+    place = (lambda x, _: x) if shardings is None else (
+        lambda x, name: jax.device_put(x, _stacked_sharding(shardings[name] if isinstance(shardings, dict) else shardings)))
     return TransformerCache(
-        layers=layers,
+        key=place(jnp.zeros(shape, m.dtype), "key"),
+        value=place(jnp.zeros(shape, m.dtype), "value"),
         key_mask=jnp.zeros((m.batch_size, m.max_length), bool),
         index=jnp.asarray(0 if starts is None else starts, jnp.int32),
     )
@@ -424,7 +426,8 @@ def beam_loop(
         seqs = jax.lax.dynamic_update_slice(seqs, tok[:, None], (0, t + i))
         ngen = ngen + (~done).astype(jnp.int32)
         done = done | jnp.isin(tok, eos)
-        cache = jax.tree.map(lambda x: gather(x) if x.ndim and x.shape[0] == b * k else x, cache)
+        cache = cache.replace(key=jax.vmap(gather)(cache.key), value=jax.vmap(gather)(cache.value),
+                              key_mask=gather(cache.key_mask))  # keys/values: (layers, b*k, ...)
         return i + 1, cache, seqs, top.reshape(-1), done, ngen, tok
 
     def body(carry):
