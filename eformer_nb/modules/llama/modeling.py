@@ -397,8 +397,9 @@ def _concrete(x) -> bool:
 
 def _check_values(config, input_ids, position_ids):
     """On the host, when the values are known (not under `jit`): ids in `[0, vocab_size)` and positions in
-    `[0, max_position_embeddings)`, else a ValueError naming the offending entries. Under `jit`, wrap the call in
-    `jax.experimental.checkify` with your own checks, or check the batch before it enters the compiled step."""
+    `[0, max_position_embeddings)`, else a ValueError naming the offending entries. Under `jit` the values are not
+    known: set `model.model.check_values_in_jit = True` and wrap the step in `jax.experimental.checkify.checkify`
+    (`_check_traced`), or check the batch before it enters the compiled step."""
     import numpy as np
     for name, value, hi in (("input_ids", input_ids, config.vocab_size),
                             ("position_ids", position_ids, config.max_position_embeddings)):
@@ -410,6 +411,19 @@ def _check_values(config, input_ids, position_ids):
             where = ", ".join(f"[{r}, {c}]={v[r, c]}" for r, c in bad[:5].tolist())
             raise ValueError(f"{name} out of range at {len(bad)} place(s) ({where}); expected values in [0, {hi}) "
                              f"({'vocab_size' if name == 'input_ids' else 'max_position_embeddings'}={hi})")
+
+
+def _check_traced(config, input_ids, position_ids):
+    "The same ranges as `_check_values`, for traced values: `checkify.check`s (run under `checkify.checkify`)."
+    from jax.experimental import checkify
+    for name, value, hi in (("input_ids", input_ids, config.vocab_size),
+                            ("position_ids", position_ids, config.max_position_embeddings)):
+        if value is None or _concrete(value):
+            continue  # absent, or known on the host: `_check_values` has checked it
+        bad = ((value < 0) | (value >= hi)).reshape(-1)
+        first = jnp.argmax(bad)
+        checkify.check(~jnp.any(bad), f"{name} out of range at {{n}} place(s), the first at flat index {{i}} = {{v}}; "
+                       f"expected values in [0, {hi})", n=jnp.sum(bad), i=first, v=value.reshape(-1)[first])
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #c3a1e7d2
 def _scannable(layers) -> bool:
@@ -469,12 +483,15 @@ class LlamaModel(nnx.Module):
                                                   rngs=rngs) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.scan_layers = True  # run the layers as one `jax.lax.scan` step when they share one structure
+        self.check_values_in_jit = False  # under jit, check ids/positions with checkify (wrap in checkify.checkify)
 
     def __call__(self, input_ids=None, attention_mask=None, position_ids=None, segment_ids=None,
                  past_key_values: TransformerCache | None = None, inputs_embeds=None,
                  output_hidden_states: bool = False) -> BaseModelOutput:
         cache = past_key_values
         b, t = _check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, segment_ids, cache)
+        if self.check_values_in_jit:
+            _check_traced(self.config, input_ids, position_ids)
         mask = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
         if position_ids is None:
             before = 0 if cache is None else jnp.sum(cache.key_mask, axis=-1, keepdims=True)
