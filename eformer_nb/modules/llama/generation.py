@@ -16,13 +16,14 @@ import numpy as np
 from flax import nnx
 
 from ...infra.mixins.protocol import GenerateOutput
-from .modeling import LayerCache, TransformerCache, TransformerMetadata
+from .modeling import TransformerCache, TransformerMetadata
 
 # %% auto #0
 __all__ = ['create_cache_metadata', 'init_cache', 'prepare_inputs_for_generation', 'update_inputs_for_generation',
            'GenerationConfig', 'resolve_generation_config', 'process_logits', 'select_tokens', 'decode_loop',
-           'generate', 'beam_loop', 'beam_search', 'RaggedPagesMetadata', 'RaggedPagesCache', 'create_paged_metadata',
-           'init_ragged_pages', 'allocate_pages', 'free_pages', 'paged_forward']
+           'kv_cache_bytes', 'available_memory_bytes', 'check_kv_cache_memory', 'generate', 'beam_loop', 'beam_search',
+           'RaggedPagesMetadata', 'RaggedPagesCache', 'create_paged_metadata', 'init_ragged_pages', 'allocate_pages',
+           'free_pages', 'paged_forward']
 
 # %% ../../../nbs/12c_modules.llama.generation.ipynb #77837d10
 def create_cache_metadata(
@@ -47,6 +48,13 @@ def create_cache_metadata(
     )
 
 
+def _stacked_sharding(s):
+    "A one-layer `NamedSharding` (4 axes) lifted to the stacked cache (layers first, not split); others as given."
+    if isinstance(s, jax.sharding.NamedSharding) and len(s.spec) == 4:
+        return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(None, *s.spec))
+    return s
+
+
 def init_cache(
     model,  # the model
     batch_size: int,  # number of sequences
@@ -55,21 +63,16 @@ def init_cache(
     shardings=None,  # shardings of the cache arrays
     pad_token_id: int | None = None,  # id of the padding token
 ) -> TransformerCache:
-    """An empty dense cache: zero keys/values, no valid slot, next write at `starts` (0). `shardings`, a sharding
-    (or a dict with `key`/`value`), places the key/value arrays."""
+    """An empty dense cache: zero keys/values `(layers, batch, max_length, kv_heads, head_dim)`, no valid slot, next
+    write at `starts` (0). `shardings`, a sharding (or a dict with `key`/`value`) of one layer's
+    `(batch, max_length, kv_heads, head_dim)` array or of the stacked array, places the key/value arrays."""
     m = create_cache_metadata(model, batch_size, max_length, pad_token_id)
-    shape = (m.batch_size, m.max_length, m.num_key_value_heads, m.head_dim)
-    place = (
-        (lambda x, _: x)
-        if shardings is None
-        else (lambda x, name: jax.device_put(x, shardings[name] if isinstance(shardings, dict) else shardings))
-    )
-    layers = tuple(
-        LayerCache(key=place(jnp.zeros(shape, m.dtype), "key"), value=place(jnp.zeros(shape, m.dtype), "value"))
-        for _ in range(m.num_hidden_layers)
-    )
+    shape = (m.num_hidden_layers, m.batch_size, m.max_length, m.num_key_value_heads, m.head_dim)
+    place = (lambda x, _: x) if shardings is None else (
+        lambda x, name: jax.device_put(x, _stacked_sharding(shardings[name] if isinstance(shardings, dict) else shardings)))
     return TransformerCache(
-        layers=layers,
+        key=place(jnp.zeros(shape, m.dtype), "key"),
+        value=place(jnp.zeros(shape, m.dtype), "value"),
         key_mask=jnp.zeros((m.batch_size, m.max_length), bool),
         index=jnp.asarray(0 if starts is None else starts, jnp.int32),
     )
@@ -323,7 +326,8 @@ def _eos_pad(g: GenerationConfig) -> tuple[jax.Array, jax.Array, GenerationConfi
 
 # %% ../../../nbs/12c_modules.llama.generation.ipynb #a65ab02b
 def _check_budget(model, input_ids, g: GenerationConfig):
-    "Prompt ids in the vocabulary (when known on the host), prompt + new tokens within the position table."
+    """Prompt ids in the vocabulary (when known on the host), prompt + new tokens within the position table and the
+    KV cache they need within the free memory, before anything is allocated."""
     from eformer_nb.modules.llama.modeling import _check_values
     c = model.config
     total = input_ids.shape[1] + g.max_new_tokens
@@ -332,6 +336,49 @@ def _check_budget(model, input_ids, g: GenerationConfig):
                          f"than max_position_embeddings={c.max_position_embeddings}; lower max_new_tokens to at most "
                          f"{c.max_position_embeddings - input_ids.shape[1]}")
     _check_values(c, input_ids, None)
+    if g.use_cache:
+        check_kv_cache_memory(model, input_ids.shape[0] * g.num_beams, total)
+
+# %% ../../../nbs/12c_modules.llama.generation.ipynb #b5d2e8f1
+def kv_cache_bytes(
+    model,  # the model
+    batch_size: int,  # sequences (times beams)
+    max_length: int,  # slots per sequence: prompt + new tokens
+) -> int:
+    "Bytes of the dense KV cache `init_cache(batch_size, max_length)` allocates: keys and values of every layer."
+    c = model.config
+    return 2 * c.num_hidden_layers * batch_size * max_length * c.num_key_value_heads * c.head_dim * jnp.dtype(
+        model.dtype).itemsize
+
+
+def available_memory_bytes(device=None) -> int:  # the device's free memory (default: the first device)
+    "Free memory: the device allocator's limit less what is in use, or on a CPU the host's `MemAvailable`."
+    import os
+    stats = (device or jax.devices()[0]).memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_kv_cache_memory(
+    model,  # the model
+    batch_size: int,  # sequences (times beams)
+    max_length: int,  # slots per sequence: prompt + new tokens
+    memory_bytes: int | None = None,  # memory to fit in (None: `available_memory_bytes()`)
+):
+    "Raise `MemoryError` naming the figures when the KV cache of `batch_size x max_length` does not fit the memory."
+    need = kv_cache_bytes(model, batch_size, max_length)
+    have = available_memory_bytes() if memory_bytes is None else memory_bytes
+    if need > have:
+        c = model.config
+        raise MemoryError(f"the KV cache needs {need / 2**30:,.2f} GiB ({need:,} bytes: 2 x {c.num_hidden_layers} layers x "
+                          f"batch {batch_size} x {max_length} slots x {c.num_key_value_heads} kv heads x {c.head_dim} x "
+                          f"{jnp.dtype(model.dtype).itemsize} bytes) and {have / 2**30:,.2f} GiB ({have:,} bytes) is "
+                          f"free; lower max_new_tokens, the batch or num_beams")
 
 # %% ../../../nbs/12c_modules.llama.generation.ipynb #24d2dc8f
 def _check_prompt(input_ids, attention_mask):
@@ -454,7 +501,8 @@ def beam_loop(
         seqs = jax.lax.dynamic_update_slice(seqs, tok[:, None], (0, t + i))
         ngen = ngen + (~done).astype(jnp.int32)
         done = done | jnp.isin(tok, eos)
-        cache = jax.tree.map(lambda x: gather(x) if x.ndim and x.shape[0] == b * k else x, cache)
+        cache = cache.replace(key=jax.vmap(gather)(cache.key), value=jax.vmap(gather)(cache.value),
+                              key_mask=gather(cache.key_mask))  # keys/values: (layers, b*k, ...)
         return i + 1, cache, seqs, top.reshape(-1), done, ngen, tok
 
     def body(carry):

@@ -167,13 +167,19 @@ class LayerCache:
 
 @flax.struct.dataclass
 class TransformerCache:
-    "A dense KV cache: one `LayerCache` per layer, the valid-slot mask and the next write slot."
-    layers: tuple  # tuple of LayerCache
+    "A dense KV cache: every layer's keys and values stacked, the valid-slot mask and the next write slot."
+    key: jax.Array  # (layers, batch, max_length, kv_heads, head_dim)
+    value: jax.Array  # (layers, batch, max_length, kv_heads, head_dim)
     key_mask: jax.Array  # (batch, max_length) bool
     index: jax.Array  # () int32: next slot to write
 
     @property
     def max_length(self) -> int: return self.key_mask.shape[1]
+
+    @property
+    def layers(self) -> tuple:
+        "One `LayerCache` per layer (slices of the stacked arrays, for reading)."
+        return tuple(LayerCache(key=self.key[i], value=self.value[i]) for i in range(self.key.shape[0]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +257,7 @@ class LlamaAttention(nnx.Module):
         self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, **kw)
 
     def __call__(self, h, positions, key_valid, segment_ids=None, layer_cache: LayerCache | None = None,
-                 index=None):
+                 index=None, layer=None):
         c = self.config
         b, t, _ = h.shape
         q = self.q_proj(h).reshape(b, t, c.num_attention_heads, c.head_dim)
@@ -261,11 +267,13 @@ class LlamaAttention(nnx.Module):
         q, k = apply_rotary(q, positions, inv), apply_rotary(k, positions, inv)
         q, k, v = _shard(c, q, AttnQSharding), _shard(c, k, AttnKVSharding), _shard(c, v, AttnKVSharding)
         q_slots = jnp.arange(t)
-        if layer_cache is not None:  # write this step's keys/values at slots [index, index + t)
-            k_all = jax.lax.dynamic_update_slice(layer_cache.key, k.astype(layer_cache.key.dtype), (0, index, 0, 0))
-            v_all = jax.lax.dynamic_update_slice(layer_cache.value, v.astype(layer_cache.value.dtype), (0, index, 0, 0))
-            layer_cache = LayerCache(key=k_all, value=v_all)
-            k, v, q_slots = k_all, v_all, index + q_slots
+        if layer_cache is not None:  # write this step's keys/values at slots [index, index + t) (of layer `layer`)
+            lead = () if layer is None else (layer,)  # a stacked cache (layers, ...): this layer's slice, in place
+            put = lambda buf, x: jax.lax.dynamic_update_slice(buf, x.astype(buf.dtype).reshape((1,) * len(lead) + x.shape),
+                                                              (*lead, 0, index, 0, 0))
+            layer_cache = LayerCache(key=put(layer_cache.key, k), value=put(layer_cache.value, v))
+            read = lambda buf: buf if layer is None else jax.lax.dynamic_index_in_dim(buf, layer, 0, keepdims=False)
+            k, v, q_slots = read(layer_cache.key), read(layer_cache.value), index + q_slots
         mask = make_attention_mask(q_slots, jnp.arange(k.shape[1]), key_valid,
                                    segment_ids, segment_ids if layer_cache is None else None)
         out = grouped_attention(q, k, v, mask, self.dtype)
@@ -332,9 +340,9 @@ class LlamaDecoderLayer(nnx.Module):
             config.hidden_size, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype
         )
 
-    def __call__(self, h, positions, key_valid, segment_ids=None, layer_cache=None, index=None):
+    def __call__(self, h, positions, key_valid, segment_ids=None, layer_cache=None, index=None, layer=None):
         attn, layer_cache = self.self_attn(
-            self.input_layernorm(h), positions, key_valid, segment_ids, layer_cache, index
+            self.input_layernorm(h), positions, key_valid, segment_ids, layer_cache, index, layer
         )
         h = _shard(self.config, h + attn, HiddenStateSharding)
         h = _shard(self.config, h + self.mlp(self.post_attention_layernorm(h)), HiddenStateSharding)
@@ -370,9 +378,9 @@ def _check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids
     if cache is not None:
         if not isinstance(cache, TransformerCache):
             raise TypeError(f"past_key_values must be a TransformerCache (see init_cache), got {type(cache).__name__}")
-        if cache.key_mask.shape[0] != shape[0] or len(cache.layers) != config.num_hidden_layers:
+        if cache.key_mask.shape[0] != shape[0] or cache.key.shape[0] != config.num_hidden_layers:
             raise ValueError(
-                f"the cache holds batch {cache.key_mask.shape[0]} and {len(cache.layers)} layers; the "
+                f"the cache holds batch {cache.key_mask.shape[0]} and {cache.key.shape[0]} layers; the "
                 f"inputs have batch {shape[0]} and the model {config.num_hidden_layers} layers"
             )
         if shape[1] > cache.max_length:
@@ -389,8 +397,9 @@ def _concrete(x) -> bool:
 
 def _check_values(config, input_ids, position_ids):
     """On the host, when the values are known (not under `jit`): ids in `[0, vocab_size)` and positions in
-    `[0, max_position_embeddings)`, else a ValueError naming the offending entries. Under `jit`, wrap the call in
-    `jax.experimental.checkify` with your own checks, or check the batch before it enters the compiled step."""
+    `[0, max_position_embeddings)`, else a ValueError naming the offending entries. Under `jit` the values are not
+    known: set `model.model.check_values_in_jit = True` and wrap the step in `jax.experimental.checkify.checkify`
+    (`_check_traced`), or check the batch before it enters the compiled step."""
     import numpy as np
     if position_ids is not None and not jnp.issubdtype(position_ids.dtype, jnp.integer):  # dtype: known under jit too
         raise ValueError(f"position_ids must be integers, got dtype {position_ids.dtype} (a fractional position "
@@ -405,6 +414,57 @@ def _check_values(config, input_ids, position_ids):
             where = ", ".join(f"[{r}, {c}]={v[r, c]}" for r, c in bad[:5].tolist())
             raise ValueError(f"{name} out of range at {len(bad)} place(s) ({where}); expected values in [0, {hi}) "
                              f"({'vocab_size' if name == 'input_ids' else 'max_position_embeddings'}={hi})")
+
+
+def _check_traced(config, input_ids, position_ids):
+    "The same ranges as `_check_values`, for traced values: `checkify.check`s (run under `checkify.checkify`)."
+    from jax.experimental import checkify
+    for name, value, hi in (("input_ids", input_ids, config.vocab_size),
+                            ("position_ids", position_ids, config.max_position_embeddings)):
+        if value is None or _concrete(value):
+            continue  # absent, or known on the host: `_check_values` has checked it
+        bad = ((value < 0) | (value >= hi)).reshape(-1)
+        first = jnp.argmax(bad)
+        checkify.check(~jnp.any(bad), f"{name} out of range at {{n}} place(s), the first at flat index {{i}} = {{v}}; "
+                       f"expected values in [0, {hi})", n=jnp.sum(bad), i=first, v=value.reshape(-1)[first])
+
+# %% ../../../nbs/12b_modules.llama.modeling.ipynb #c3a1e7d2
+def _scannable(layers) -> bool:
+    "True when every layer has one structure (graph, leaf shapes and dtypes): one scan step then serves them all."
+    if len(layers) < 2:
+        return False
+    sig = lambda m: (nnx.graphdef(m), jax.tree.structure(nnx.state(m)),
+                     [(jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(nnx.state(m))])
+    first = sig(layers[0])
+    return all(sig(m) == first for m in layers[1:])
+
+
+def _run_layers(model, h, positions, key_valid, segment_ids, kv, index, keep_states: bool):
+    """The decoder layers over `h`: one `jax.lax.scan` step over their stacked parameters when `model.scan_layers`
+    and the layers share one structure (compile time independent of depth), else a Python loop (unrolled)."""
+    if not (model.scan_layers and _scannable(model.layers)):
+        states = [h] if keep_states else None
+        for i, layer in enumerate(model.layers):
+            h, kv = layer(h, positions, key_valid, segment_ids, kv, index, None if kv is None else i)
+            if keep_states:
+                states.append(h)
+        return h, kv, states
+    graphdef = nnx.graphdef(model.layers[0])
+    treedef = jax.tree.structure(nnx.state(model.layers[0]))
+    # stack the raw leaves: a quantized kernel is rebuilt per layer inside the step, with its own shapes
+    stacked = [jnp.stack(xs) for xs in zip(*(jax.tree.leaves(nnx.state(m)) for m in model.layers))]
+
+    def step(carry, xs):
+        h, kv = carry
+        i, leaves = xs
+        layer = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+        h, kv = layer(h, positions, key_valid, segment_ids, kv, index, None if kv is None else i)
+        return (h, kv), (h if keep_states else None)
+
+    h0 = h
+    (h, kv), hs = jax.lax.scan(step, (h, kv), (jnp.arange(len(model.layers)), stacked))
+    return h, kv, ([h0, *hs] if keep_states else None)
+
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #4b718f2e
 class LlamaModel(nnx.Module):
@@ -425,12 +485,16 @@ class LlamaModel(nnx.Module):
         self.layers = nnx.List([LlamaDecoderLayer(config, dtype=dtype, param_dtype=param_dtype, precision=precision,
                                                   rngs=rngs) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.scan_layers = True  # run the layers as one `jax.lax.scan` step when they share one structure
+        self.check_values_in_jit = False  # under jit, check ids/positions with checkify (wrap in checkify.checkify)
 
     def __call__(self, input_ids=None, attention_mask=None, position_ids=None, segment_ids=None,
                  past_key_values: TransformerCache | None = None, inputs_embeds=None,
                  output_hidden_states: bool = False) -> BaseModelOutput:
         cache = past_key_values
         b, t = _check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, segment_ids, cache)
+        if self.check_values_in_jit:
+            _check_traced(self.config, input_ids, position_ids)
         mask = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
         if position_ids is None:
             before = 0 if cache is None else jnp.sum(cache.key_mask, axis=-1, keepdims=True)
@@ -442,14 +506,10 @@ class LlamaModel(nnx.Module):
             key_valid = jax.lax.dynamic_update_slice(cache.key_mask, mask, (0, index))
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.astype(self.dtype)
         h = _shard(self.config, h, HiddenStateSharding)
-        states, new_layers = ([h] if output_hidden_states else None), []
-        for i, layer in enumerate(self.layers):
-            h, lc = layer(h, position_ids, key_valid, segment_ids, None if cache is None else cache.layers[i], index)
-            new_layers.append(lc)
-            if output_hidden_states:
-                states.append(h)
+        kv = None if cache is None else LayerCache(key=cache.key, value=cache.value)
+        h, kv, states = _run_layers(self, h, position_ids, key_valid, segment_ids, kv, index, output_hidden_states)
         h = self.norm(h)
-        new_cache = None if cache is None else TransformerCache(layers=tuple(new_layers), key_mask=key_valid,
+        new_cache = None if cache is None else TransformerCache(key=kv.key, value=kv.value, key_mask=key_valid,
                                                                  index=index + t)
         return BaseModelOutput(last_hidden_state=h, hidden_states=tuple(states) if states else None,
                                past_key_values=new_cache)
