@@ -12,7 +12,7 @@ It is nbdev's `BasicMarkdownRenderer` plus:
 """
 import inspect, re, sys
 
-from fastcore.docments import DocmentTbl, DocmentText
+from fastcore.docments import DocmentTbl, DocmentText, docments
 from nbdev.showdoc import BasicMarkdownRenderer
 
 WRAP = 80
@@ -25,6 +25,18 @@ def _drop_inferred_annos(sym, dm):
     for name, p in sig.parameters.items():
         if name in dm and p.annotation is inspect.Parameter.empty:
             dm[name]["anno"] = inspect.Parameter.empty
+
+
+def _kwargs_docments(sym, dm):
+    """The docments of `*args`/`**kwargs` too. fastcore's table reads them with `args_kwargs=False`, which skips those
+    parameters and hands a comment on the `**kwargs` line to the return value ("Returns: `field=value` pairs")."""
+    try:
+        full = docments(sym, full=True, args_kwargs=True)
+    except Exception:  # what fastcore cannot read keeps the table it made
+        return
+    for name, v in full.items():
+        if name in dm:
+            dm[name]["docment"] = inspect.Parameter.empty if v["docment"] is None else v["docment"]
 
 
 class Renderer(BasicMarkdownRenderer):
@@ -43,6 +55,7 @@ class Renderer(BasicMarkdownRenderer):
                 self.dm = _ctor_signature(target, self.nm) or self.dm
         try:
             self.tbl = DocmentTbl(target)
+            _kwargs_docments(target, self.tbl.dm)
             _drop_inferred_annos(target, self.tbl.dm)
         except Exception as e:  # a symbol fastcore cannot read stays without a table, and says so
             print(f"docs: no parameter table for {self.nm}: {type(e).__name__}: {e}", file=sys.stderr)
