@@ -262,14 +262,20 @@ def demo_tokenizer(
     return ByteTokenizer()
 
 
-def encode_text(tok, text: str) -> np.ndarray:
+def encode_text(
+    tok,  # a `ByteTokenizer` or a transformers tokenizer
+    text: str,  # the text to encode
+) -> np.ndarray:
     "int32 ids of `text` with `tok` (a `ByteTokenizer` or a transformers tokenizer), no special tokens added."
     if isinstance(tok, ByteTokenizer):
         return tok.encode(text)
     return np.asarray(tok(text, add_special_tokens=False)["input_ids"], np.int32)
 
 
-def prompt_ids(tok, prompt: str) -> np.ndarray:
+def prompt_ids(
+    tok,  # a `ByteTokenizer` or a transformers tokenizer (with a chat template)
+    prompt: str,  # the user message
+) -> np.ndarray:
     "`(1, n)` ids of a sample's prompt: a user message in the chat template, or BOS and the bytes (`ByteTokenizer`)."
     if isinstance(tok, ByteTokenizer):
         return tok.encode(prompt, add_bos=True)[None]
@@ -277,7 +283,10 @@ def prompt_ids(tok, prompt: str) -> np.ndarray:
     return encode_text(tok, text)[None]
 
 
-def decode_ids(tok, ids) -> str:
+def decode_ids(
+    tok,  # the tokenizer that made the ids
+    ids,  # token ids (a sequence or 1-D array)
+) -> str:
     "The text of `ids`, special tokens dropped."
     if isinstance(tok, ByteTokenizer):
         return tok.decode(ids)

@@ -162,7 +162,12 @@ def _validate_values(self: LlamaConfig) -> LlamaConfig:
     return self
 
 # %% ../../../nbs/12a_modules.llama.configuration.ipynb #a85a31b8
-def _llama_from_dict(cls, data: dict, strict: bool = False, **overrides):
+def _llama_from_dict(
+    cls,
+    data: dict,  # the config's fields, as in a `config.json`
+    strict: bool = False,  # True: an unknown key is an error, not tolerated
+    **overrides,  # fields that replace the ones in `data`
+):
     "`EasyDeLBaseConfig.from_dict`, tolerating the extra keys a file may carry (unless `strict`)."
     token = _READING_FILE.set(True)
     try:
@@ -175,7 +180,8 @@ LlamaConfig.from_dict = classmethod(_llama_from_dict)
 
 # %% ../../../nbs/12a_modules.llama.configuration.ipynb #7851c2ba
 def _llama_partition_rules(
-    self: LlamaConfig, fully_sharded_data_parallel: bool = True
+    self: LlamaConfig,
+    fully_sharded_data_parallel: bool = True,  # shard the weights over the fsdp axis too (False: tensor parallel only)
 ) -> tuple[tuple[str, tp.Any], ...]:
     "Regex → `PartitionSpec` rules for every parameter of the Llama model (first match wins)."
     from jax.sharding import PartitionSpec as P

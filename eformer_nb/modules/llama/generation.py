@@ -351,7 +351,9 @@ def kv_cache_bytes(
         model.dtype).itemsize
 
 
-def available_memory_bytes(device=None) -> int:  # the device's free memory (default: the first device)
+def available_memory_bytes(
+    device=None,  # the device to ask (None: the first device)
+) -> int:  # the device's free memory (default: the first device)
     "Free memory: the device allocator's limit less what is in use, or on a CPU the host's `MemAvailable`."
     import os
     stats = (device or jax.devices()[0]).memory_stats() or {}

@@ -592,12 +592,36 @@ class LlamaForCausalLM(nnx.Module, BaseModuleProtocol):
     graphother = property(lambda self: nnx.state(self, nnx.Not(nnx.Param)), doc="Every non-parameter variable.")
     params_sharding = property(lambda self: _params_sharding(self), doc="`.sharding` of each parameter (a pure dict).")
     def split_params(self): return self.graphstate
-    def merge_params(self, tree): return _merge_params(self, tree)
-    def split_params_dict(self, params_dict=None) -> dict: return _split_params_dict(self, params_dict)
-    def merge_params_dict(self, params_dict: dict): return _merge_params_dict(self, params_dict)
-    def to_dtype(self, dtype): return _to_dtype(self, dtype, change_runtime_dtype=False)
-    def half(self, change_runtime_dtype: bool = True): return _to_dtype(self, jnp.float16, change_runtime_dtype)
-    def float(self, change_runtime_dtype: bool = True): return _to_dtype(self, jnp.float32, change_runtime_dtype)
+    def merge_params(
+        self,
+        tree,  # an nnx `State` of parameters (as `split_params` gives) to put into the model
+    ):
+        return _merge_params(self, tree)
+    def split_params_dict(
+        self,
+        params_dict=None,  # a parameter `State` to convert (None: the model's own)
+    ) -> dict:
+        return _split_params_dict(self, params_dict)
+    def merge_params_dict(
+        self,
+        params_dict: dict,  # nested plain dict of arrays, checked against the parameters' names and shapes
+    ):
+        return _merge_params_dict(self, params_dict)
+    def to_dtype(
+        self,
+        dtype,  # the dtype every floating parameter is cast to (jnp.float32, jnp.bfloat16, ...)
+    ):
+        return _to_dtype(self, dtype, change_runtime_dtype=False)
+    def half(
+        self,
+        change_runtime_dtype: bool = True,  # also compute in float16 (the model's `dtype`), not only store
+    ):
+        return _to_dtype(self, jnp.float16, change_runtime_dtype)
+    def float(
+        self,
+        change_runtime_dtype: bool = True,  # also compute in float32 (the model's `dtype`), not only store
+    ):
+        return _to_dtype(self, jnp.float32, change_runtime_dtype)
     @classmethod
     def lazy_init(
         cls,
@@ -607,8 +631,18 @@ class LlamaForCausalLM(nnx.Module, BaseModuleProtocol):
     ):
         "The model with `ShapeDtypeStruct`s for parameters (`nnx.eval_shape`): nothing is allocated."
         return nnx.eval_shape(lambda r: cls(*args, rngs=r, **kwargs), nnx.Rngs(0) if rngs is None else rngs)
-    def shard_model(self, partition_rules=None, mesh=None): return _shard_model(self, partition_rules, mesh)
-    def gather_model(self, partition_rules=None, mesh=None): return _gather_model(self, partition_rules, mesh)
+    def shard_model(
+        self,
+        partition_rules=None,  # regex -> `PartitionSpec` pairs (None: the config's `get_partition_rules()`)
+        mesh=None,  # the mesh to place on (None: the one in context)
+    ):
+        return _shard_model(self, partition_rules, mesh)
+    def gather_model(
+        self,
+        partition_rules=None,  # the rules the model was sharded with (None: the config's)
+        mesh=None,  # the mesh it lives on (None: the one in context)
+    ):
+        return _gather_model(self, partition_rules, mesh)
 
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #dd74f904
@@ -859,7 +893,11 @@ def to_state(
     from eformer_nb.infra.base_state import EasyDeLState
     return EasyDeLState.create(model=self, **kwargs)
 @patch
-def to_torch(self: LlamaForCausalLM, **kwargs): return _impl("interop", "to_torch")(self, **kwargs)
+def to_torch(
+    self: LlamaForCausalLM,
+    **kwargs,  # passed to the interop's `to_torch` (a transformers model of the same weights)
+):
+    return _impl("interop", "to_torch")(self, **kwargs)
 @patch(cls_method=True)
 def get_torch_loader(cls: LlamaForCausalLM): return _impl("interop", "get_torch_loader")(cls)
 @patch(cls_method=True)

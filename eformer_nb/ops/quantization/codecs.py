@@ -25,17 +25,23 @@ sl = jax.lax.shift_left  # left shift
 ba = jax.lax.bitwise_and  # bitwise and
 
 
-def i8tou8(x: jax.Array) -> jax.Array:  # the same bytes read as unsigned: -1 -> 255, 127 -> 127
+def i8tou8(
+    x: jax.Array,  # int8 values (-128..127)
+) -> jax.Array:  # the same bytes read as unsigned: -1 -> 255, 127 -> 127
     "A signed byte (-128..127) as the unsigned value of the same bits (0..255)."
     return jnp.where(x < 0, x + 256, x)
 
 
-def u4toi4(x: jax.Array) -> jax.Array:  # 0..7 unchanged, 8..15 -> -8..-1
+def u4toi4(
+    x: jax.Array,  # unsigned nibbles (0..15)
+) -> jax.Array:  # 0..7 unchanged, 8..15 -> -8..-1
     "An unsigned nibble (0..15) as the signed value of the same 4 bits (-8..7)."
     return jnp.where(x >= 8, x - 16, x)
 
 
-def i4tou4(x: jax.Array) -> jax.Array:  # the inverse of `u4toi4`
+def i4tou4(
+    x: jax.Array,  # signed nibbles (-8..7)
+) -> jax.Array:  # the inverse of `u4toi4`
     "A signed nibble (-8..7) as the unsigned value of the same 4 bits (0..15)."
     return jnp.where(x < 0, x + 16, x)
 
