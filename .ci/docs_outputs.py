@@ -166,7 +166,11 @@ class CachedOutputs:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["nbtest"]:  # top level: fastcore's CLI reads nbdev-test's arguments
     sys.argv.pop(1)
-    patch_nbdev_test()
+    # the patch by its module's own name, not `__main__`: a worker pickles `test_nb` by reference, and a worker's
+    # IPython shell replaces `sys.modules['__main__']` after its first notebook, so `__main__._test_nb_kept` is gone
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import docs_outputs
+    docs_outputs.patch_nbdev_test()
     from nbdev.test import nbdev_test
     nbdev_test()
 elif __name__ == "__main__":
