@@ -10,6 +10,8 @@ import errno
 import json
 import os
 import re
+import shutil
+import tempfile
 import time
 import typing as tp
 from collections.abc import Callable, Mapping
@@ -146,8 +148,17 @@ def fresh_work_dir(
         if not (work / MARKER_FILE).exists():
             raise FileExistsError(f"{str(work)!r} exists and was not made by eformer_nb; move it away first")
         work.rmtree()
-    work.mkdir(parents=True)
-    (work / MARKER_FILE).write_text(json.dumps({"format": CHECKPOINT_FORMAT, "pid": os.getpid()}))
+    # made whole or not at all: a hidden temp directory is marked first, then renamed to `.partial` (a SIGKILL between
+    # a plain mkdir and the marker left an unmarked `.partial` that blocked every later save of that step)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{dest.name}{PARTIAL_SUFFIX}.", dir=os.fspath(dest.parent))
+    try:
+        with open(os.path.join(tmp, MARKER_FILE), "w") as f:
+            f.write(json.dumps({"format": CHECKPOINT_FORMAT, "pid": os.getpid()}))
+        os.rename(tmp, os.fspath(work))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # made by this call a moment ago, holding at most our marker
+        raise
     keep = [n for n in keep if n != MARKER_FILE]  # the new directory has its own
     if keep:
         _link_into(dest, keep, work)
