@@ -21,6 +21,8 @@ from fastcore.basics import patch
 from ..paths import LocalPath, ePath, is_remote_path, make_gcs_filesystem
 from ..pytree.tree_util import tree_path_to_string
 from eformer_nb.serialization.serialization import (
+    _ARRAYS_MARKER,
+    _ARRAYS_RE,
     INDEX_FILE,
     READ_VERSIONS,
     CheckpointLockedError,
@@ -29,6 +31,8 @@ from eformer_nb.serialization.serialization import (
     TornCheckpointError,
     _check_digest,
     _commit_tree,
+    _digest,
+    _drop_arrays,
     _plan_save,
     _read_json,
     _tree_dir,
@@ -257,6 +261,102 @@ def _commit_checkpoint(work: ePath, dest: ePath, metadata: dict) -> None:
     sync_processes("ckpt-committed")
 
 
+# %% ../../nbs/10b_serialization.base_manager.ipynb #7cb477ec
+def _object_generation(
+    f: ePath,  # an object on a remote filesystem
+) -> int | None:
+    """The GCS generation of object `f` now (0 when it does not exist: what `ifGenerationMatch` expects for a create);
+    None on a filesystem that has no generations (only GCS has them)."""
+    from gcsfs.core import GCSFileSystem  # the base class (gcsfs.GCSFileSystem may be a subclass of it)
+
+    if not isinstance(getattr(f, "fs", None), GCSFileSystem):  # a local path has no fsspec filesystem
+        return None
+    bucket, key, _ = f.fs.split_path(f.path)
+    try:
+        return int(f.fs.call("GET", "b/{}/o/{}", bucket, key, json_out=True)["generation"])
+    except FileNotFoundError:
+        return 0
+
+
+def _write_json_if_generation(
+    f: ePath,  # the object to replace (or create)
+    obj: dict,  # written with its digest, as `_write_json` does
+    generation: int | None,  # replace only the object of this generation (0: only create); None: no precondition
+) -> bool:
+    """Write `obj` to `f` only if `f` is still at `generation` (GCS JSON API upload with `ifGenerationMatch`); False when
+    another writer replaced it since (HTTP 412). gcsfs's `pipe_file` offers this precondition only for a create."""
+    blob = json.dumps(dict(obj, digest=_digest(obj)), indent=1).encode()
+    if generation is None:
+        f.write_bytes(blob)
+        return True
+    fs, sep = f.fs, "eformer-nb-commit"
+    bucket, key, _ = fs.split_path(f.path)
+    head = json.dumps({"name": key, "contentType": "application/json"})
+    body = (f"--{sep}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{head}\r\n--{sep}\r\n"
+            "Content-Type: application/json\r\n\r\n").encode() + blob + f"\r\n--{sep}--".encode()
+    try:
+        fs.call("POST", f"{fs._location}/upload/storage/v1/b/{bucket}/o", uploadType="multipart",
+                ifGenerationMatch=str(generation), headers={"Content-Type": f'multipart/related; boundary="{sep}"'},
+                data=body, json_out=True)
+    except FileExistsError:  # 412: the object changed; or our own write, answered 412 when gcsfs retried it
+        try:
+            return fs.cat_file(f.path) == blob
+        except FileNotFoundError:
+            return False
+    finally:
+        fs.invalidate_cache(f.path)
+    return True
+
+# %% ../../nbs/10b_serialization.base_manager.ipynb #2ae42d6f
+def _committed_state(dest: ePath, prefix: str | None) -> tuple[int | None, list[tuple[ePath, dict]]]:
+    """`(generation, old trees)` of the checkpoint committed at remote `dest` when a save starts: its `metadata.json`'s
+    generation (read first: a commit landing after it makes ours fail), and `(tree_dir, index)` of each tree that
+    metadata names other than `prefix`'s, each proven ours by its checked index (one we cannot read is kept)."""
+    generation = _object_generation(dest / METADATA_FILE)
+    try:
+        meta = read_metadata(dest)
+    except (CheckpointNotFoundError, TornCheckpointError, CorruptCheckpointError):
+        return generation, []
+    old = []
+    for name in meta.get("trees") or []:
+        if not isinstance(name, str) or name == (prefix or ""):
+            continue
+        try:
+            tree_dir = _tree_dir(dest, name)
+            old.append((tree_dir, read_index(tree_dir)))
+        except (ValueError, CheckpointNotFoundError, TornCheckpointError, CorruptCheckpointError):
+            continue
+    return generation, old
+
+
+def _drop_trees(dest: ePath, old: list[tuple[ePath, dict]]) -> None:
+    """After the commit, remove the trees of the previous version that the new one does not name: each one's index.json
+    first, then the arrays its index names and the marked `arrays.<token>/` of crashed saves; nothing else in it."""
+    for tree_dir, index in old:
+        (tree_dir / INDEX_FILE).unlink(missing_ok=True)
+        _drop_arrays(tree_dir, index)
+        for p in tree_dir.iterdir() if tree_dir.is_dir() else []:
+            if _ARRAYS_RE.match(p.name) and (p / _ARRAYS_MARKER).exists():
+                p.rmtree()
+        if tree_dir != dest and tree_dir.is_dir() and not any(True for _ in tree_dir.iterdir()):
+            tree_dir.rmdir()
+
+# %% ../../nbs/10b_serialization.base_manager.ipynb #f0df6647
+def _gcs_commit(dest: ePath, meta: dict, prefix: str | None, generation: int | None) -> Callable[[dict], None]:
+    """The commit of a remote checkpoint: ONE write of `metadata.json` carrying the new tree's index, made only if that
+    object is still at the `generation` read when the save started; a lost race removes this save's own new arrays
+    (named by no commit) and raises `CheckpointLockedError`, touching nothing of the writer that won."""
+    def commit(index: dict) -> None:
+        f = dest / METADATA_FILE
+        if _write_json_if_generation(f, dict(meta, indexes={prefix or "": index}), generation):
+            return
+        (_tree_dir(dest, prefix) / index["arrays"]).rmtree(missing_ok=True)
+        raise CheckpointLockedError(
+            f"checkpoint {str(dest)!r} (step {meta.get('step')}) was committed by another writer while this save ran: "
+            f"{str(f)!r} is no longer at generation {generation} (its lock object was deleted mid-save?); this save "
+            "did not commit and removed only its own new arrays; load the checkpoint to see the version that won")
+    return commit
+
 # %% ../../nbs/10b_serialization.base_manager.ipynb #a94281a5
 def save_checkpoint_dir(
     pytree: tp.Any,  # the tree to save (see `tree_serialize_leaves`)
@@ -297,14 +397,17 @@ def save_checkpoint_dir(
 
     def write() -> ePath:
         with exclusive_writer(dest, "checkpoint"):  # a second writer of this step gets a clear error
+            remote = is_remote_path(dest) and process_info()[0] == 0
+            generation, old_trees = _committed_state(dest, prefix) if remote else (None, [])
             work = _begin_checkpoint(dest, overwrite)
             meta["time"] = time.time()
-            # gs:// has no rename: the commit is ONE object write, metadata.json carrying the new tree's index; until
-            # it lands the previous version (its metadata.json, index and arrays) is untouched and loads as before
-            commit = None if work != dest else (
-                lambda index: _write_json(dest / METADATA_FILE, dict(meta, indexes={prefix or "": index})))
+            # gs:// has no rename: the commit is ONE conditional object write, metadata.json carrying the new tree's
+            # index; until it lands the previous version (metadata.json, index and arrays) is untouched
+            commit = None if work != dest else _gcs_commit(dest, meta, prefix, generation)
             _commit_tree(_tree_dir(work, prefix), plan, compression, overwrite, commit)
             _commit_checkpoint(work, dest, meta)
+            if remote:
+                _drop_trees(dest, old_trees)  # the previous version's other trees: no longer committed
         if commit_callback is not None:
             commit_callback()
         return dest
