@@ -1,0 +1,157 @@
+"""The gs:// commit of a checkpoint against a real GCS emulator (fake-gcs-server): the commit write of `metadata.json`
+is conditional on the generation read when the save started, and a re-save under another prefix removes the previous
+version's tree after the commit (locally and on gs://), never anything that is not ours."""
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import eformer_nb.serialization.base_manager as bm
+from eformer_nb.paths import ePath
+from eformer_nb.serialization import tree_deserialize_leaves, tree_serialize_leaves
+from eformer_nb.serialization.serialization import CheckpointLockedError
+
+pytestmark = pytest.mark.timeout(300)
+N = 1 << 16  # 512 KiB of float64: chunk objects, not a leaf inline in the index
+
+
+def _objects(root: ePath) -> dict[str, bytes]:
+    "Every file under `root` (local or gs://) by its path relative to `root`, with its bytes (lock files left out)."
+    out = {}
+    for p in root.rglob("*"):
+        if p.is_file() and not p.name.endswith(".lock"):
+            out[str(p.relative_to(root))] = p.read_bytes()
+    return out
+
+
+def test_emulator_honours_generation_preconditions(gcs_root):
+    "The precondition the commit relies on really holds on the emulator: a stale or absent generation is refused."
+    f = gcs_root / "probe.json"
+    assert bm._object_generation(f) == 0
+    assert bm._write_json_if_generation(f, {"v": 1}, 0)
+    g1 = bm._object_generation(f)
+    assert g1 > 0
+    assert not bm._write_json_if_generation(f, {"v": 2}, 0)  # not absent any more
+    assert not bm._write_json_if_generation(f, {"v": 2}, g1 + 1)  # a generation it never had
+    assert bm._write_json_if_generation(f, {"v": 2}, g1)
+    assert not bm._write_json_if_generation(f, {"v": 3}, g1)  # stale now
+    assert json.loads(f.read_bytes())["v"] == 2
+    assert not bm._write_json_if_generation(gcs_root / "absent.json", {"v": 1}, g1)  # a replace of nothing
+    assert not (gcs_root / "absent.json").exists()
+    g2 = bm._object_generation(f)
+    # gcsfs retries a request whose answer was lost: the retry's 412 over our own bytes is our write, not a lost race
+    assert bm._write_json_if_generation(f, {"v": 2}, g1)
+    assert bm._object_generation(f) == g2
+
+
+def test_lost_race_keeps_the_winner(gcs_root, monkeypatch):
+    """A writer whose lock objects are deleted mid-save while a second writer saves and commits the same step: its
+    commit is refused with an error naming the step and the object, the winner's version is untouched (every object
+    byte-identical), the loser's own arrays are removed, and the next save works."""
+    step = gcs_root / "step-3"
+    bm.save_checkpoint_dir({"w": np.full(N, 1.0)}, step, step=3, prefix="model")()
+    real, seen = bm._write_json_if_generation, {}
+
+    def another_writer_first(f, obj, generation):
+        if not seen:
+            seen["loser"] = obj["indexes"]["model"]["arrays"]
+            for lock in (gcs_root / ".step-3.lock", step / ".model.lock"):
+                assert lock.exists(), lock
+                lock.unlink()  # taken for a dead writer's lock
+            with ThreadPoolExecutor(1) as ex:  # lock objects are held per thread: this is another writer
+                ex.submit(bm.save_checkpoint_dir({"w": np.full(N, 3.0)}, step, step=3, prefix="model")).result()
+            seen["winner"] = _objects(step)
+        return real(f, obj, generation)
+
+    monkeypatch.setattr(bm, "_write_json_if_generation", another_writer_first)
+    with pytest.raises(CheckpointLockedError) as e:
+        bm.save_checkpoint_dir({"w": np.full(N, 2.0)}, step, step=3, prefix="model")()
+    msg = str(e.value)
+    assert f"checkpoint {str(step)!r} (step 3) was committed by another writer" in msg, msg
+    assert str(step / "metadata.json") in msg, msg
+    monkeypatch.setattr(bm, "_write_json_if_generation", real)
+    after = _objects(step)
+    assert after == seen["winner"]  # nothing of the winner's was touched, nothing of the loser's is left
+    assert not any(k.startswith(f"model/{seen['loser']}") for k in after)
+    assert np.asarray(tree_deserialize_leaves(step, prefix="model")["w"]).tolist() == [3.0] * N
+    assert [p.name for p in gcs_root.iterdir()] == ["step-3"]  # no lock object left behind
+    bm.save_checkpoint_dir({"w": np.full(N, 4.0)}, step, step=3, prefix="model")()
+    assert np.asarray(bm.CheckpointManager(gcs_root).load(3, prefix="model")["w"]).tolist() == [4.0] * N
+    arrays = [p.name for p in (step / "model").iterdir() if p.name.startswith("arrays.")]
+    assert len(arrays) == 1, arrays
+
+
+def test_commit_precondition_is_read_before_the_committed_version(gcs_root, monkeypatch):
+    """The generation is read when the save starts: a commit landing after that read (here, between the read and the
+    rest of the save) makes this save's commit fail, even though no lock was broken by the test itself."""
+    step = gcs_root / "step-1"
+    bm.save_checkpoint_dir({"w": np.zeros(N)}, step, step=1)()
+    real = bm._committed_state
+
+    def then_someone_commits(dest, prefix):
+        out = real(dest, prefix)
+        meta = bm.read_metadata(dest)
+        bm._write_json(dest / bm.METADATA_FILE, {k: v for k, v in meta.items() if k != "digest"})  # a new generation
+        return out
+
+    monkeypatch.setattr(bm, "_committed_state", then_someone_commits)
+    with pytest.raises(CheckpointLockedError, match="is no longer at generation"):
+        bm.save_checkpoint_dir({"w": np.ones(N)}, step, step=1)()
+    assert np.asarray(tree_deserialize_leaves(step)["w"]).tolist() == [0.0] * N
+
+
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_resave_under_another_prefix_drops_the_old_tree(where, tmp_path, request):
+    """A re-save of a step under another prefix replaces the checkpoint whole: the old prefix tree is gone after the
+    commit (locally by the swap; on gs:// by the drop of the trees the previous metadata named), and the new tree
+    loads; before the commit (a failed commit) the old version is whole."""
+    root = ePath(tmp_path) / "run" if where == "local" else request.getfixturevalue("gcs_root")
+    step = root / "step-1"
+    bm.save_checkpoint_dir({"w": np.arange(float(N))}, step, step=1, prefix="model")()
+    assert sorted(p.name for p in step.iterdir() if not p.name.startswith(".")) == ["metadata.json", "model"]
+    bm.save_checkpoint_dir({"w": -np.arange(float(N))}, step, step=1, prefix="params")()
+    assert bm.read_metadata(step)["trees"] == ["params"]
+    assert sorted(p.name for p in step.iterdir() if not p.name.startswith(".")) == ["metadata.json", "params"]
+    assert not any(k.startswith("model/") for k in _objects(step))
+    assert np.asarray(tree_deserialize_leaves(step, prefix="params")["w"]).tolist() == (-np.arange(float(N))).tolist()
+    bm.save_checkpoint_dir({"w": np.ones(N)}, step, step=1)()  # to the step's root: params goes
+    assert sorted(k.split("/")[0] for k in _objects(step) if not k.startswith("arrays.")) == [
+        ".eformer_nb", "index.json", "metadata.json"]
+    bm.save_checkpoint_dir({"w": np.zeros(N)}, step, step=1, prefix="model")()  # and back: the root tree goes
+    assert sorted({k.split("/")[0] for k in _objects(step)}) == [".eformer_nb", "metadata.json", "model"]
+    assert np.asarray(bm.CheckpointManager(root).load(1, prefix="model")["w"]).tolist() == [0.0] * N
+
+
+def test_gcs_failed_commit_keeps_the_old_prefix_tree(gcs_root, monkeypatch):
+    "A prefix switch whose commit fails leaves the previous version byte-identical (its tree is dropped only after)."
+    step = gcs_root / "step-1"
+    bm.save_checkpoint_dir({"w": np.arange(float(N))}, step, step=1, prefix="model")()
+    before = _objects(step)
+
+    def disk_on_fire(f, obj, generation):
+        raise OSError("injected: the commit write failed")
+
+    monkeypatch.setattr(bm, "_write_json_if_generation", disk_on_fire)
+    with pytest.raises(OSError, match="injected"):
+        bm.save_checkpoint_dir({"w": np.zeros(N)}, step, step=1, prefix="params")()
+    after = _objects(step)
+    assert {k: v for k, v in after.items() if k in before} == before
+    assert all(k.startswith("params/arrays.") for k in set(after) - set(before)), sorted(set(after) - set(before))
+    assert np.asarray(tree_deserialize_leaves(step, prefix="model")["w"]).tolist() == list(np.arange(float(N)))
+
+
+def test_gcs_drop_keeps_what_is_not_named(gcs_root):
+    """On gs:// the drop removes only what the previous metadata names and each tree's index proves ours: a user file
+    in the old tree directory (a save with overwrite=True) and a tree the metadata never named stay."""
+    step = gcs_root / "step-1"
+    bm.save_checkpoint_dir({"w": np.arange(float(N))}, step, step=1, prefix="model")()
+    tree_serialize_leaves(step, {"z": np.ones(N)}, prefix="extra")  # ours, but not part of the committed metadata
+    (step / "model" / "notes.txt").write_text("mine")
+    bm.save_checkpoint_dir({"w": np.zeros(N)}, step, step=1, prefix="params", overwrite=True)()
+    assert [p.name for p in (step / "model").iterdir()] == ["notes.txt"]
+    assert (step / "model" / "notes.txt").read_text() == "mine"
+    assert np.asarray(tree_deserialize_leaves(step, prefix="extra")["z"]).tolist() == [1.0] * N
+    assert np.asarray(tree_deserialize_leaves(step, prefix="params")["w"]).tolist() == [0.0] * N
