@@ -102,7 +102,14 @@ def multiprocess_gcs(port: int, pid: int, url: str, root: str) -> None:
         chunks.append(sum(len(owned) for _, _, owned in plan.writes))
         return real_arrays(tree_dir, plan, compression)
 
+    real_if = bm._write_json_if_generation
+
+    def spy_if(f, obj, generation):  # gs://: the commit, metadata.json written only at the generation read first
+        wrote.append(ePath(f).name)
+        return real_if(f, obj, generation)
+
     ser._write_json, bm._write_json, ser._write_arrays = spy_json, spy_json, spy_arrays
+    bm._write_json_if_generation = spy_if
     mesh = jax.make_mesh((4, 2), ("x", "y"), devices=jax.devices())
     full = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
     arr = jax.make_array_from_callback(full.shape, NamedSharding(mesh, P("x", "y")), lambda idx: full[idx])
@@ -162,18 +169,18 @@ def gcs_kill(url: str, root: str, point: str) -> None:
     mgr = CheckpointManager(root)
     mgr.save(expected(1), 1, prefix="model")
     kill = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
-    real_arrays, real_ser_json, real_bm_json, real_drop = ser._write_arrays, ser._write_json, bm._write_json, \
-        ser._drop_arrays
+    real_arrays, real_ser_json, real_bm_json, real_drop = ser._write_arrays, ser._write_json, \
+        bm._write_json_if_generation, ser._drop_arrays
 
     def arrays(*a):  # every chunk of the new version is written, nothing committed
         real_arrays(*a)
         if point == "arrays":
             kill()
 
-    def bm_json(f, obj):  # the commit: metadata.json carrying the new index
+    def bm_json(f, obj, generation):  # the commit: metadata.json carrying the new index (the conditional write)
         if point == "commit" and ePath(f).name == "metadata.json":
             kill()
-        return real_bm_json(f, obj)
+        return real_bm_json(f, obj, generation)
 
     def ser_json(f, obj):  # after the commit: index.json, its copy
         if point == "copy" and ePath(f).name == "index.json":
@@ -185,7 +192,7 @@ def gcs_kill(url: str, root: str, point: str) -> None:
             kill()
         return real_drop(*a)
 
-    ser._write_arrays, ser._write_json, bm._write_json, ser._drop_arrays = arrays, ser_json, bm_json, drop
+    ser._write_arrays, ser._write_json, bm._write_json_if_generation, ser._drop_arrays = arrays, ser_json, bm_json, drop
     print("re-saving", flush=True)
     mgr.save(expected(2), 1, prefix="model")
     print("not killed", flush=True)

@@ -130,6 +130,14 @@ def test_injected_failure_keeps_previous(any_root, fault, resave, monkeypatch):
                 raise OSError(f"injected failure writing {fault}")
             return real(path, *a, **k)
         monkeypatch.setattr(module, "_write_json", failing_write_json)
+        if fault == "metadata.json":  # gs://: the commit is the conditional write of metadata.json
+            real_if = base_manager._write_json_if_generation
+
+            def failing_commit(path, *a, **k):
+                if ePath(path).name == fault:
+                    raise OSError(f"injected failure writing {fault}")
+                return real_if(path, *a, **k)
+            monkeypatch.setattr(base_manager, "_write_json_if_generation", failing_commit)
     else:
         real_replace = os.replace
 
