@@ -155,3 +155,25 @@ def test_gcs_drop_keeps_what_is_not_named(gcs_root):
     assert (step / "model" / "notes.txt").read_text() == "mine"
     assert np.asarray(tree_deserialize_leaves(step, prefix="extra")["z"]).tolist() == [1.0] * N
     assert np.asarray(tree_deserialize_leaves(step, prefix="params")["w"]).tolist() == [0.0] * N
+
+
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_user_file_inside_a_tree_is_never_dropped(where, tmp_path, request):
+    """A user's file inside a tree of ours makes a re-save an error naming `tree/file` (locally the swap used to drop it
+    with the tree, without a word); with overwrite=True it is kept, through a same-prefix re-save, a prefix switch and a
+    switch back; `delete` refuses the step while it is there."""
+    root = ePath(tmp_path) / "run" if where == "local" else request.getfixturevalue("gcs_root")
+    step = root / "step-1"
+    bm.save_checkpoint_dir({"w": np.arange(float(N))}, step, step=1, prefix="model")()
+    (step / "model" / "notes.txt").write_text("mine")
+    for prefix in ("model", "params"):
+        with pytest.raises(FileExistsError, match=r"not part of an eformer_nb checkpoint: \['model/notes.txt'\]"):
+            bm.save_checkpoint_dir({"w": np.zeros(N)}, step, step=1, prefix=prefix)()
+    for i, prefix in enumerate(["model", "params", "model"]):
+        bm.save_checkpoint_dir({"w": np.full(N, float(i))}, step, step=1, prefix=prefix, overwrite=True)()
+        assert (step / "model" / "notes.txt").read_text() == "mine"
+        assert np.asarray(tree_deserialize_leaves(step, prefix=prefix)["w"]).tolist() == [float(i)] * N
+    assert "params" not in [p.name for p in step.iterdir()]
+    with pytest.raises(FileExistsError, match="remove it yourself"):
+        bm.CheckpointManager(root).delete(1)
+    assert (step / "model" / "notes.txt").read_text() == "mine"

@@ -110,7 +110,8 @@ def _fsync_dir(p: LocalPath) -> None:
 
 
 def _checkpoint_foreign(dest: ePath) -> list[str]:
-    "Names in `dest` that are not part of an eformer_nb checkpoint (our files, its trees); [] when `dest` is missing."
+    """Names in `dest` that are not part of an eformer_nb checkpoint (our files, its trees), with `tree/name` for those
+    inside one of its trees; [] when `dest` is missing."""
     if not dest.is_dir():
         return []
     try:
@@ -123,6 +124,13 @@ def _checkpoint_foreign(dest: ePath) -> list[str]:
             read_metadata(dest)
         except CorruptCheckpointError:
             foreign.append(METADATA_FILE)  # someone else's metadata.json
+    for sub in dest.iterdir():  # the user's files inside a tree of ours (a re-save used to drop them with the tree)
+        if not sub.name.startswith(".") and (sub / INDEX_FILE).is_file() and not (sub / METADATA_FILE).exists():
+            try:
+                sub_index = read_index(sub)
+            except CorruptCheckpointError:
+                sub_index = None
+            foreign += [f"{sub.name}/{n}" for n in _tree_foreign(sub, sub_index)]
     # other checkpoints (step-N/ holding metadata.json) are never trees of this one: saving over base/ is refused
     return sorted(set(foreign) | {p.name for p in dest.iterdir() if (p / METADATA_FILE).exists()})
 
@@ -131,6 +139,7 @@ def _link_into(src: ePath, names: list[str], dst: ePath) -> None:
     "Hard-link the user's entries `names` of `src` into `dst` (directories recreated, symlinks copied): kept by a swap."
     for name in names:
         s, d = os.path.join(os.fspath(src), name), os.path.join(os.fspath(dst), name)
+        os.makedirs(os.path.dirname(d), exist_ok=True)  # 'model/notes.txt': a user's file inside a tree of ours
         if os.path.islink(s):
             os.symlink(os.readlink(s), d)
         elif os.path.isdir(s):
