@@ -3157,6 +3157,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                              'eformer_nb/serialization/base_manager.py'),
                                                        'eformer_nb.serialization.base_manager._object_generation': ( 'nbs/serialization.base_manager.html#_object_generation',
                                                                                                                      'eformer_nb/serialization/base_manager.py'),
+                                                       'eformer_nb.serialization.base_manager._our_leftover': ( 'nbs/serialization.base_manager.html#_our_leftover',
+                                                                                                                'eformer_nb/serialization/base_manager.py'),
                                                        'eformer_nb.serialization.base_manager._record_prefix': ( 'nbs/serialization.base_manager.html#_record_prefix',
                                                                                                                  'eformer_nb/serialization/base_manager.py'),
                                                        'eformer_nb.serialization.base_manager._restore_old': ( 'nbs/serialization.base_manager.html#_restore_old',

@@ -177,3 +177,25 @@ def test_user_file_inside_a_tree_is_never_dropped(where, tmp_path, request):
     with pytest.raises(FileExistsError, match="remove it yourself"):
         bm.CheckpointManager(root).delete(1)
     assert (step / "model" / "notes.txt").read_text() == "mine"
+
+
+def test_gcs_crash_while_dropping_the_old_tree(gcs_root, monkeypatch):
+    """A failure after the commit, while the old prefix tree is being removed: the new version is committed and loads;
+    what is left of the old tree has no index (removed first), so it never loads as a part of the checkpoint."""
+    step = gcs_root / "step-1"
+    bm.save_checkpoint_dir({"w": np.arange(float(N))}, step, step=1, prefix="model")()
+
+    def crash(*a):
+        raise OSError("injected: died while dropping the old tree")
+
+    monkeypatch.setattr(bm, "_drop_arrays", crash)
+    with pytest.raises(OSError, match="injected"):
+        bm.save_checkpoint_dir({"w": np.zeros(N)}, step, step=1, prefix="params")()
+    monkeypatch.undo()
+    assert bm.read_metadata(step)["trees"] == ["params"]
+    assert np.asarray(bm.CheckpointManager(gcs_root).load(1, prefix="params")["w"]).tolist() == [0.0] * N
+    with pytest.raises(bm.TornCheckpointError, match="has no index.json"):
+        tree_deserialize_leaves(step, prefix="model")
+    assert all(p.name.startswith("arrays.") for p in (step / "model").iterdir())  # the marked arrays are left
+    bm.save_checkpoint_dir({"w": np.ones(N)}, step, step=1, prefix="params")()  # and do not block the next save
+    assert np.asarray(tree_deserialize_leaves(step, prefix="params")["w"]).tolist() == [1.0] * N

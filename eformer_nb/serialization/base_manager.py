@@ -109,6 +109,16 @@ def _fsync_dir(p: LocalPath) -> None:
         os.close(fd)
 
 
+def _our_leftover(d: ePath) -> bool:
+    """True for a directory holding only marked `arrays.<token>/` of ours (and lock files): what a save that died before
+    its tree's index, or a drop of an old tree that died after removing its index, leaves."""
+    if not d.is_dir():
+        return False
+    names = [(p.name, p) for p in d.iterdir()]
+    arrays = [p for n, p in names if _ARRAYS_RE.match(n) and (p / _ARRAYS_MARKER).exists()]
+    return bool(arrays) and len(arrays) == sum(1 for n, _ in names if not (n.startswith(".") and n.endswith(".lock")))
+
+
 def _checkpoint_foreign(dest: ePath) -> list[str]:
     """Names in `dest` that are not part of an eformer_nb checkpoint (our files, its trees), with `tree/name` for those
     inside one of its trees; [] when `dest` is missing."""
@@ -118,7 +128,7 @@ def _checkpoint_foreign(dest: ePath) -> list[str]:
         index = read_index(dest) if (dest / INDEX_FILE).exists() else None
     except CorruptCheckpointError:
         index = None
-    foreign = _tree_foreign(dest, index)
+    foreign = [n for n in _tree_foreign(dest, index) if not _our_leftover(dest / n)]
     if (dest / METADATA_FILE).exists():
         try:
             read_metadata(dest)
