@@ -199,3 +199,27 @@ def test_gcs_crash_while_dropping_the_old_tree(gcs_root, monkeypatch):
     assert all(p.name.startswith("arrays.") for p in (step / "model").iterdir())  # the marked arrays are left
     bm.save_checkpoint_dir({"w": np.ones(N)}, step, step=1, prefix="params")()  # and do not block the next save
     assert np.asarray(tree_deserialize_leaves(step, prefix="params")["w"]).tolist() == [1.0] * N
+
+
+def test_gcs_prefix_record_update_is_never_lost(gcs_root, monkeypatch):
+    """The folder's prefix record (tensorstore_index.json) is a read-merge-replace: on gs:// the replace is conditional,
+    so a record update landing in between (a writer whose lock object was deleted) is merged on the next attempt."""
+    folder = gcs_root / "state"
+    bm.save_prefix_tree({"mu": np.arange(4.0)}, folder, "tx")()
+    real, seen = bm._write_json_if_generation, []
+
+    def another_update_first(f, obj, generation):
+        if not seen:
+            seen.append(generation)
+            (folder / ".tensorstore_index.json.lock").unlink()  # taken for a dead writer's
+            with ThreadPoolExecutor(1) as ex:
+                ex.submit(bm._record_prefix, folder, "other", {"step": 9, "time": 0.0, "user": {}}).result()
+        return real(f, obj, generation)
+
+    monkeypatch.setattr(bm, "_write_json_if_generation", another_update_first)
+    bm.save_prefix_tree({"w": np.ones(3)}, folder, "model", step=7)()
+    monkeypatch.undo()
+    record = bm.read_prefix_index(folder)["prefixes"]
+    assert sorted(record) == ["model", "other", "tx"], record
+    assert (record["model"]["step"], record["other"]["step"]) == (7, 9)
+    assert not (folder / ".tensorstore_index.json.lock").exists()

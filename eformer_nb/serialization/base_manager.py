@@ -502,14 +502,24 @@ def read_prefix_index(
     return idx
 
 
-def _record_prefix(folder: ePath, prefix: str, entry: dict) -> None:
-    "Process 0: add or replace `prefix`'s entry in `folder`'s prefix record (read, merge, atomic replace; under a lock)."
-    with exclusive_writer(folder / PREFIX_INDEX_FILE, "prefix index"):
-        idx = read_prefix_index(folder) or {"format": PREFIX_INDEX_FORMAT, "version": PREFIX_INDEX_VERSION,
-                                            "prefixes": {}}
-        idx.pop("digest", None)
-        idx["prefixes"][prefix] = entry
-        _write_json(folder / PREFIX_INDEX_FILE, idx)
+def _record_prefix(folder: ePath, prefix: str, entry: dict, attempts: int = 5) -> None:
+    """Process 0: add or replace `prefix`'s entry in `folder`'s prefix record (read, merge, atomic replace; under a lock).
+    On gs:// the replace is conditional on the generation read before the record: an update that lands in between
+    (a writer whose lock object was deleted) is read and merged on the next attempt, never lost."""
+    f = folder / PREFIX_INDEX_FILE
+    with exclusive_writer(f, "prefix index"):
+        for _ in range(attempts):
+            generation = _object_generation(f) if is_remote_path(f) else None
+            idx = read_prefix_index(folder) or {"format": PREFIX_INDEX_FORMAT, "version": PREFIX_INDEX_VERSION,
+                                                "prefixes": {}}
+            idx.pop("digest", None)
+            idx["prefixes"][prefix] = entry
+            if generation is None:
+                return _write_json(f, idx)
+            if _write_json_if_generation(f, idx, generation):
+                return
+    raise CheckpointLockedError(f"prefix record {str(f)!r}: {attempts} attempts to record {prefix!r} each lost to another "
+                                "writer updating it; the tree itself is committed: save again to record it")
 
 # %% ../../nbs/10b_serialization.base_manager.ipynb #97c62c38
 def save_prefix_tree(
