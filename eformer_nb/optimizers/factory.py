@@ -5,6 +5,8 @@
 # %% ../../nbs/08e_optimizers.factory.ipynb #7b21884d
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import difflib
 import inspect
@@ -88,6 +90,76 @@ def available_optimizers() -> list[str]:
     "The registered optimizer names, sorted."
     return sorted(_OPTIMIZERS)
 
+# %% ../../nbs/08e_optimizers.factory.ipynb #c3e5a7b3
+_GUARD: contextvars.ContextVar = contextvars.ContextVar("eformer_nb_nonfinite_guard", default=None)
+
+
+@contextlib.contextmanager
+def _guarding(ok: jax.Array):
+    "While a non-finite guard traces its inner update: its flag `ok` (the update goes through), for `_guard_select`."
+    token = _GUARD.set((ok, {}))
+    try:
+        yield
+    finally:
+        _GUARD.reset(token)
+
+
+def _select(ok: jax.Array, new, old):
+    """`new` where `ok`, else `old`, leaf by leaf (typed PRNG keys through their key data). A leaf that
+    `_guard_select` already selected with this `ok` from this very `old` leaf is returned as it is."""
+    guard = _GUARD.get()
+    done = guard[1] if guard is not None and guard[0] is ok else {}
+
+    def sel(n, o):
+        if done.get(id(n), (None, None))[0] is n and done[id(n)][1] is o:
+            return n  # already `where(ok, n_computed, o)`: selecting again would change nothing
+        if jax.dtypes.issubdtype(jnp.result_type(n), jax.dtypes.prng_key):
+            data = jnp.where(ok, jax.random.key_data(n), jax.random.key_data(o))
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(n))
+        return jnp.where(ok, n, o)
+    return jax.tree.map(sel, new, old)
+
+
+def _guard_select(new, old):
+    """Inside a non-finite guard's inner update: `_select(ok, new, old)` with the guard's flag, remembered so that
+    the guard does not select these leaves again; outside a guard: `new`. A transform whose update is computed from
+    its new state selects that state first: XLA then writes it once and the update reads it back."""
+    guard = _GUARD.get()
+    if guard is None:
+        return new
+    ok, done = guard
+    out = _select(ok, new, old)
+    for n, o in zip(jax.tree.leaves(out), jax.tree.leaves(old)):
+        done[id(n)] = (n, o)
+    return out
+
+# %% ../../nbs/08e_optimizers.factory.ipynb #c3e5a7b4
+def _scale_by_adam(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, nesterov=False):
+    """`optax.scale_by_adam`, with the same state and numbers. Outside a non-finite guard it is optax's own update;
+    under one, the update is computed from the guarded moments (`_guard_select`), so the parameter update reads
+    the new moments back instead of computing them a second time (what XLA's CPU backend does when the select is
+    left to the guard: the moments are then no output of their own)."""
+    base = optax.scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov)
+
+    def update(updates, state, params=None):
+        if _GUARD.get() is None:
+            return base.update(updates, state, params)  # the same program as optax.adamw
+        mu = _guard_select(optax.tree.update_moment(updates, state.mu, b1, 1), state.mu)
+        nu = _guard_select(optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2), state.nu)
+        count = _guard_select(optax.safe_increment(state.count), state.count)
+        if nesterov:  # optax's NAdam: b1 * corrected moment at the next count + (1 - b1) * corrected gradient
+            mu_hat = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g,
+                                  optax.tree.bias_correction(mu, b1, optax.safe_increment(count)),
+                                  optax.tree.bias_correction(updates, b1, count))
+        else:
+            mu_hat = optax.tree.bias_correction(mu, b1, count)
+        nu_hat = optax.tree.bias_correction(nu, b2, count)
+        updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v + eps_root) + eps), mu_hat, nu_hat)
+        cast = lambda x, dt: x if dt is None or x.dtype == dt else x.astype(dt)  # noqa: E731
+        return updates, optax.ScaleByAdamState(count, jax.tree.map(lambda m: cast(m, mu_dtype), mu),
+                                               jax.tree.map(lambda v, o: cast(v, o.dtype), nu, state.nu))
+    return optax.GradientTransformation(base.init, update)
+
 # %% ../../nbs/08e_optimizers.factory.ipynb #cda1a475
 def _dt(name: str | None):
     return None if name is None else jnp.dtype(name)
@@ -104,8 +176,10 @@ def _with_decay(direction: optax.GradientTransformation, schedule, weight_decay,
 
 @register_optimizer("adamw", AdamWConfig)
 def _adamw(c: AdamWConfig, schedule, weight_decay=0.0, weight_decay_mask=None):
-    return optax.adamw(schedule, b1=c.b1, b2=c.b2, eps=c.eps, eps_root=c.eps_root, mu_dtype=_dt(c.mu_dtype),
-                       weight_decay=weight_decay, mask=weight_decay_mask, nesterov=c.nesterov)
+    "`optax.adamw`'s chain, with `_scale_by_adam` (optax's numbers and state; cheaper under the non-finite guard)."
+    adam = _scale_by_adam(c.b1, c.b2, c.eps, c.eps_root, _dt(c.mu_dtype), nesterov=c.nesterov)
+    return optax.chain(adam, optax.add_decayed_weights(weight_decay, weight_decay_mask),
+                       optax.scale_by_learning_rate(schedule))
 
 
 @register_optimizer("adafactor", AdafactorConfig)
@@ -269,36 +343,47 @@ def _all_finite(tree) -> jax.Array:
     return jnp.stack(checks).all() if checks else jnp.array(True)
 
 
-def _select(ok: jax.Array, new, old):
-    "`new` where `ok`, else `old`, leaf by leaf (typed PRNG keys through their key data)."
-    def sel(n, o):
-        if jax.dtypes.issubdtype(jnp.result_type(n), jax.dtypes.prng_key):
-            data = jnp.where(ok, jax.random.key_data(n), jax.random.key_data(o))
-            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(n))
-        return jnp.where(ok, n, o)
-    return jax.tree.map(sel, new, old)
+def _finite_by_norm(tree) -> jax.Array:
+    """`_all_finite(tree)`, read off the global norm first: a NaN or Inf in any leaf makes the norm NaN or Inf, and
+    `optax.clip_by_global_norm` on the same gradients computes the same norm (XLA computes it once for both). Only a
+    norm that is not finite (a bad value, or squares past the dtype's range) pays for the check leaf by leaf, in a
+    `lax.cond` whose result is that one boolean. Without such a clip the norm costs more than `_all_finite`: XLA
+    shares its squares with Adam's second moment and writes them out."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves or not all(jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves):
+        return _all_finite(tree)
+    return jax.lax.cond(jnp.isfinite(optax.tree.norm(tree)), lambda t: jnp.array(True), _all_finite, tree)
 
 
+_FINITE_CHECKS = {"leaves": _all_finite, "norm": _finite_by_norm}
+
+# %% ../../nbs/08e_optimizers.factory.ipynb #c3e5a7b1
 def skip_nonfinite_updates(
     inner: optax.GradientTransformation,  # the optimizer to guard
     max_consecutive_errors: int = 16,  # non-finite gradients in a row that are skipped; the next one goes through
+    check: str = "leaves",  # "leaves": one reduction per gradient; "norm": the global norm (free before a clip)
 ) -> optax.GradientTransformationExtraArgs:  # state: `optax.ApplyIfFiniteState` (`total_notfinite` counts skips)
-    """`optax.apply_if_finite` without its `lax.cond`: the inner update always runs, and one finiteness check over
-    the gradients selects, leaf by leaf, between the new and the old state (a select XLA fuses into the update)."""
-    inner = optax.with_extra_args_support(inner)
+    """`optax.apply_if_finite` without its `lax.cond` around the update: the inner update always runs, and one
+    finiteness flag from the gradients selects, leaf by leaf, between the new and the old state (a select XLA fuses
+    into the kernels that write the state)."""
+    if check not in _FINITE_CHECKS:
+        raise ValueError(f"skip_nonfinite_updates: check={check!r} is invalid: expected one of {sorted(_FINITE_CHECKS)}")
+    all_finite, inner = _FINITE_CHECKS[check], optax.with_extra_args_support(inner)
 
     def init(params):
         return optax.ApplyIfFiniteState(notfinite_count=jnp.zeros([], jnp.int32), last_finite=jnp.array(True),
                                         total_notfinite=jnp.zeros([], jnp.int32), inner_state=inner.init(params))
 
     def update(updates, state, params=None, **extra_args):  # optax's parameter names: callers pass them by keyword
-        finite = _all_finite(updates)
+        finite = all_finite(updates)
         count = jnp.where(finite, 0, optax.safe_increment(state.notfinite_count))
         ok = jnp.logical_or(finite, count > max_consecutive_errors)
-        updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+        with _guarding(ok):  # a transform that selects its own state (`_guard_select`) is not selected again
+            updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+            inner_state = _select(ok, inner_state, state.inner_state)
         updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
         total = jnp.where(finite, state.total_notfinite, optax.safe_increment(state.total_notfinite))
-        return updates, optax.ApplyIfFiniteState(count, finite, total, _select(ok, inner_state, state.inner_state))
+        return updates, optax.ApplyIfFiniteState(count, finite, total, inner_state)
 
     return optax.GradientTransformationExtraArgs(init, update)
 
@@ -451,7 +536,9 @@ def create(
     if gradient_accumulation_steps > 1:
         tx = optax.MultiSteps(tx, every_k_schedule=gradient_accumulation_steps)
     if max_nonfinite is not None:  # outermost: a bad gradient never reaches the accumulator or the moments
-        tx = skip_nonfinite_updates(tx, max_consecutive_errors=max_nonfinite)
+        clipped = clip_grad or (optimizer_type.lower() != "mars" and getattr(config, "max_grad_norm", None))
+        check = "norm" if clipped and gradient_accumulation_steps == 1 else "leaves"  # norm: the clip's, shared
+        tx = skip_nonfinite_updates(tx, max_consecutive_errors=max_nonfinite, check=check)
     return tx, schedule
 
 # %% ../../nbs/08e_optimizers.factory.ipynb #23c2a9ad
@@ -583,7 +670,7 @@ def _deserialize_config(
 OptimizerFactory.serialize_config = classmethod(_serialize_config)
 OptimizerFactory.deserialize_config = classmethod(_deserialize_config)
 
-
+# %% ../../nbs/08e_optimizers.factory.ipynb #c3e5a7b8
 def get_base_optimizer(
     optimizer_type: str,  # a registered optimizer name, e.g. 'adamw'
     scheduler: optax.Schedule,  # the learning-rate schedule
@@ -625,7 +712,7 @@ class StageLocalOptimizerMetadata:
 
 _META_FIELDS = {f.name for f in dataclasses.fields(StageLocalOptimizerMetadata)} - {"scheduler", "optimizer_config"}
 
-
+# %% ../../nbs/08e_optimizers.factory.ipynb #c3e5a7b9
 class StageLocalGradientTransformation(optax.GradientTransformation):
     "An optax transformation for one pipeline stage: `init`/`update` as usual, plus `apply_gradients_stage_local`."
 
@@ -656,7 +743,7 @@ class StageLocalGradientTransformation(optax.GradientTransformation):
         counts = [c for _, c in optax.tree_utils.tree_get_all_with_path(opt_state, "count")]
         return new_params, new_state, learning_rate_fn(counts[0] if counts else 0)
 
-
+# %% ../../nbs/08e_optimizers.factory.ipynb #c3e5a7ba
 def make_stage_local_gradient_transformation(
     tx: optax.GradientTransformation,  # the optimizer of the stage
     metadata: StageLocalOptimizerMetadata | None = None,  # the stage's description (None: one stage)

@@ -561,7 +561,7 @@ def scale_by_quad(
                               preconditioner_init_scale, dtype, scanned_layers, block_size, pipeline_axis_name,
                               pipeline_axis_size, params_partition_specs, noise_scale)
 
-
+# %% ../../nbs/08d_optimizers.kron.ipynb #d4f6b8c1
 def scale_by_skew(
     lr_style: str | None = "adam",  # "adam": Adam-like update RMS 0.2; None: RMS 1
     b1: float = 0.95,  # momentum rate (0: none)
