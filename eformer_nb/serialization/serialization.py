@@ -861,8 +861,11 @@ def _to_device(data: np.ndarray, device: tp.Any = None) -> tp.Any:
     if (isinstance(data, np.ndarray) and device.platform == "cpu" and data.size and data.flags.c_contiguous
             and data.ctypes.data % 64 == 0 and data.dtype.kind in "biuf"
             and jax.dtypes.canonicalize_dtype(data.dtype) == data.dtype):
-        out = jax.dlpack.from_dlpack(data)
-        if out.devices() == {device}:
+        try:
+            out = jax.dlpack.from_dlpack(data)
+        except BufferError:  # ml_dtypes' float8_e5m2 says kind 'f', but NumPy has no DLPack code for it
+            out = None
+        if out is not None and out.devices() == {device}:
             return out
     return jax.device_put(data, device)
 
