@@ -3309,6 +3309,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                                   'eformer_nb/serialization/serialization.py'),
                                                         'eformer_nb.serialization.serialization._sharding_map': ( 'nbs/serialization.serialization.html#_sharding_map',
                                                                                                                   'eformer_nb/serialization/serialization.py'),
+                                                        'eformer_nb.serialization.serialization._start_reads': ( 'nbs/serialization.serialization.html#_start_reads',
+                                                                                                                 'eformer_nb/serialization/serialization.py'),
                                                         'eformer_nb.serialization.serialization._stored_dtype': ( 'nbs/serialization.serialization.html#_stored_dtype',
                                                                                                                   'eformer_nb/serialization/serialization.py'),
                                                         'eformer_nb.serialization.serialization._structure': ( 'nbs/serialization.serialization.html#_structure',

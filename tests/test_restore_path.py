@@ -165,3 +165,18 @@ def test_other_layouts_fall_back(tmp_path, monkeypatch):
     assert seen == []  # compressed: TensorStore read both
     assert _bits(tree_deserialize_leaves(tmp_path / "raw")) == _bits(tree)
     assert seen == ["w"]  # int4 (sub-byte) is TensorStore's
+
+
+def test_many_leaves_read_at_once_report_the_first_damage(tmp_path, monkeypatch):
+    tree = {k: np.full(3000, i, np.float32) for i, k in enumerate("abcdefgh")}
+    tree_serialize_leaves(tmp_path / "t", tree)
+    seen = _count_local(monkeypatch)
+    fast, slow = _both(monkeypatch, tmp_path / "t")
+    assert _bits(fast) == _bits(slow) == _bits(tree) and sorted(seen) == sorted(tree)
+    for k in "fc":
+        f = next((tmp_path / "t").glob(f"arrays.*/{k}/c/0"))
+        blob = bytearray(f.read_bytes())
+        blob[-1] ^= 0xFF  # the stored crc32c
+        f.write_bytes(bytes(blob))
+    with pytest.raises(CorruptCheckpointError, match="^leaf 'c': reading .* Digest mismatch"):
+        tree_deserialize_leaves(tmp_path / "t")

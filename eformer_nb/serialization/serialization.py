@@ -955,28 +955,44 @@ def _read_local(tree_dir: ePath, key: str, rec: dict, chunks: list[int], box: tu
             dst[...] = tmp[src]
     return out
 
-# %% ../../nbs/10a_serialization.serialization.ipynb #e1479984
-def _read_arrays(tree_dir: ePath, jobs: list[tuple[str, dict, tp.Any, np.dtype, str]], lossy: bool = False
-                 ) -> dict[str, tp.Any]:
-    """Read every job `(key, record, sharding, dtype, type)`: one read of this process's box per leaf, by `_read_local`
-    where it handles the layout, else by TensorStore (those reads run concurrently, behind the local ones)."""
+# %% ../../nbs/10a_serialization.serialization.ipynb #e1e05c2c
+_READ_THREADS = 16  # at most this many leaves are read at once by the local reader (2 per usable cpu below that)
+
+
+def _start_reads(tree_dir: ePath, arrays: list[tuple[str, dict, tp.Any]]) -> dict[str, tuple]:
+    """key -> (TensorStore future or None, buffer, box, device index map) for each array leaf `(key, record, sharding)`:
+    TensorStore's reads are started first; the local reader's run on a few threads (`preadv` releases the GIL)."""
+    import concurrent.futures as cf
+
     import tensorstore as ts
 
     from eformer_nb.serialization.fsspec_utils import kvstore_spec
 
-    arrays = [job[:3] for job in jobs if not job[1].get("inline")]
     layout = {key: _local_layout(tree_dir, key, rec) for key, rec, _ in arrays}
     kv = kvstore_spec(tree_dir) if any(c is None for c in layout.values()) else None
     opened = {key: ts.open(_array_spec(kv, rec), open=True, read=True) for key, rec, _ in arrays if layout[key] is None}
-    reads = {}
-    for key, rec, sharding in sorted(arrays, key=lambda j: layout[j[0]] is not None):  # TensorStore's reads start first
+    reads, local = {}, {}
+    for key, rec, sharding in arrays:
         shape = tuple(rec["shape"])
         idx_map = sharding.addressable_devices_indices_map(shape) if sharding is not None else None
         box = _box(idx_map, shape) if idx_map is not None else tuple(slice(0, n) for n in shape)
         if key in opened:
             reads[key] = (*_aligned_read(_opened(tree_dir, key, rec, opened[key]), box), box, idx_map)
         else:
-            reads[key] = (None, _read_local(tree_dir, key, rec, layout[key], box), box, idx_map)
+            local[key] = (rec, box, idx_map)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    with cf.ThreadPoolExecutor(max(1, min(_READ_THREADS, 2 * cpus, len(local)))) as pool:
+        futs = {key: pool.submit(_read_local, tree_dir, key, rec, layout[key], box) for key, (rec, box, _) in local.items()}
+        for key, fut in futs.items():  # in leaf order: the first damaged leaf is the one reported
+            reads[key] = (None, fut.result(), local[key][1], local[key][2])
+    return reads
+
+# %% ../../nbs/10a_serialization.serialization.ipynb #e1479984
+def _read_arrays(tree_dir: ePath, jobs: list[tuple[str, dict, tp.Any, np.dtype, str]], lossy: bool = False
+                 ) -> dict[str, tp.Any]:
+    """Read every job `(key, record, sharding, dtype, type)`: one read of this process's box per leaf, by `_read_local`
+    where it handles the layout, else by TensorStore (concurrently), then cast and placed on the devices."""
+    reads = _start_reads(tree_dir, [job[:3] for job in jobs if not job[1].get("inline")])
     out = {}
     for key, rec, sharding, want, kind in jobs:
         shape = tuple(rec["shape"])
