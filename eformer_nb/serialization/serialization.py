@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -28,10 +29,10 @@ from ..pytree.tree_util import tree_path_to_string
 
 # %% auto #0
 __all__ = ['INLINE_BYTES', 'MAX_CHUNK_BYTES', 'FORMAT_NAME', 'FORMAT_VERSION', 'READ_VERSIONS', 'INDEX_FILE', 'ARRAYS_DIR',
-           'BARRIER_TIMEOUT_S', 'PROGRESS_BYTES', 'is_array_like', 'leaf_key_paths', 'process_info', 'sync_processes',
-           'broadcast_from_first', 'CheckpointNotFoundError', 'TornCheckpointError', 'CorruptCheckpointError',
-           'CheckpointLockedError', 'read_index', 'refuse_destination', 'exclusive_writer', 'tree_serialize_leaves',
-           'tree_deserialize_leaves']
+           'BARRIER_TIMEOUT_S', 'PROGRESS_BYTES', 'LOCAL_FAST_READ', 'is_array_like', 'leaf_key_paths', 'process_info',
+           'sync_processes', 'broadcast_from_first', 'CheckpointNotFoundError', 'TornCheckpointError',
+           'CorruptCheckpointError', 'CheckpointLockedError', 'read_index', 'refuse_destination', 'exclusive_writer',
+           'tree_serialize_leaves', 'tree_deserialize_leaves']
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #f6e2ad16
 def is_array_like(
@@ -791,6 +792,16 @@ def _place(data: np.ndarray, box: tuple[slice, ...], shape: tuple, sharding: tp.
     return jax.make_array_from_single_device_arrays(shape, sharding, jax.device_put(pieces, devices))
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #ce700e27
+def _check_zarr(tree_dir: ePath, key: str, rec: dict, shape: tp.Sequence[int], dtype: str) -> None:
+    "A `CorruptCheckpointError` naming the leaf unless its array's zarr.json (`shape`, `dtype`) says what index.json says."
+    if list(shape) != list(rec["shape"]) or dtype != rec["stored_dtype"] or (
+            rec["stored_dtype"] != _stored_dtype(rec["dtype"])):  # a dtype stored as another one's bits
+        raise CorruptCheckpointError(
+            f"leaf {key!r}: index.json says {rec['dtype']}{list(rec['shape'])} stored as {rec['stored_dtype']}; its "
+            f"array {str(tree_dir / rec['file'])!r} (zarr.json) holds {dtype}{list(shape)}, and {rec['dtype']} is "
+            f"stored as {_stored_dtype(rec['dtype'])}: one of them was modified")
+
+
 def _opened(tree_dir: ePath, key: str, rec: dict, fut: tp.Any) -> tp.Any:
     "The opened array of leaf `key`, checked against its record: its zarr.json must say the shape and dtype index.json says."
     where = str(tree_dir / rec["file"])
@@ -799,12 +810,7 @@ def _opened(tree_dir: ePath, key: str, rec: dict, fut: tp.Any) -> tp.Any:
     except ValueError as e:
         raise TornCheckpointError(f"leaf {key!r}: its array {where!r} cannot be opened ({e}); the checkpoint is "
                                   "incomplete or damaged") from e
-    if list(arr.shape) != list(rec["shape"]) or arr.dtype.name != rec["stored_dtype"] or (
-            rec["stored_dtype"] != _stored_dtype(rec["dtype"])):  # a dtype stored as another one's bits
-        raise CorruptCheckpointError(
-            f"leaf {key!r}: index.json says {rec['dtype']}{list(rec['shape'])} stored as {rec['stored_dtype']}; its "
-            f"array {where!r} (zarr.json) holds {arr.dtype.name}{list(arr.shape)}, and {rec['dtype']} is stored as "
-            f"{_stored_dtype(rec['dtype'])}: one of them was modified")
+    _check_zarr(tree_dir, key, rec, arr.shape, arr.dtype.name)
     return arr
 
 
@@ -829,15 +835,20 @@ def _cast_leaf(key: str, data: np.ndarray, want: np.dtype, lossy: bool) -> np.nd
     return out
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #b5cb13fd
+def _aligned_empty(shape: tuple[int, ...], dt: np.dtype) -> np.ndarray:
+    "A new C-contiguous array whose data starts on a 64-byte boundary (which a CPU `jax.Array` can adopt without a copy)."
+    n = math.prod(shape) * dt.itemsize
+    raw = np.empty(n + 64, np.uint8)
+    off = (-raw.ctypes.data) % 64
+    return raw[off:off + n].view(dt).reshape(shape)
+
+
 def _aligned_read(arr: tp.Any, box: tuple) -> tuple[tp.Any, np.ndarray]:
-    "Start reading `arr[box]` into a new 64-byte-aligned buffer (which a CPU `jax.Array` can adopt without a copy)."
+    "Start reading `arr[box]` (TensorStore) into a new 64-byte-aligned buffer; returns the write's future and the buffer."
     import tensorstore as ts
 
     sub = arr[box] if box else arr
-    shape, dt = tuple(sub.shape), np.dtype(sub.dtype.numpy_dtype)
-    raw = np.empty(math.prod(shape) * dt.itemsize + 64, np.uint8)
-    off = (-raw.ctypes.data) % 64
-    buf = raw[off:off + math.prod(shape) * dt.itemsize].view(dt).reshape(shape)
+    buf = _aligned_empty(tuple(sub.shape), np.dtype(sub.dtype.numpy_dtype))
     return ts.array(buf, copy=False).write(sub), buf
 
 
@@ -850,28 +861,138 @@ def _to_device(data: np.ndarray, device: tp.Any = None) -> tp.Any:
     if (isinstance(data, np.ndarray) and device.platform == "cpu" and data.size and data.flags.c_contiguous
             and data.ctypes.data % 64 == 0 and data.dtype.kind in "biuf"
             and jax.dtypes.canonicalize_dtype(data.dtype) == data.dtype):
-        out = jax.dlpack.from_dlpack(data)
-        if out.devices() == {device}:
+        try:
+            out = jax.dlpack.from_dlpack(data)
+        except BufferError:  # ml_dtypes' float8_e5m2 says kind 'f', but NumPy has no DLPack code for it
+            out = None
+        if out is not None and out.devices() == {device}:
             return out
     return jax.device_put(data, device)
 
-# %% ../../nbs/10a_serialization.serialization.ipynb #e1479984
-def _read_arrays(tree_dir: ePath, jobs: list[tuple[str, dict, tp.Any, np.dtype, str]], lossy: bool = False
-                 ) -> dict[str, tp.Any]:
-    "Read every job `(key, record, sharding, dtype, type)` concurrently: one read of this process's box per leaf."
+# %% ../../nbs/10a_serialization.serialization.ipynb #3a71bf74
+LOCAL_FAST_READ = True  # read local uncompressed trees with `_read_local` (False: every leaf through TensorStore)
+_FAST_DTYPES = frozenset("bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 bfloat16 float32 float64 complex64 "
+                         "complex128 float8_e4m3fn float8_e5m2 float8_e4m3b11fnuz float8_e4m3fnuz float8_e5m2fnuz float8_e3m4 "
+                         "float8_e8m0fnu".split())  # zarr3 types whose bytes are NumPy's/ml_dtypes' (sub-byte ones are not)
+
+
+def _local_layout(tree_dir: ePath, key: str, rec: dict) -> list[int] | None:
+    """The chunk shape of leaf `key`'s array when `_read_local` reads it (a local tree in the layout an uncompressed
+    save writes), its zarr.json cross-checked against `rec` first; None: TensorStore reads it."""
+    if not LOCAL_FAST_READ or rec.get("inline") or is_remote_path(tree_dir):
+        return None
+    try:
+        with open(os.path.join(os.fspath(tree_dir), rec["file"], "zarr.json"), "rb") as f:
+            meta = json.load(f)
+        grid, shape = meta["chunk_grid"], meta["shape"]
+        chunks = [int(c) for c in grid["configuration"]["chunk_shape"]]
+        raw = {"name": "bytes", "configuration": {"endian": "little"}}  # the endian is left out for 1-byte types
+        handled = (meta["zarr_format"] == 3 and meta["node_type"] == "array" and grid["name"] == "regular"
+                   and meta["data_type"] in _FAST_DTYPES and not meta.get("storage_transformers")
+                   and meta["codecs"] in ([raw, {"name": "crc32c"}], [{"name": "bytes"}, {"name": "crc32c"}])
+                   and (meta["codecs"][0] == raw or dtype_from_tag(meta["data_type"]).itemsize == 1)
+                   and meta["chunk_key_encoding"] in ({"name": "default"},
+                                                      {"name": "default", "configuration": {"separator": "/"}})
+                   and len(chunks) == len(shape) and min(chunks, default=1) > 0)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # missing or not our zarr.json: TensorStore's open names the problem
+    if not handled:
+        return None
+    _check_zarr(tree_dir, key, rec, shape, meta["data_type"])
+    return chunks
+
+# %% ../../nbs/10a_serialization.serialization.ipynb #70af89ac
+def _chunk_into(path: str, dst: np.ndarray, where: str) -> None:
+    """Read chunk file `path` (raw bytes, then their crc32c) into the contiguous `dst`; a missing file, a wrong size or
+    a crc32c mismatch is a `CorruptCheckpointError` starting with `where`."""
+    import google_crc32c
+
+    flat, tail = dst.reshape(-1).view(np.uint8), bytearray(4)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: chunk file {path!r} is missing") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != flat.nbytes + 4:
+            raise CorruptCheckpointError(f"{where}: chunk file {path!r} holds {size} bytes, expected {flat.nbytes + 4} "
+                                         f"({flat.nbytes} of data and its 4-byte crc32c): it was truncated or modified")
+        views, pos = [memoryview(flat), memoryview(tail)], 0
+        while views:  # one preadv reads it all; the loop is for a short read
+            n = os.preadv(fd, views, pos)
+            if n == 0:
+                raise CorruptCheckpointError(f"{where}: chunk file {path!r} ended at byte {pos} of {size}")
+            pos += n
+            while views and n >= len(views[0]):
+                n -= len(views.pop(0))
+            if n:
+                views[0] = views[0][n:]
+    finally:
+        os.close(fd)
+    stored, computed = int.from_bytes(tail, "little"), google_crc32c.value(flat)  # checked in place, no copy
+    if stored != computed:
+        raise CorruptCheckpointError(f"{where}: chunk file {path!r}: Digest mismatch, stored crc32c {stored:#010x}, "
+                                     f"computed {computed:#010x}")
+
+# %% ../../nbs/10a_serialization.serialization.ipynb #747c440d
+def _read_local(tree_dir: ePath, key: str, rec: dict, chunks: list[int], box: tuple[slice, ...]) -> np.ndarray:
+    """`box` of leaf `key`'s array (its stored dtype) in a new aligned buffer: whole chunks that are contiguous in it
+    are read in place, edge and partial chunks through one reused chunk buffer and a copy."""
+    dt, lo, hi = dtype_from_tag(rec["stored_dtype"]), [s.start for s in box], [s.stop for s in box]
+    out, tmp = _aligned_empty(tuple(h - a for a, h in zip(lo, hi)), dt), None
+    where = f"leaf {key!r}: reading {str(tree_dir / rec['file'])!r} failed"
+    base = os.path.join(os.fspath(tree_dir), rec["file"], "c")
+    for g in itertools.product(*(range(a // c, -(-h // c)) if h > a else () for a, h, c in zip(lo, hi, chunks))):
+        start = [i * c for i, c in zip(g, chunks)]
+        src = tuple(slice(max(a, s) - s, min(h, s + c) - s) for a, h, s, c in zip(lo, hi, start, chunks))
+        dst = out[tuple(slice(max(a, s) - a, min(h, s + c) - a) for a, h, s, c in zip(lo, hi, start, chunks))]
+        path = os.path.join(base, *map(str, g))  # zarr3's default chunk key: c/i/j
+        if all(s.start == 0 and s.stop == c for s, c in zip(src, chunks)) and dst.flags.c_contiguous:
+            _chunk_into(path, dst, where)  # straight into the output: no copy
+        else:
+            tmp = _aligned_empty(tuple(chunks), dt) if tmp is None else tmp
+            _chunk_into(path, tmp, where)
+            dst[...] = tmp[src]
+    return out
+
+# %% ../../nbs/10a_serialization.serialization.ipynb #e1e05c2c
+_READ_THREADS = 16  # at most this many leaves are read at once by the local reader (one per usable cpu below that)
+
+
+def _start_reads(tree_dir: ePath, arrays: list[tuple[str, dict, tp.Any]]) -> dict[str, tuple]:
+    """key -> (TensorStore future or None, buffer, box, device index map) for each array leaf `(key, record, sharding)`:
+    TensorStore's reads are started first; the local reader's run on a few threads (`preadv` releases the GIL)."""
+    import concurrent.futures as cf
+
     import tensorstore as ts
 
     from eformer_nb.serialization.fsspec_utils import kvstore_spec
 
-    kv = kvstore_spec(tree_dir)
-    opened = [(job, ts.open(_array_spec(kv, job[1]), open=True, read=True)) for job in jobs if not job[1].get("inline")]
-    reads = {}
-    for (key, rec, sharding, _, _), fut in opened:
-        arr = _opened(tree_dir, key, rec, fut)
+    layout = {key: _local_layout(tree_dir, key, rec) for key, rec, _ in arrays}
+    kv = kvstore_spec(tree_dir) if any(c is None for c in layout.values()) else None
+    opened = {key: ts.open(_array_spec(kv, rec), open=True, read=True) for key, rec, _ in arrays if layout[key] is None}
+    reads, local = {}, {}
+    for key, rec, sharding in arrays:
         shape = tuple(rec["shape"])
         idx_map = sharding.addressable_devices_indices_map(shape) if sharding is not None else None
         box = _box(idx_map, shape) if idx_map is not None else tuple(slice(0, n) for n in shape)
-        reads[key] = (*_aligned_read(arr, box), box, idx_map)
+        if key in opened:
+            reads[key] = (*_aligned_read(_opened(tree_dir, key, rec, opened[key]), box), box, idx_map)
+        else:
+            local[key] = (rec, box, idx_map)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    with cf.ThreadPoolExecutor(max(1, min(_READ_THREADS, cpus, len(local)))) as pool:  # 1 cpu: one thread
+        futs = {key: pool.submit(_read_local, tree_dir, key, rec, layout[key], box) for key, (rec, box, _) in local.items()}
+        for key, fut in futs.items():  # in leaf order: the first damaged leaf is the one reported
+            reads[key] = (None, fut.result(), local[key][1], local[key][2])
+    return reads
+
+# %% ../../nbs/10a_serialization.serialization.ipynb #e1479984
+def _read_arrays(tree_dir: ePath, jobs: list[tuple[str, dict, tp.Any, np.dtype, str]], lossy: bool = False
+                 ) -> dict[str, tp.Any]:
+    """Read every job `(key, record, sharding, dtype, type)`: one read of this process's box per leaf, by `_read_local`
+    where it handles the layout, else by TensorStore (concurrently), then cast and placed on the devices."""
+    reads = _start_reads(tree_dir, [job[:3] for job in jobs if not job[1].get("inline")])
     out = {}
     for key, rec, sharding, want, kind in jobs:
         shape = tuple(rec["shape"])
@@ -880,7 +1001,8 @@ def _read_arrays(tree_dir: ePath, jobs: list[tuple[str, dict, tp.Any, np.dtype, 
             idx_map = sharding.addressable_devices_indices_map(shape) if sharding is not None else None
         else:
             fut, data, box, idx_map = reads[key]
-            _result(tree_dir, key, rec, fut)
+            if fut is not None:
+                _result(tree_dir, key, rec, fut)
             if rec["stored_dtype"] != rec["dtype"]:
                 data = data.view(dtype_from_tag(rec["dtype"]))
         data = _cast_leaf(key, data, want, lossy)
@@ -891,7 +1013,6 @@ def _read_arrays(tree_dir: ePath, jobs: list[tuple[str, dict, tp.Any, np.dtype, 
         else:
             out[key] = data[()] if kind == "numpy_scalar" else data
     return out
-
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #ad9f20c7
 def _restore_jobs(records: dict, keys: list[str], tleaves: list, placed: dict, mesh: tp.Any, dtype: tp.Any,
