@@ -2801,6 +2801,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                         'eformer_nb/pytree/serialization.py'),
                                                  'eformer_nb.pytree.serialization._Decoder.ext_hook': ( 'nbs/pytree.serialization.html#_decoder.ext_hook',
                                                                                                         'eformer_nb/pytree/serialization.py'),
+                                                 'eformer_nb.pytree.serialization._Decoder.tuple_ext': ( 'nbs/pytree.serialization.html#_decoder.tuple_ext',
+                                                                                                         'eformer_nb/pytree/serialization.py'),
                                                  'eformer_nb.pytree.serialization._Decoder.unpack': ( 'nbs/pytree.serialization.html#_decoder.unpack',
                                                                                                       'eformer_nb/pytree/serialization.py'),
                                                  'eformer_nb.pytree.serialization._Encoder': ( 'nbs/pytree.serialization.html#_encoder',

@@ -415,6 +415,10 @@ def _execute_multislice_resumable(
                       max_retries_preemption, max_retries_failure, retry_delay_s)
 
 
+RayExecutor.execute_multislice = classmethod(_execute_multislice)
+RayExecutor.execute_multislice_resumable = classmethod(_execute_multislice_resumable)
+
+# %% ../../../nbs/14d_executor.ray.executor.ipynb #865f9ac0
 def _flat(status: JobStatus, flatten: bool, nested: bool) -> JobStatus:
     if status.ok and nested and flatten:
         status.result = [r for row in status.result for r in row]
@@ -457,8 +461,6 @@ def _autoscale_execute_resumable(
                       max_retries_preemption, max_retries_failure, retry_delay_s)
 
 
-RayExecutor.execute_multislice = classmethod(_execute_multislice)
-RayExecutor.execute_multislice_resumable = classmethod(_execute_multislice_resumable)
 RayExecutor.autoscale_execute = staticmethod(_autoscale_execute)
 RayExecutor.autoscale_execute_resumable = classmethod(_autoscale_execute_resumable)
 
