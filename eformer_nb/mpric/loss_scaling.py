@@ -160,17 +160,6 @@ class DynamicLossScale:
                              f"{float(self.loss_scale)}: the floor must be at most the starting scale (an overflow "
                              "would otherwise raise the scale)")
 
-    def scale(
-        self,
-        tree,  # a loss or pytree whose floating leaves are multiplied by the scale
-    ):
-        return _scale_tree(tree, self.loss_scale)
-    def unscale(
-        self,
-        tree,  # gradients or any pytree whose floating leaves are divided by the scale
-    ):
-        return _unscale_tree(tree, self.loss_scale)
-
 
 jax.tree_util.register_dataclass(DynamicLossScale, data_fields=["loss_scale", "counter", "min_loss_scale"],
                                  meta_fields=["period", "factor"])
@@ -178,6 +167,22 @@ jax.tree_util.register_dataclass(DynamicLossScale, data_fields=["loss_scale", "c
 LossScale = tp.Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
 
 # %% ../../nbs/07c_mpric.loss_scaling.ipynb #2e840c8e
+@patch
+def scale(
+    self: DynamicLossScale,
+    tree,  # a loss or pytree whose floating leaves are multiplied by the scale
+):
+    return _scale_tree(tree, self.loss_scale)
+
+
+@patch
+def unscale(
+    self: DynamicLossScale,
+    tree,  # gradients or any pytree whose floating leaves are divided by the scale
+):
+    return _unscale_tree(tree, self.loss_scale)
+
+
 @patch
 def adjust(
     self: DynamicLossScale,
