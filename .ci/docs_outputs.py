@@ -32,11 +32,16 @@ DEFAULT = ["nbs/*.ipynb", "nbs/tutorials/*.ipynb"]  # the benchmarks keep their 
 MAX_LINES = 40
 
 
-def key(nb: Path, flags=None) -> str:
-    "sha256 of the notebook, every package source file and the flags (`FORCE_FLAGS` unless given)"
-    h = hashlib.sha256()
-    for p in [Path(nb).resolve(), *sorted((ROOT / "eformer_nb").rglob("*.py"))]:
-        h.update(str(p.relative_to(ROOT)).encode()); h.update(p.read_bytes())
+def _sources() -> list:
+    "every package source file as `(path relative to the root, bytes)`, in a fixed order"
+    return [(str(p.relative_to(ROOT)).encode(), p.read_bytes()) for p in sorted((ROOT / "eformer_nb").rglob("*.py"))]
+
+
+def key(nb: Path, flags=None, sources=None) -> str:
+    "sha256 of the notebook, every package source file (`sources`: `_sources()`, read once) and the flags"
+    h, nb = hashlib.sha256(), Path(nb).resolve()
+    for rel, data in [(str(nb.relative_to(ROOT)).encode(), nb.read_bytes()), *(sources or _sources())]:
+        h.update(rel); h.update(data)
     h.update(json.dumps([sorted(FORCE_FLAGS if flags is None else flags), ENV]).encode())
     return h.hexdigest()
 
@@ -117,7 +122,38 @@ def execute(globs=None) -> int:
         if not ok:
             failed += 1
             print(f"{r.stdout[-1500:]}\n{r.stderr[-3000:]}")
+    prune_and_report()
     return failed
+
+
+_re_entry = re.compile(r"^[0-9a-f]{64}\.ipynb$")  # a kept run: `<key>.ipynb`
+_re_temp = re.compile(r"^[0-9a-f]{64}(?:\.[0-9]+)?\.tmp$")  # a run being written (`run`, `_test_nb_kept`)
+
+
+def prune(temp_age_s: float = 3600.0) -> list:
+    """remove the kept runs no page can show any more (their notebook is gone or changed, the package changed, or
+    flags the docs never read) and temporaries older than `temp_age_s`; only plain files inside `CACHE` named as
+    this script names them. Returns the names removed."""
+    if not CACHE.is_dir() or CACHE.is_symlink(): return []
+    sources = _sources()
+    nbs = {p for g in DEFAULT for p in ROOT.glob(g) if p.is_file()}
+    current = {f"{key(nb, f, sources)}.ipynb" for nb in nbs for f in FLAG_SETS}
+    removed, now = [], time.time()
+    for p in sorted(CACHE.iterdir()):
+        if p.is_symlink() or not p.is_file(): continue
+        if (_re_entry.match(p.name) and p.name not in current) or \
+                (_re_temp.match(p.name) and now - p.stat().st_mtime > temp_age_s):
+            try: p.unlink()
+            except FileNotFoundError: continue  # another run removed or renamed it first
+            removed.append(p.name)
+    return removed
+
+
+def prune_and_report():
+    "`prune`, with one line of what it did (the end of `nbtest` and `execute`)"
+    removed = prune()
+    kept = len([p for p in CACHE.glob("*.ipynb")]) if CACHE.is_dir() else 0
+    print(f"docs outputs: pruned {len(removed)} stale cache entries, {kept} kept in {CACHE.name}")
 
 
 _re_warning = re.compile(r"^.*(?:Warning|warnings\.warn)\b.*$")
@@ -172,7 +208,10 @@ if __name__ == "__main__" and sys.argv[1:2] == ["nbtest"]:  # top level: fastcor
     import docs_outputs
     docs_outputs.patch_nbdev_test()
     from nbdev.test import nbdev_test
-    nbdev_test()
+    try:
+        nbdev_test()
+    finally:  # also after failures (nbdev-test exits): what no page can show is dropped either way
+        docs_outputs.prune_and_report()
 elif __name__ == "__main__":
     if sys.argv[1:2] == ["run"]: sys.exit(run(Path(sys.argv[2]).resolve(), Path(sys.argv[3]).resolve()))
     if sys.argv[1:2] == ["execute"]: sys.exit(1 if execute(sys.argv[2:] or None) else 0)

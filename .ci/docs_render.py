@@ -8,7 +8,8 @@ It is nbdev's `BasicMarkdownRenderer` plus:
   says nothing of them; default values as a reader writes them (`MISSING`, `Name(...)`, public jax names);
 - the real constructor signature of NamedTuple-like classes, `class` for classes and no `->None`;
 - a signature longer than `WRAP` characters has one parameter a line (fastcore's layout, as with docments);
-- `__dunder__` names escaped in the heading, so Markdown does not turn them bold.
+- `__dunder__` names escaped in the heading, so Markdown does not turn them bold;
+- a `[source]` link with its line number where nbdev's ends in `#LNone` (a name documented where it is imported).
 """
 import inspect, re, sys
 
@@ -69,6 +70,7 @@ class Renderer(BasicMarkdownRenderer):
 
     def _repr_markdown_(self):
         md = super()._repr_markdown_()
+        if "#LNone)" in md: md = md.replace("#LNone)", _source_anchor(self.fn) + ")", 1)
         md = re.sub(r"^(#+ .*)$", lambda m: m.group(1).replace("_", "\\_"), md, count=1, flags=re.M)
         if self.is_class: md = md.replace("```python\ndef ", "```python\nclass ", 1)
         md = re.sub(r"\)\s*->\s*None:", "):", md)
@@ -76,6 +78,19 @@ class Renderer(BasicMarkdownRenderer):
         if self.tbl is not None and self.tbl.has_docment:  # the table shows the same defaults
             md += "\n\n" + _clean_reprs(self.tbl._repr_markdown_())
         return md
+
+
+def _source_anchor(fn: str) -> str:
+    """`#L<line>` of the full name `fn` in its module's file, else "" (a link to the file). nbdev looks a name's line up
+    by the name as given, but knows lines only by the name inside its module (`ePath.read_bytes`, as `@patch` names
+    them too): a name documented where it is imported, `eformer_nb.paths.ePath.read_bytes`, got `#LNone`."""
+    from nbdev.doclinks import NbdevLookup, _lineno
+    res = NbdevLookup()[fn]
+    if not isinstance(res, tuple): return ""
+    py = res[1]
+    mod = py.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+    line = _lineno(fn, py) or _lineno(fn.removeprefix(mod + "."), py)
+    return f"#L{line}" if line else ""
 
 
 def _signature_from_init(sym):

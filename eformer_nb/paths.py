@@ -625,15 +625,20 @@ def _host() -> str:
 
 
 def _pid_alive(pid: int) -> bool:
+    "Whether process `pid` lives on this machine: a zombie (exited, not yet reaped by its parent) counts as gone."
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass  # it exists, under another user
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # '<pid> (<comm>) <state> ...'; comm may hold spaces and ')'
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc (macOS), or it is unreadable: kill(pid, 0) found the process
 
-
+# %% ../nbs/04_paths.ipynb #97812fad
 def _sweep_stale_temporaries(directory: str) -> list[str]:
     "Remove our temporaries in `directory` whose writer (on this host) is dead; once per directory per process."
     if directory in _SWEPT:

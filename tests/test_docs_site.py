@@ -308,6 +308,17 @@ def test_show_doc_renderer(monkeypatch):
     assert "->None" not in md and md.count("```python\nclass ePath(") == 1, md
     sig = show_doc(_wide)._repr_markdown_().split("```python")[1].split("```")[0]
     assert max(map(len, sig.splitlines())) <= 80 and sig.count("\n") >= 5, f"not one parameter a line:{sig}"
+    # imported names (a `@patch` method, a class, a function): a source link with the line, never `#LNone`
+    import docs_links  # noqa: F401  (settings.ini's URLs, as in every docs build)
+    from eformer_nb.mpric.policy import Policy
+    from eformer_nb.paths import atomic_write_local
+    for sym, defn in ((ePath.read_bytes, "def read_bytes(self: ePath)"), (Policy.replace, "def replace("),
+                      (Policy, "class Policy:"), (atomic_write_local, "def atomic_write_local(")):
+        md = show_doc(sym)._repr_markdown_()
+        url = md.split("[source](", 1)[1].split(")", 1)[0]
+        assert "LNone" not in url and "#L" in url, url
+        py, line = url.split("/blob/main/", 1)[1].split("#L")
+        assert (ROOT / py).read_text(encoding="utf-8").splitlines()[int(line) - 1].startswith(defn), (url, defn)
 
 
 def test_modidx_lists_every_module():
@@ -535,6 +546,9 @@ def test_nbtest_keeps_each_run_for_the_docs():
     nb, second = ROOT / "nbs" / "00_common_types.ipynb", ROOT / "nbs" / "01_loggings.ipynb"
     before, t0 = nb.read_bytes(), time.time() - 1
     env = {**os.environ, **docs_outputs.ENV, "PYTHONPATH": str(ROOT)}
+    docs_outputs.CACHE.mkdir(exist_ok=True)
+    planted = docs_outputs.CACHE / f"{'0' * 64}.ipynb"  # a run under a key no notebook has now: pruned at the end
+    planted.write_text("{}", encoding="utf-8")
     # two notebooks through ONE worker process, as `make nbtest` runs many per worker: the second one's task must
     # still find the patched test_nb (a worker's IPython shell replaces `__main__` during its first notebook)
     r = subprocess.run([sys.executable, ".ci/docs_outputs.py", "nbtest", "nbs", "--file-re",
@@ -542,6 +556,7 @@ def test_nbtest_keeps_each_run_for_the_docs():
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "Success." in r.stdout, f"{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     assert nb.read_bytes() == before, "nbdev-test's save went into the notebook, not the cache"
+    assert not planted.exists() and "docs outputs: pruned" in r.stdout, f"the run did not prune:{r.stdout[-2000:]}"
     for one in (nb, second):
         run = docs_outputs.cached(one, ["multidevice"])
         assert run.exists() and run.stat().st_mtime >= t0, f"no new run of {one.name} in {docs_outputs.CACHE}"
@@ -559,6 +574,34 @@ def test_nbtest_keeps_each_run_for_the_docs():
     assert r.returncode == 0, r.stderr[-3000:]
     shown = set(json.loads(r.stdout.strip().splitlines()[-1]))
     assert produced <= shown, f"{nb.name}: cells {sorted(produced - shown)} have outputs the page does not show"
+
+
+def test_docs_cache_prune(tmp_path, monkeypatch):
+    "the docs' cache drops the runs no page can show and old temporaries, and nothing else"
+    import time
+    monkeypatch.syspath_prepend(str(ROOT / ".ci"))
+    import docs_outputs
+    cache = tmp_path / ".docs-cache"
+    monkeypatch.setattr(docs_outputs, "CACHE", cache)
+    cache.mkdir()
+    nb = ROOT / "nbs" / "00_common_types.ipynb"
+    current = [docs_outputs.cached(nb, f) for f in docs_outputs.FLAG_SETS]
+    old_package = cache / f"{docs_outputs.key(nb, docs_outputs.FORCE_FLAGS, [(b'eformer_nb/x.py', b'old')])}.ipynb"
+    gone = cache / f"{'0' * 64}.ipynb"  # the key of a notebook that no longer exists
+    other_flags = docs_outputs.cached(nb, ["slow"])  # flags the docs never read
+    old_tmp, new_tmp = cache / f"{'1' * 64}.123.tmp", cache / f"{'2' * 64}.tmp"
+    foreign = cache / "notes.txt"  # not named as the script names its files
+    for p in [*current, old_package, gone, other_flags, old_tmp, new_tmp, foreign]:
+        p.write_text("{}", encoding="utf-8")
+    os.utime(old_tmp, (time.time() - 7200,) * 2)
+    (cache / f"{'3' * 64}.ipynb").symlink_to(foreign)  # a link is left alone, and so is a folder
+    (cache / f"{'4' * 64}.ipynb").mkdir()
+    removed = docs_outputs.prune()
+    assert sorted(removed) == sorted(p.name for p in [old_package, gone, other_flags, old_tmp]), removed
+    assert all(p.exists() for p in [*current, new_tmp, foreign, cache / f"{'4' * 64}.ipynb"]), sorted(os.listdir(cache))
+    assert (cache / f"{'3' * 64}.ipynb").is_symlink() and docs_outputs.prune() == []
+    monkeypatch.setattr(docs_outputs, "CACHE", tmp_path / "missing")
+    assert docs_outputs.prune() == []
 
 
 def test_package_init_names_link():

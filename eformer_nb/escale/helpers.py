@@ -60,31 +60,35 @@ class MeshPartitionHelper:
         "The proposed spec for one array (or shape)."
         return auto_partition_spec(x, self.mesh, self.axis_order, self.min_sharding_size)
 
-    def propose_specs(
-        self,
-        tree,  # a pytree; its array leaves get a proposal
-    ):
-        "A tree like `tree` with a proposed spec per leaf (`PartitionSpec()` for leaves that are not arrays)."
-        return map_leaves_with_path(lambda path, x: self.propose_spec(x) if hasattr(x, "shape") else PartitionSpec(),
-                                    tree)
+# %% ../../nbs/09e_escale.helpers.ipynb #a8a8efea
+@patch
+def propose_specs(
+    self: MeshPartitionHelper,
+    tree,  # a pytree; its array leaves get a proposal
+):
+    "A tree like `tree` with a proposed spec per leaf (`PartitionSpec()` for leaves that are not arrays)."
+    return map_leaves_with_path(lambda path, x: self.propose_spec(x) if hasattr(x, "shape") else PartitionSpec(),
+                                tree)
 
-    def analyze_pytree(
-        self,
-        pytree,  # a pytree of arrays (or shape/dtype structs)
-    ) -> dict[str, dict[str, tp.Any]]:
-        "`{path: {shape, dtype, spec, shard_shape}}` for every array leaf: the plan, before anything moves."
-        plan: dict[str, dict[str, tp.Any]] = {}
 
-        def visit(path, x):
-            if hasattr(x, "shape"):
-                spec = self.propose_spec(x)
-                shard = list(x.shape)
-                for d, entry in enumerate(spec):
-                    for name in ((entry,) if isinstance(entry, str) else (entry or ())):
-                        shard[d] //= self.axis_sizes[name]
-                plan[path] = {"shape": tuple(x.shape), "dtype": str(x.dtype), "spec": spec, "shard_shape": tuple(shard)}
-        map_leaves_with_path(visit, pytree)
-        return plan
+@patch
+def analyze_pytree(
+    self: MeshPartitionHelper,
+    pytree,  # a pytree of arrays (or shape/dtype structs)
+) -> dict[str, dict[str, tp.Any]]:
+    "`{path: {shape, dtype, spec, shard_shape}}` for every array leaf: the plan, before anything moves."
+    plan: dict[str, dict[str, tp.Any]] = {}
+
+    def visit(path, x):
+        if hasattr(x, "shape"):
+            spec = self.propose_spec(x)
+            shard = list(x.shape)
+            for d, entry in enumerate(spec):
+                for name in ((entry,) if isinstance(entry, str) else (entry or ())):
+                    shard[d] //= self.axis_sizes[name]
+            plan[path] = {"shape": tuple(x.shape), "dtype": str(x.dtype), "spec": spec, "shard_shape": tuple(shard)}
+    map_leaves_with_path(visit, pytree)
+    return plan
 
 # %% ../../nbs/09e_escale.helpers.ipynb #0d9b306f
 @patch
@@ -209,7 +213,7 @@ class ShapeBasedShardingRule(ShardingRule):
         return _specs(pytree, lambda x: next((s for p, s in self.shape_patterns.items()
                                               if self._matches(p, tuple(x.shape))), PartitionSpec()))
 
-
+# %% ../../nbs/09e_escale.helpers.ipynb #08b23545
 class MemoryConstrainedShardingRule(ShardingRule):
     "`optimize_sharding_for_memory` with a per-device byte budget."
     def __init__(
@@ -284,19 +288,21 @@ class ShardingAnalyzer:
         return [f"{path}: {msg}" for path, x, s in self._pairs(pytree, partition_specs) if hasattr(x, "shape")
                 for msg in sharding_problems(np.shape(x), s, mesh)]
 
-    def estimate_memory_usage(
-        self,
-        pytree,  # a pytree of arrays (or shape/dtype structs)
-        partition_specs,  # one `PartitionSpec` per leaf, same structure
-    ) -> dict[str, int]:
-        "Bytes of the arrays in total and on each device once placed (specs fitted to the shapes, as placement does)."
-        mesh = self._mesh()
-        pairs = [(x, s) for _, x, s in self._pairs(pytree, partition_specs) if hasattr(x, "shape")]
-        total = sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x, _ in pairs)
-        per_device = sum(shard_nbytes(np.shape(x), x.dtype, s, mesh) for x, s in pairs)
-        return {"total_bytes": total, "per_device_bytes": per_device, "num_devices": int(mesh.devices.size)}
+# %% ../../nbs/09e_escale.helpers.ipynb #f99895eb
+@patch
+def estimate_memory_usage(
+    self: ShardingAnalyzer,
+    pytree,  # a pytree of arrays (or shape/dtype structs)
+    partition_specs,  # one `PartitionSpec` per leaf, same structure
+) -> dict[str, int]:
+    "Bytes of the arrays in total and on each device once placed (specs fitted to the shapes, as placement does)."
+    mesh = self._mesh()
+    pairs = [(x, s) for _, x, s in self._pairs(pytree, partition_specs) if hasattr(x, "shape")]
+    total = sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x, _ in pairs)
+    per_device = sum(shard_nbytes(np.shape(x), x.dtype, s, mesh) for x, s in pairs)
+    return {"total_bytes": total, "per_device_bytes": per_device, "num_devices": int(mesh.devices.size)}
 
-
+# %% ../../nbs/09e_escale.helpers.ipynb #ca35ede7
 _BARRIERS = [0]
 
 

@@ -22,6 +22,7 @@ from fastcore.basics import patch
 from jax._src import clusters
 
 from ..loggings import get_logger
+from ..paths import _pid_alive  # the leader claim's holder check: one for the package (a zombie is dead)
 
 logger = get_logger("eformer_nb.executor")
 
@@ -183,20 +184,6 @@ def initialize(self: DistributedConfig) -> DistributedConfig:
         return cfg
     jax.distributed.initialize(cfg.coordinator_address, cfg.num_processes, cfg.process_id, cfg.local_device_ids)
     return cfg
-
-# %% ../../nbs/14f_executor.cluster_util.ipynb #d92d8c80
-def _pid_alive(pid: int) -> bool:
-    "Whether a process with this id exists here (a zombie counts as gone)."
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    with contextlib.suppress(OSError):
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    return True
 
 # %% ../../nbs/14f_executor.cluster_util.ipynb #35b23b22
 def _drop_claim(path: str, pid: int) -> None:
@@ -491,6 +478,42 @@ def _start_local(
                         f"last: {first}); likely cause: {_likely_cause(dirs[-1])}; "
                         f"session logs: {os.path.join(dirs[-1], 'session_latest', 'logs')}", dirs) from last
 
+# %% ../../nbs/14f_executor.cluster_util.ipynb #b38d5e73
+_NODE_LEADS: dict[str, bool] = {}  # this process's answer per node key: a second call gives the same answer
+_HEAD_WAIT_S = 300.0  # how long a head-node task that is not the leader waits for the head's port
+
+
+def _node_leader(
+    plan: tuple[str, str | None],  # a SLURM plan from `resolve_ray_address`
+    env: tp.Mapping[str, str] | None = None,  # the environment to read; default `os.environ`
+) -> bool:
+    "Whether this task starts its machine's Ray node: the local leader among this job step's tasks on the machine."
+    env = os.environ if env is None else env
+    key = f"ray-node:{os.uname().nodename}:{env.get('SLURM_JOB_ID')}:{env.get('SLURM_STEP_ID', '')}:{plan[1]}"
+    if key not in _NODE_LEADS:
+        _NODE_LEADS[key] = is_local_leader(key)
+    return _NODE_LEADS[key]
+
+
+def _wait_for_head(
+    address: str,  # the head's `host:port`
+    timeout_s: float,  # seconds to wait at most
+) -> None:
+    "Wait until the Ray head at `address` accepts connections (`TimeoutError` naming it after `timeout_s`)."
+    import socket
+
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=2).close()
+            return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"auto_ray_cluster: the Ray head at {address} accepted no connection in "
+                                   f"{timeout_s:g}s (this machine's leader task starts it; last error: {e})") from e
+            time.sleep(0.5)
+
 # %% ../../nbs/14f_executor.cluster_util.ipynb #4898d252
 def auto_ray_cluster(
     address: str | None = None,  # a cluster to join; None: `$RAY_ADDRESS`, a SLURM allocation, or a new local Ray
@@ -514,8 +537,9 @@ def auto_ray_cluster(
                                "(fail_if_cluster_already_initialized=True)")
         return RayClusterHandle(("existing", None), ray.get_runtime_context().gcs_address, False, False)
     plan = resolve_ray_address(address)
+    lead = plan[0] in ("slurm-head", "slurm-worker") and _node_leader(plan)  # one Ray node per machine
     if plan[0] == "slurm-worker":
-        if start_workers:
+        if start_workers and lead:
             subprocess.Popen(ray_start_command(plan, block=True))
         return RayClusterHandle(plan, plan[1], False, False)  # workers serve the head; the driver runs there
     if plan[0] == "local":
@@ -525,10 +549,12 @@ def auto_ray_cluster(
         handle = RayClusterHandle(plan, ray.get_runtime_context().gcs_address, True, True, temp_dir, owned)
         atexit.register(handle.shutdown, stop_grace_s)  # a driver that exits without `shutdown` stops it too
         return handle
-    if plan[0] == "slurm-head":
+    if plan[0] == "slurm-head" and lead:
         subprocess.run(ray_start_command(plan), check=True, timeout=300)
+    elif plan[0] == "slurm-head":
+        _wait_for_head(plan[1], _HEAD_WAIT_S)  # this node's leader task is starting the head
     ray.init(address=plan[1], namespace=namespace, **kwargs)
-    return RayClusterHandle(plan, ray.get_runtime_context().gcs_address, plan[0] == "slurm-head", True)
+    return RayClusterHandle(plan, ray.get_runtime_context().gcs_address, lead, True)
 
 # %% ../../nbs/14f_executor.cluster_util.ipynb #ba6e955f
 @dc.dataclass

@@ -204,7 +204,7 @@ class AutoConfig:
         "A fresh config of `model_type` with `kwargs`."
         return get_config_class(model_type)(**kwargs)
 
-
+# %% ../../nbs/11c_infra.factory.ipynb #2cda3312
 class _AutoModel:
     task: tp.ClassVar[TaskType]
 

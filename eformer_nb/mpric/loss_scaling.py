@@ -12,6 +12,7 @@ import typing as tp
 import jax
 import jax.numpy as jnp
 import numpy as np
+from fastcore.basics import patch
 
 from .dtypes import is_floating
 
@@ -157,40 +158,47 @@ class DynamicLossScale:
                 and self.min_loss_scale > self.loss_scale:
             raise ValueError(f"DynamicLossScale.min_loss_scale={float(self.min_loss_scale)} is above loss_scale="
                              f"{float(self.loss_scale)}: the floor must be at most the starting scale (an overflow "
-                             "would "
-                             "otherwise raise the scale)")
+                             "would otherwise raise the scale)")
 
-    def scale(
-        self,
-        tree,  # a loss or pytree whose floating leaves are multiplied by the scale
-    ):
-        return _scale_tree(tree, self.loss_scale)
-    def unscale(
-        self,
-        tree,  # gradients or any pytree whose floating leaves are divided by the scale
-    ):
-        return _unscale_tree(tree, self.loss_scale)
-
-    def adjust(
-        self,
-        grads_finite,  # a boolean scalar: were this step's gradients all finite?
-    ) -> DynamicLossScale:
-        "The loss scale for the next step, given whether this step's gradients were all finite."
-        finite = _check_flag(grads_finite)
-        scale = jnp.asarray(self.loss_scale, jnp.float32)
-        counter = jnp.asarray(self.counter, jnp.int32)
-        grow = counter + 1 >= self.period
-        grown = scale * self.factor
-        grown = jnp.where(jnp.isfinite(grown), grown, scale)  # never grow into inf
-        shrunk = jnp.maximum(scale / self.factor, jnp.asarray(self.min_loss_scale, jnp.float32))
-        new_scale = jnp.where(finite, jnp.where(grow, grown, scale), shrunk)
-        new_counter = jnp.where(finite & ~grow, counter + 1, jnp.zeros_like(counter))
-        return dataclasses.replace(self, loss_scale=new_scale, counter=new_counter)
 
 jax.tree_util.register_dataclass(DynamicLossScale, data_fields=["loss_scale", "counter", "min_loss_scale"],
                                  meta_fields=["period", "factor"])
 
 LossScale = tp.Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
+
+# %% ../../nbs/07c_mpric.loss_scaling.ipynb #2e840c8e
+@patch
+def scale(
+    self: DynamicLossScale,
+    tree,  # a loss or pytree whose floating leaves are multiplied by the scale
+):
+    return _scale_tree(tree, self.loss_scale)
+
+
+@patch
+def unscale(
+    self: DynamicLossScale,
+    tree,  # gradients or any pytree whose floating leaves are divided by the scale
+):
+    return _unscale_tree(tree, self.loss_scale)
+
+
+@patch
+def adjust(
+    self: DynamicLossScale,
+    grads_finite,  # a boolean scalar: were this step's gradients all finite?
+) -> DynamicLossScale:
+    "The loss scale for the next step, given whether this step's gradients were all finite."
+    finite = _check_flag(grads_finite)
+    scale = jnp.asarray(self.loss_scale, jnp.float32)
+    counter = jnp.asarray(self.counter, jnp.int32)
+    grow = counter + 1 >= self.period
+    grown = scale * self.factor
+    grown = jnp.where(jnp.isfinite(grown), grown, scale)  # never grow into inf
+    shrunk = jnp.maximum(scale / self.factor, jnp.asarray(self.min_loss_scale, jnp.float32))
+    new_scale = jnp.where(finite, jnp.where(grow, grown, scale), shrunk)
+    new_counter = jnp.where(finite & ~grow, counter + 1, jnp.zeros_like(counter))
+    return dataclasses.replace(self, loss_scale=new_scale, counter=new_counter)
 
 # %% ../../nbs/07c_mpric.loss_scaling.ipynb #085093e3
 def all_finite(

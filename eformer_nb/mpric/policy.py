@@ -52,27 +52,6 @@ class Policy:
     @property
     def output_dtype(self) -> np.dtype: return resolve_dtype(self._names[2])
 
-    def cast_to_param(
-        self,
-        tree: tp.Any,  # any pytree; only its floating leaves are cast
-    ) -> tp.Any:
-        "Cast the floating leaves of `tree` to the param dtype (other leaves untouched)."
-        return cast_floating(tree, self._names[0])
-
-    def cast_to_compute(
-        self,
-        tree: tp.Any,  # any pytree; only its floating leaves are cast
-    ) -> tp.Any:
-        "Cast the floating leaves of `tree` to the compute dtype (other leaves untouched)."
-        return cast_floating(tree, self._names[1])
-
-    def cast_to_output(
-        self,
-        tree: tp.Any,  # any pytree; only its floating leaves are cast
-    ) -> tp.Any:
-        "Cast the floating leaves of `tree` to the output dtype (other leaves untouched)."
-        return cast_floating(tree, self._names[2])
-
     def __str__(self) -> str: return "p={},c={},o={}".format(*self._names)
     def __repr__(self) -> str:
         return "Policy(param_dtype={!r}, compute_dtype={!r}, output_dtype={!r})".format(*self._names)
@@ -81,6 +60,33 @@ class Policy:
     def __reduce__(self): return (Policy, self._names)
 
 jax.tree_util.register_pytree_node(Policy, lambda p: ((), p._names), lambda names, _: Policy(*names))
+
+# %% ../../nbs/07b_mpric.policy.ipynb #3dcb0c86
+@patch
+def cast_to_param(
+    self: Policy,
+    tree: tp.Any,  # any pytree; only its floating leaves are cast
+) -> tp.Any:
+    "Cast the floating leaves of `tree` to the param dtype (other leaves untouched)."
+    return cast_floating(tree, self._names[0])
+
+
+@patch
+def cast_to_compute(
+    self: Policy,
+    tree: tp.Any,  # any pytree; only its floating leaves are cast
+) -> tp.Any:
+    "Cast the floating leaves of `tree` to the compute dtype (other leaves untouched)."
+    return cast_floating(tree, self._names[1])
+
+
+@patch
+def cast_to_output(
+    self: Policy,
+    tree: tp.Any,  # any pytree; only its floating leaves are cast
+) -> tp.Any:
+    "Cast the floating leaves of `tree` to the output dtype (other leaves untouched)."
+    return cast_floating(tree, self._names[2])
 
 # %% ../../nbs/07b_mpric.policy.ipynb #8f3a87c2
 @patch

@@ -374,7 +374,7 @@ def _bigint(data: bytes) -> int:
         raise ValueError(f"big int {v} fits a plain msgpack int; the encoder never writes it as an extension")
     return v
 
-
+# %% ../../nbs/03b_pytree.serialization.ipynb #df628d09
 class _Decoder:
     "msgpack decoding of the header, with a bound on nested extension documents (a C-stack guard)."
 
@@ -396,22 +396,28 @@ class _Decoder:
                 raise ValueError(f"bad PRNG key reference {ref!r}")
             return _Ref(code, ref[0], ref[1])
         if code == _EXT_TUPLE:
-            if self.depth >= _MAX_TUPLE_DEPTH:
-                raise ValueError(f"the header nests tuples deeper than {_MAX_TUPLE_DEPTH} levels")
-            self.depth += 1
-            try:
-                items = self.unpack(data)
-            finally:
-                self.depth -= 1
-            if not isinstance(items, list):
-                raise ValueError(f"tuple extension holds {type(items).__name__}, expected a list")
-            return tuple(items)
+            return self.tuple_ext(data)
         if code == _EXT_COMPLEX:
             re_, im = struct.unpack("<dd", data)
             return complex(re_, im)
         if code == _EXT_BIGINT:
             return _bigint(data)
         raise ValueError(f"unknown msgpack extension code {code}; known codes are 1-6")
+
+# %% ../../nbs/03b_pytree.serialization.ipynb #24ac880d
+@patch
+def tuple_ext(self: _Decoder, data: bytes) -> tuple:
+    "A tuple extension: a nested msgpack list, at most `_MAX_TUPLE_DEPTH` levels deep."
+    if self.depth >= _MAX_TUPLE_DEPTH:
+        raise ValueError(f"the header nests tuples deeper than {_MAX_TUPLE_DEPTH} levels")
+    self.depth += 1
+    try:
+        items = self.unpack(data)
+    finally:
+        self.depth -= 1
+    if not isinstance(items, list):
+        raise ValueError(f"tuple extension holds {type(items).__name__}, expected a list")
+    return tuple(items)
 
 # %% ../../nbs/03b_pytree.serialization.ipynb #47b8421d
 def _check_entry(i: int, entry: tp.Any, data_len: int) -> tuple[np.dtype, tuple[int, ...], int, int]:

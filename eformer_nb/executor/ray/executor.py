@@ -391,6 +391,9 @@ def _execute_multislice(
                     schedule_timeout_s=schedule_timeout_s, multislice=True)
 
 
+RayExecutor.execute_multislice = classmethod(_execute_multislice)
+
+# %% ../../../nbs/14d_executor.ray.executor.ipynb #58013908
 def _execute_multislice_resumable(
     cls,
     remote_fn: tp.Any,  # the function (or Ray remote function) to run
@@ -415,6 +418,9 @@ def _execute_multislice_resumable(
                       max_retries_preemption, max_retries_failure, retry_delay_s)
 
 
+RayExecutor.execute_multislice_resumable = classmethod(_execute_multislice_resumable)
+
+# %% ../../../nbs/14d_executor.ray.executor.ipynb #865f9ac0
 def _flat(status: JobStatus, flatten: bool, nested: bool) -> JobStatus:
     if status.ok and nested and flatten:
         status.result = [r for row in status.result for r in row]
@@ -441,6 +447,9 @@ def _autoscale_execute(
     return _flat(st, flatten, nested=tpu)
 
 
+RayExecutor.autoscale_execute = staticmethod(_autoscale_execute)
+
+# %% ../../../nbs/14d_executor.ray.executor.ipynb #ac8e33e2
 def _autoscale_execute_resumable(
     cls,
     remote_fn: tp.Any,  # the function (or Ray remote function) to run
@@ -457,9 +466,6 @@ def _autoscale_execute_resumable(
                       max_retries_preemption, max_retries_failure, retry_delay_s)
 
 
-RayExecutor.execute_multislice = classmethod(_execute_multislice)
-RayExecutor.execute_multislice_resumable = classmethod(_execute_multislice_resumable)
-RayExecutor.autoscale_execute = staticmethod(_autoscale_execute)
 RayExecutor.autoscale_execute_resumable = classmethod(_autoscale_execute_resumable)
 
 # %% ../../../nbs/14d_executor.ray.executor.ipynb #20ece783
