@@ -6,6 +6,8 @@ sharded array as a step checkpoint and restore it onto another sharding; each ch
 prints the JSON files it wrote, the chunks it wrote and what its commit callback saw.
 `gcs_kill URL DIR POINT`: saves step 1 to gs:// DIR on the emulator at URL, then SIGKILLs itself at POINT of a
 re-save of step 1 (`arrays`, `commit`, `copy`, `drop`).
+`state_gcs_kill URL DIR POINT`: saves `state_of(1)` with `save_state` to gs:// DIR on the emulator at URL, then
+SIGKILLs itself at POINT of a re-save of `state_of(2)` (`model`, `optimizer`, `commit`, `drop`).
 `crashloop DIR [KIND]`: saves forever (the test SIGKILLs it); prints "ready N" after each save. KIND `ckpt`
 (the default): step checkpoints 1, 2, 3, ..., each re-saved once (an overwrite), old ones deleted; `tree`:
 `tree_serialize_leaves` over the same directory, `expected(N)` each time; `state`: `EasyDeLState.save_state` over
@@ -198,6 +200,51 @@ def gcs_kill(url: str, root: str, point: str) -> None:
     print("not killed", flush=True)
 
 
+def state_gcs_kill(url: str, root: str, point: str) -> None:
+    "Save `state_of(1)` to gs:// ROOT, then re-save `state_of(2)` over it, SIGKILLed at POINT."
+    import os
+    import signal
+
+    import eformer_nb.infra.base_state as bs
+    import eformer_nb.modules.llama.files as files
+    import eformer_nb.serialization.serialization as ser
+    from eformer_nb.paths import ePath, make_gcs_filesystem, set_gcs_filesystem
+
+    set_gcs_filesystem(make_gcs_filesystem(endpoint_url=url))
+    state_of(1).save_state(root, verbose=False)
+    kill = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+    real_files, real_opt, real_json, real_drop = files._write_files, bs._write_optimizer_file, ser._write_json, \
+        bs._drop_replaced
+
+    def model(*a):  # the new version's model files are written
+        n = real_files(*a)
+        if point == "model":
+            kill()
+        return n
+
+    def optimizer(*a):  # and its optimizer file: all but the state files
+        out = real_opt(*a)
+        if point == "optimizer":
+            kill()
+        return out
+
+    def state_json(f, obj):  # the commit: the folder's own state file naming the new version
+        if point == "commit" and ePath(f) == ePath(root) / bs.STATE_FILE:
+            kill()
+        return real_json(f, obj)
+
+    def drop(*a):  # after the commit: the replaced version is removed
+        if point == "drop":
+            kill()
+        return real_drop(*a)
+
+    files._write_files, bs._write_optimizer_file = model, optimizer
+    ser._write_json, bs._drop_replaced = state_json, drop
+    print("re-saving", flush=True)
+    state_of(2).save_state(root, verbose=False)
+    print("not killed", flush=True)
+
+
 def crashloop(root: str, kind: str = "ckpt") -> None:
     from eformer_nb.serialization import CheckpointManager, tree_serialize_leaves
 
@@ -254,9 +301,12 @@ if __name__ == "__main__":
         multiprocess_gcs(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
     elif mode == "gcs_kill":
         gcs_kill(*sys.argv[2:5])
+    elif mode == "state_gcs_kill":
+        state_gcs_kill(*sys.argv[2:5])
     elif mode == "crashloop":
         crashloop(*sys.argv[2:4])
     elif mode == "fsize":
         fsize(sys.argv[2], int(sys.argv[3]), *sys.argv[4:5])
     else:
-        sys.exit(f"unknown mode {mode!r}; expected multiprocess, multiprocess_gcs, crashloop or fsize")
+        sys.exit(f"unknown mode {mode!r}; expected multiprocess, multiprocess_gcs, gcs_kill, state_gcs_kill, "
+                 "crashloop or fsize")

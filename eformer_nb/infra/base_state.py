@@ -5,6 +5,8 @@
 # %% ../../nbs/13a_infra.base_state.ipynb #415b108b
 from __future__ import annotations
 
+import json
+import os
 import re
 import typing as tp
 
@@ -26,7 +28,7 @@ from ..pytree.tree_util import tree_bytes
 _logger = get_logger(__name__)
 
 # %% auto #0
-__all__ = ['NONFINITE_POLICIES', 'STATE_FILE', 'OPTIMIZER_PREFIX', 'STATE_FORMAT', 'STATE_FORMAT_VERSION',
+__all__ = ['NONFINITE_POLICIES', 'STATE_FILE', 'OPTIMIZER_PREFIX', 'OPTIMIZER_FILE', 'STATE_FORMAT', 'STATE_FORMAT_VERSION',
            'OptimizerStateMissingError', 'EasyDeLState', 'check_like_params']
 
 # %% ../../nbs/13a_infra.base_state.ipynb #71d8092e
@@ -482,37 +484,15 @@ def _shard_with_shape(self, shape: EasyDeLState  # a state-shaped tree of `Shard
 
 # %% ../../nbs/13a_infra.base_state.ipynb #9df3f4b9
 STATE_FILE = "easydel_state.json"  # step, format and optimizer leaf list of a saved state
-OPTIMIZER_PREFIX = "optimizer"  # the optimizer state's tree, inside the state folder
-STATE_FORMAT, STATE_FORMAT_VERSION = "eformer_nb.EasyDeLState", 2  # 2: digests of the file and the weights
+OPTIMIZER_PREFIX = "optimizer"  # the optimizer state's tree, inside the state folder (a save by several processes)
+OPTIMIZER_FILE = "optimizer.safetensors"  # the optimizer state of a one-process save, in one file (version 3)
+STATE_FORMAT, STATE_FORMAT_VERSION = "eformer_nb.EasyDeLState", 3  # 2: digests; 3: one optimizer file, one hash pass
+_VERSION_DIR = re.compile(r"state\.[0-9a-f]{8}")  # a gs:// save's version folder, named by the state file
 
 
 def _leaf_specs(tree) -> dict[str, list]:
     "`{path: [shape, dtype]}` of a tree of arrays or shape structs (nnx Variables count as leaves)."
     return {p: [list(np.shape(x)), np.dtype(x.dtype).name] for p, x in _leaf_paths(tree).items()}
-
-
-def _read_state_file(directory, check_weights: bool = False) -> dict:
-    from eformer_nb.paths import ePath, load_dict
-    from eformer_nb.serialization.serialization import _check_digest
-    path = ePath(directory) / STATE_FILE
-    if not path.exists():
-        hint = (" It holds a model (config.json) but no saved training state: load the model with "
-                "AutoModelForCausalLM.from_pretrained(...) and call .to_state()"
-                if (ePath(directory) / "config.json").exists() else "")
-        raise FileNotFoundError(
-            f"{str(path)!r} does not exist: {str(directory)!r} is not a folder written by "
-            f"EasyDeLState.save_state (or its save did not finish).{hint}"
-        )
-    meta = load_dict(path, format="json")
-    if meta.get("format") != STATE_FORMAT or meta.get("version") not in (1, STATE_FORMAT_VERSION):
-        raise ValueError(
-            f"{str(path)!r} has format {meta.get('format')!r} version {meta.get('version')!r}; "
-            f"expected {STATE_FORMAT!r} version 1 or {STATE_FORMAT_VERSION} (a newer eformer_nb wrote it: upgrade)"
-        )
-    _check_digest(meta, path, "state file")
-    if check_weights:  # the safetensors files against the digests recorded at save
-        _check_weights(ePath(directory), meta)
-    return meta
 
 
 def _check_optimizer_leaves(saved: dict, expected: dict, directory, tx) -> None:
@@ -539,9 +519,43 @@ def _check_optimizer_leaves(saved: dict, expected: dict, directory, tx) -> None:
             "optimizer and model it was saved with, or start a fresh one with state.init_tx(tx)"
         )
 
+# %% ../../nbs/13a_infra.base_state.ipynb #5a7e0c31
+def _state_folder(directory, meta: dict):
+    "Where the state's files are: `directory`, or the version folder its state file names (a gs:// save)."
+    from eformer_nb.paths import ePath
+    return ePath(directory) / meta["dir"] if meta.get("dir") else ePath(directory)
+
+
+def _read_state_file(directory, check_weights: bool = False) -> dict:
+    "The checked state file of `directory`; with `check_weights`, the model's files against their recorded digests."
+    from eformer_nb.paths import ePath, load_dict
+    from eformer_nb.serialization.serialization import CorruptCheckpointError, _check_digest
+    path = ePath(directory) / STATE_FILE
+    if not path.exists():
+        hint = (" It holds a model (config.json) but no saved training state: load the model with "
+                "AutoModelForCausalLM.from_pretrained(...) and call .to_state()"
+                if (ePath(directory) / "config.json").exists() else "")
+        raise FileNotFoundError(
+            f"{str(path)!r} does not exist: {str(directory)!r} is not a folder written by "
+            f"EasyDeLState.save_state (or its save did not finish).{hint}"
+        )
+    meta = load_dict(path, format="json")
+    if meta.get("format") != STATE_FORMAT or meta.get("version") not in (1, 2, STATE_FORMAT_VERSION):
+        raise ValueError(
+            f"{str(path)!r} has format {meta.get('format')!r} version {meta.get('version')!r}; "
+            f"expected {STATE_FORMAT!r} version 1 to {STATE_FORMAT_VERSION} (a newer eformer_nb wrote it: upgrade)"
+        )
+    _check_digest(meta, path, "state file")
+    if meta.get("dir") is not None and not _VERSION_DIR.fullmatch(str(meta["dir"])):
+        raise CorruptCheckpointError(f"{str(path)!r} names the version folder {meta['dir']!r}; expected 'state.<hex>'")
+    if check_weights:  # the model's files against the digests recorded at save
+        _check_weights(_state_folder(directory, meta), meta)
+    return meta
+
 # %% ../../nbs/13a_infra.base_state.ipynb #6bab507b
 _STATE_OWNED = re.compile(r"^(easydel_state\.json|config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors"
-                          r"|model\.safetensors\.index\.json|optimizer|\.eformer_nb)$")  # what save_state writes
+                          r"|model\.safetensors\.index\.json|optimizer|optimizer\.safetensors|state\.[0-9a-f]{8}"
+                          r"|\.eformer_nb)$")  # what save_state writes
 
 
 def _state_foreign(directory, overwrite: bool) -> list[str]:
@@ -555,43 +569,167 @@ def _state_foreign(directory, overwrite: bool) -> list[str]:
     return foreign
 
 
-def _weight_digests(directory) -> dict[str, str]:
-    "sha256 of the model's files in `directory`: config.json and the safetensors (recorded at save, checked at load)."
+def _header_digest(f) -> str | None:
+    "The tensors' digest `save_pretrained` recorded in safetensors file `f`'s header (None: it records none)."
+    from eformer_nb.modules.llama.files import WEIGHTS_DIGEST_KEY
+    from eformer_nb.serialization.serialization import CorruptCheckpointError
+    try:
+        with f.open("rb") as h:
+            n = int.from_bytes(h.read(8), "little")
+            digest = (json.loads(h.read(min(n, 1 << 26))).get("__metadata__") or {}).get(WEIGHTS_DIGEST_KEY)
+    except (ValueError, AttributeError) as e:  # bad JSON or UTF-8, a header that is not an object
+        raise CorruptCheckpointError(f"{str(f)!r}: its safetensors header does not parse ({e}): the file is damaged"
+                                     ) from None
+    return digest if isinstance(digest, str) else None
+
+# %% ../../nbs/13a_infra.base_state.ipynb #7c1d9e42
+def _weight_digests(directory, version: int = STATE_FORMAT_VERSION) -> dict[str, str]:
+    """The model files' digests, recorded at save and checked at load. Version 2: the sha256 of each file. Version 3:
+    for a safetensors file whose header records its tensors' digest, that one (`'tensors:...'`: the reader checks the
+    tensors against it as it reads them, so the bytes are hashed once); else the sha256 of the file (`'sha256:...'`)."""
     import hashlib
     files = sorted(directory.glob("model*.safetensors*")) + [p for p in [directory / "config.json"] if p.exists()]
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    out = {}
+    for p in files:
+        header = _header_digest(p) if version >= 3 and p.name.endswith(".safetensors") else None
+        sha = None if header else hashlib.sha256(p.read_bytes()).hexdigest()
+        out[p.name] = sha if version < 3 else f"tensors:{header}" if header else f"sha256:{sha}"
+    return out
 
 
 def _check_weights(directory, meta: dict) -> None:
-    "A `CorruptCheckpointError` naming the file when a safetensors file is missing or differs from its saved digest."
+    "A `CorruptCheckpointError` naming the file when a model file is missing or differs from its saved digest."
+    import hashlib
     from eformer_nb.serialization.serialization import CorruptCheckpointError
-    want = meta.get("weights")
-    if want is None:  # version 1: saved before digests
-        return
-    have = _weight_digests(directory)
-    for name, digest in want.items():
-        if have.get(name) != digest:
-            raise CorruptCheckpointError(f"{str(directory / name)!r}: sha256 {have.get(name, 'missing')!r}, saved as "
-                                         f"{digest!r}: the model's file was modified or is damaged")
+    for name, digest in (meta.get("weights") or {}).items():  # none in version 1: saved before digests
+        f = directory / name
+        kind, _, want = digest.rpartition(":")  # version 2: a bare sha256 of the file
+        if not f.exists():
+            have = "missing"
+        else:
+            have = _header_digest(f) if kind == "tensors" else hashlib.sha256(f.read_bytes()).hexdigest()
+        if have != want:
+            raise CorruptCheckpointError(f"{str(f)!r}: {kind or 'sha256'} digest {have!r}, saved as {want!r}: the "
+                                         "model's file was modified or is damaged")
 
+# %% ../../nbs/13a_infra.base_state.ipynb #8e2f4a17
+def _write_optimizer_file(work, opt_state) -> dict:
+    "Write the optimizer state's arrays into one safetensors file in `work`, durably; its entry for the state file."
+    import google_crc32c
+    from eformer_nb.modules.llama.files import safetensors_parts
+    from eformer_nb.paths import atomic_write_local, is_remote_path
+    parts = safetensors_parts({p: np.asarray(jax.device_get(x)) for p, x in _leaf_paths(opt_state).items()})
+    crc = 0
+    for part in parts:  # the file's bytes in order, without joining them
+        crc = google_crc32c.extend(crc, part)
+    f = work / OPTIMIZER_FILE
+    if is_remote_path(f):
+        f.write_bytes(b"".join(bytes(p) for p in parts))  # one object, replaced whole
+    else:
+        atomic_write_local(os.fspath(f), parts, fsync=True)
+    return {"file": OPTIMIZER_FILE, "bytes": sum(len(memoryview(p).cast("B")) for p in parts), "crc32c": crc}
+
+
+def _read_optimizer_file(folder, saved: dict, template):
+    "The optimizer state in `folder`'s file, checked against its size and crc32c, each leaf placed like `template`'s."
+    import google_crc32c
+    from eformer_nb.modules.llama.files import safetensors_loads
+    from eformer_nb.serialization.serialization import CorruptCheckpointError
+    f = folder / saved["file"]
+    blob = f.read_bytes() if f.exists() else b""
+    crc = google_crc32c.value(blob)
+    if len(blob) != saved["bytes"] or crc != saved["crc32c"]:
+        raise CorruptCheckpointError(f"{str(f)!r}: {len(blob)} bytes with crc32c {crc:#010x}, saved as {saved['bytes']} "
+                                     f"bytes with crc32c {saved['crc32c']:#010x}: the optimizer state is damaged or missing")
+    arrays = safetensors_loads(blob)
+
+    def put(path: str, like):
+        a = arrays.get(path)
+        if a is None or a.shape != tuple(like.shape) or a.dtype != like.dtype:
+            raise CorruptCheckpointError(f"{str(f)!r}: leaf {path!r} is {'missing' if a is None else f'{a.dtype}{list(a.shape)}'}"
+                                         f", expected {np.dtype(like.dtype).name}{list(like.shape)}")
+        sharding = getattr(like, "sharding", None)
+        return jax.device_put(a, sharding) if sharding is not None else jnp.asarray(a)
+
+    return map_leaves_with_path(put, template)
 
 # %% ../../nbs/13a_infra.base_state.ipynb #4e56de38
-def _write_state(state, work, float_dtype, save_optimizer: bool) -> tuple[int, dict | None]:
-    "Write the model, the optimizer state and (process 0, last) the state file into `work`; the step and optimizer entry."
+def _sync_files(work) -> None:
+    "fsync the model's files in local folder `work`: on disk before the state that names them is committed."
+    for p in list(work.glob("model*.safetensors*")) + [work / "config.json"]:
+        if p.exists():
+            fd = os.open(os.fspath(p), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _write_state(state, work, float_dtype, save_optimizer: bool) -> tuple[int, dict | None, dict | None]:
+    """Write the model, the optimizer state and (process 0, last) the state file into `work`; the step, the optimizer
+    entry and (process 0) the state file's contents."""
+    from eformer_nb.paths import is_remote_path
     from eformer_nb.serialization.serialization import _write_json, tree_serialize_leaves
 
     step = int(jax.device_get(state.step))
     state.model.save_pretrained(str(work), float_dtype=float_dtype)  # not step=: that would write into run-{step}/
     optimizer = None
     if save_optimizer and state.opt_state is not None:
-        tree_serialize_leaves(work, state.opt_state, prefix=OPTIMIZER_PREFIX)
-        optimizer = {"prefix": OPTIMIZER_PREFIX, "tx": type(state.tx).__name__, "leaves": _leaf_specs(state.opt_state)}
+        optimizer = {"tx": type(state.tx).__name__, "leaves": _leaf_specs(state.opt_state)}
+        if jax.process_count() == 1:  # one file: one write, one fsync, one crc32c pass
+            optimizer.update(_write_optimizer_file(work, state.opt_state))
+        else:  # each process writes its own shards
+            tree_serialize_leaves(work, state.opt_state, prefix=OPTIMIZER_PREFIX)
+            optimizer["prefix"] = OPTIMIZER_PREFIX
+    meta = None
     if jax.process_index() == 0:
-        _write_json(work / STATE_FILE, {"format": STATE_FORMAT, "version": STATE_FORMAT_VERSION, "step": step,
-                                        "skipped_steps": int(jax.device_get(state.skipped_steps)),
-                                        "optimizer": optimizer, "weights": _weight_digests(work)})
-    return step, optimizer
+        if not is_remote_path(work):
+            _sync_files(work)
+        meta = {"format": STATE_FORMAT, "version": STATE_FORMAT_VERSION, "step": step,
+                "skipped_steps": int(jax.device_get(state.skipped_steps)), "optimizer": optimizer,
+                "weights": _weight_digests(work)}
+        _write_json(work / STATE_FILE, meta)
+    return step, optimizer, meta
 
+# %% ../../nbs/13a_infra.base_state.ipynb #9f3a5b28
+def _committed_state(directory) -> dict | None:
+    "The state file `directory` holds now, or None (none, or one that fails its checks: then nothing is removed)."
+    try:
+        return _read_state_file(directory)
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _drop_versions(directory, keep: str | None) -> None:
+    "Remove the version folders of `directory` that a save of ours marked, except `keep` (the committed one)."
+    from eformer_nb.serialization.base_manager import MARKER_FILE
+    if directory.is_dir():
+        for p in directory.iterdir():
+            if _VERSION_DIR.fullmatch(p.name) and p.name != keep and (p / MARKER_FILE).exists():
+                p.rmtree()
+
+
+def _begin_version(directory, name: str, old: dict | None):
+    "A new, marked version folder `directory/name` for a gs:// save; crashed saves' marked folders are removed first."
+    from eformer_nb.serialization.base_manager import MARKER_FILE
+    _drop_versions(directory, keep=(old or {}).get("dir"))
+    work = directory / name
+    (work / MARKER_FILE).write_text(json.dumps({"format": STATE_FORMAT, "pid": os.getpid()}))
+    return work
+
+
+def _drop_replaced(directory, old: dict | None, committed: str) -> None:
+    "After a gs:// commit: our other version folders, and the files an older in-place state named (nothing else)."
+    _drop_versions(directory, keep=committed)
+    if old is None or old.get("dir"):
+        return
+    for name in old.get("weights") or {}:
+        (directory / name).unlink(missing_ok=True)
+    opt = old.get("optimizer") or {}
+    if opt.get("file"):
+        (directory / opt["file"]).unlink(missing_ok=True)
+    if opt.get("prefix"):
+        (directory / opt["prefix"]).rmtree(missing_ok=True)
 
 # %% ../../nbs/13a_infra.base_state.ipynb #fe3a2804
 @_method("save_state")
@@ -605,12 +743,15 @@ def _save_state(
     enable: bool | None = None,  # False: write nothing; None/True: every process takes part (writes are collective)
     overwrite: bool = False,  # save into a folder holding other files that is not a saved state (they are kept)
 ):
-    """Save the model (Hugging Face layout, through its `save_pretrained`), the optimizer state and the step; locally
-    into a fresh `.partial` folder swapped in at the end, so a failed re-save leaves the previous state loadable."""
+    """Save the model (Hugging Face layout, through its `save_pretrained`), the optimizer state and the step. Locally
+    into a fresh `.partial` folder swapped in at the end; on gs:// into a new version folder `state.<hex>` that one
+    write of the state file commits. Either way a failed re-save leaves the previous state loadable."""
+    import secrets
+
     from eformer_nb.paths import ePath, is_remote_path
     from eformer_nb.serialization.base_manager import fresh_work_dir, rename_into_place
-    from eformer_nb.serialization.serialization import exclusive_writer, refuse_destination, sync_processes
-
+    from eformer_nb.serialization.serialization import (_write_json, broadcast_from_first, exclusive_writer,
+                                                        refuse_destination, sync_processes)
     if enable is False:
         return None
     if not callable(getattr(self.model, "save_pretrained", None)):
@@ -622,20 +763,27 @@ def _save_state(
     refuse_destination(directory, "save_state")
     local = not is_remote_path(directory)
     with exclusive_writer(directory, "state"):
-        work = directory.parent / (directory.name + ".partial") if local else directory
+        name = directory.name + ".partial" if local else broadcast_from_first(f"state.{secrets.token_hex(4)}", "state")
+        work, old = (directory.parent / name if local else directory / name), None
         if first:
             foreign = _state_foreign(directory, overwrite)
-            fresh_work_dir(directory, foreign) if local else directory.mkdir(parents=True, exist_ok=True)
+            if local:
+                fresh_work_dir(directory, foreign)
+            else:
+                old = _committed_state(directory)
+                _begin_version(directory, name, old)
         sync_processes("state-begin")
-        step, optimizer = _write_state(self, work, float_dtype, save_optimizer)
+        step, optimizer, meta = _write_state(self, work, float_dtype, save_optimizer)
         if first and local:
             rename_into_place(work, directory)
+        elif first:  # the commit: one object write; until it lands the previous state file and files are untouched
+            _write_json(directory / STATE_FILE, dict(meta, dir=name))
+            _drop_replaced(directory, old, name)
         sync_processes("state-committed")
     if verbose:
         _logger.info("saved state at step %d to %s (model%s)", step, directory,
                      " and optimizer state" if optimizer else "; no optimizer state")
     return directory
-
 
 # %% ../../nbs/13a_infra.base_state.ipynb #58659812
 @_method("load_optimizer")
@@ -646,7 +794,8 @@ def _load_optimizer(self, load_directory,  # a folder written by `save_state`
     if self.tx is None:
         raise ValueError("load_optimizer needs the optimizer the state was saved with, to rebuild its structure: "
                          "state.replace(tx=tx).load_optimizer(dir), or EasyDeLState.load_state(dir, tx=tx)")
-    saved = _read_state_file(load_directory).get("optimizer")
+    meta = _read_state_file(load_directory)
+    saved = meta.get("optimizer")
     if saved is None:
         raise FileNotFoundError(f"{str(load_directory)!r} holds no optimizer state: it was saved with "
                                 "save_optimizer=False or from a state without one; start one with state.init_tx(tx)")
@@ -655,7 +804,10 @@ def _load_optimizer(self, load_directory,  # a folder written by `save_state`
     shardings = _opt_shardings(self, shapes)
     template = shapes if shardings is None else jax.tree_util.tree_map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
-    return self.replace(opt_state=tree_deserialize_leaves(load_directory, prefix=saved["prefix"], template=template))
+    folder = _state_folder(load_directory, meta)
+    if saved.get("file"):  # version 3, one process
+        return self.replace(opt_state=_read_optimizer_file(folder, saved, template))
+    return self.replace(opt_state=tree_deserialize_leaves(folder, prefix=saved["prefix"], template=template))
 
 # %% ../../nbs/13a_infra.base_state.ipynb #784596ac
 def _module_class(model_task, directory):
@@ -764,7 +916,6 @@ def _load_state(
 ) -> EasyDeLState:  # the loaded state
     "Rebuild the model from `config.json` through the registry, load its weights, step and (with `tx`) optimizer state."
     from eformer_nb.escale.mesh import create_mesh
-    from eformer_nb.paths import ePath
     meta = _read_state_file(load_directory, check_weights=True)  # first: a clear error for a folder that is not a saved state
     if tx is not None and meta.get("optimizer") is None:
         raise FileNotFoundError(f"load_state(tx=...) asks for the optimizer state, but {str(load_directory)!r} holds "
@@ -772,10 +923,11 @@ def _load_state(
                                 "and call state.init_tx(tx) for a fresh one")
     for name, value in (("backend", backend), ("platform", platform), ("quantization_platform", quantization_platform)):
         _check_platform(name, value)
-    module_cls = _module_class(model_task, ePath(load_directory))
+    folder = _state_folder(load_directory, meta)  # gs://: the committed version folder
+    module_cls = _module_class(model_task, folder)
     config_kwargs = _config_overrides(module_cls, config_kwargs, shard_attention_computation, partition_axis)
     mesh = create_mesh(sharding_axis_dims, sharding_axis_names, sharding_dcn_axis_dims) if auto_shard_model else None
-    model = module_cls.from_pretrained(str(load_directory), dtype=dtype, param_dtype=param_dtype,
+    model = module_cls.from_pretrained(str(folder), dtype=dtype, param_dtype=param_dtype,
                                        precision=precision, mesh=mesh, partition_rules=partition_rules,
                                        config_kwargs=config_kwargs, **kwargs)
     if quantization_method is not None:

@@ -5,6 +5,7 @@
 # %% ../../../nbs/12e_modules.llama.files.ipynb #cf71b536
 from __future__ import annotations
 
+import json
 import os
 import re
 import tempfile
@@ -18,9 +19,9 @@ from ...paths import ePath
 logger = get_logger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'WEIGHTS_NAME', 'WEIGHTS_INDEX_NAME', 'WEIGHTS_DIGEST_KEY', 'safetensors_dumps', 'safetensors_loads',
-           'hf_name', 'to_hf_state_dict', 'parse_size', 'weights_digest', 'read_verified_weights', 'save_pretrained',
-           'load_weights', 'from_pretrained', 'push_to_hub']
+__all__ = ['logger', 'WEIGHTS_NAME', 'WEIGHTS_INDEX_NAME', 'WEIGHTS_DIGEST_KEY', 'safetensors_parts', 'safetensors_dumps',
+           'safetensors_loads', 'hf_name', 'to_hf_state_dict', 'parse_size', 'weights_digest', 'read_verified_weights',
+           'save_pretrained', 'load_weights', 'from_pretrained', 'push_to_hub']
 
 # %% ../../../nbs/12e_modules.llama.files.ipynb #cb732a9b
 WEIGHTS_NAME = "model.safetensors"
@@ -28,6 +29,30 @@ WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
               "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
               "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+_ST_CODES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def safetensors_parts(
+    tensors: dict[str, np.ndarray],  # name -> array
+    metadata: dict[str, str] | None = None,  # strings stored in the file's header
+) -> list:
+    """The safetensors file of `tensors` as buffers to write in order: the header, then each array's own bytes (no
+    copy of the data; widest dtypes first, so every array stays aligned)."""
+    alive = {k: np.asarray(v, order="C") for k, v in tensors.items()}  # (ascontiguousarray makes a scalar 1-d)
+    bad = {k: v.dtype.name for k, v in alive.items() if v.dtype.name not in _ST_CODES}
+    if bad:
+        raise ValueError(f"tensors {sorted(bad)[:5]} have dtypes {sorted(set(bad.values()))} that safetensors cannot "
+                         f"store; supported: {sorted(_ST_CODES)}")
+    order = sorted(alive, key=lambda k: (-alive[k].dtype.itemsize, k))
+    header, offset = {"__metadata__": dict(metadata)} if metadata else {}, 0
+    for k in order:
+        header[k] = {"dtype": _ST_CODES[alive[k].dtype.name], "shape": list(alive[k].shape),
+                     "data_offsets": [offset, offset + alive[k].nbytes]}
+        offset += alive[k].nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    return [len(head).to_bytes(8, "little") + head] + [alive[k].reshape(-1).view(np.uint8) for k in order
+                                                       if alive[k].nbytes]
 
 
 def safetensors_dumps(
@@ -35,25 +60,47 @@ def safetensors_dumps(
     metadata: dict[str, str] | None = None,  # strings stored in the file's header
 ) -> bytes:
     "The safetensors bytes of `tensors` (NumPy arrays, bfloat16 and float8 included)."
-    from safetensors import TensorSpec, serialize
-    alive = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
-    specs = {k: TensorSpec(dtype=v.dtype.name, shape=v.shape, data_ptr=v.ctypes.data, data_len=v.nbytes)
-             for k, v in alive.items()}
-    return serialize(specs, metadata=metadata)
+    return b"".join(bytes(p) if isinstance(p, np.ndarray) else p for p in safetensors_parts(tensors, metadata))
+
+# %% ../../../nbs/12e_modules.llama.files.ipynb #d41c7b60
+def _st_header(view: memoryview) -> tuple[dict, int]:
+    "The header of safetensors bytes and where the data starts; a `ValueError` saying what is wrong."
+    n = int.from_bytes(view[:8], "little") if len(view) >= 8 else -1
+    if n < 2 or 8 + n > len(view):
+        raise ValueError(f"not safetensors data: its header length {n} does not fit the {len(view)} bytes (truncated?)")
+    header = json.loads(bytes(view[8:8 + n]))
+    if not isinstance(header, dict):
+        raise ValueError(f"not safetensors data: its header is a {type(header).__name__}, expected a JSON object")
+    return header, 8 + n
 
 
 def safetensors_loads(
     blob: bytes,  # the bytes of a safetensors file
 ) -> dict[str, np.ndarray]:
-    "The tensors of safetensors bytes as NumPy arrays."
+    "The tensors of safetensors bytes as read-only NumPy arrays over `blob` (no copy); malformed data is a `ValueError`."
     import ml_dtypes  # noqa: F401  (registers bfloat16/float8 with NumPy)
-    from safetensors import deserialize
-    out = {}
-    for name, t in deserialize(blob):
-        if t["dtype"] not in _ST_DTYPES:
-            raise ValueError(f"tensor {name!r} has safetensors dtype {t['dtype']!r}; supported: {sorted(_ST_DTYPES)}")
+    view = memoryview(blob)
+    header, start = _st_header(view)
+    out, spans = {}, []
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        if t.get("dtype") not in _ST_DTYPES:
+            raise ValueError(f"tensor {name!r} has safetensors dtype {t.get('dtype')!r}; supported: {sorted(_ST_DTYPES)}")
         dtype = np.dtype(getattr(ml_dtypes, _ST_DTYPES[t["dtype"]], None) or _ST_DTYPES[t["dtype"]])
-        out[name] = np.frombuffer(bytes(t["data"]), dtype=dtype).reshape(t["shape"])
+        (b, e), shape = t["data_offsets"], tuple(t["shape"])
+        if e - b != int(np.prod(shape)) * dtype.itemsize or b < 0 or start + e > len(view):
+            raise ValueError(f"tensor {name!r}: bytes [{b}, {e}) do not hold a {dtype.name}{list(shape)} inside the "
+                             f"{len(view) - start} data bytes")
+        out[name] = np.frombuffer(view, dtype, int(np.prod(shape)), start + b).reshape(shape)
+        spans.append((b, e))
+    end = 0
+    for b, e in sorted(spans):  # one after the other, from the start to the end of the data, as the format says
+        if b != end:
+            raise ValueError(f"not safetensors data: a tensor starts at byte {b}, the one before ends at {end}")
+        end = e
+    if end != len(view) - start:
+        raise ValueError(f"not safetensors data: the tensors end at byte {end} of {len(view) - start} data bytes")
     return out
 
 # %% ../../../nbs/12e_modules.llama.files.ipynb #47341816
@@ -158,11 +205,13 @@ def read_verified_weights(
 ) -> dict[str, np.ndarray]:
     """The tensors of `f`, checked against the digest `save_pretrained` recorded in its header (files written
     elsewhere carry none and are read as they are); a mismatch is an error naming the file."""
-    import json as _j
     blob = f.read_bytes()
-    tensors = safetensors_loads(blob)
-    n = int.from_bytes(blob[:8], "little")
-    recorded = (_j.loads(blob[8:8 + n]).get("__metadata__") or {}).get(WEIGHTS_DIGEST_KEY)
+    try:
+        tensors = safetensors_loads(blob)
+        recorded = (_st_header(memoryview(blob))[0].get("__metadata__") or {}).get(WEIGHTS_DIGEST_KEY)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # a damaged header
+        raise ValueError(f"{str(f)!r} is not a readable safetensors file ({type(e).__name__}: {e}); the file is "
+                         "damaged or truncated: restore it from a good copy") from None
     if recorded is not None and recorded != weights_digest(tensors):
         raise ValueError(f"{str(f)!r}: its tensors do not match the digest save_pretrained recorded (stored "
                          f"{recorded[:16]}..., computed {weights_digest(tensors)[:16]}...): the file was modified or "
@@ -176,6 +225,7 @@ _HF_OWNED = re.compile(r"^(config\.json|model(-\d+-of-\d+)?\.safetensors|model\.
 def _write_files(model, d: ePath, tensors: dict, max_shard_size) -> int:
     "Write config.json and the safetensors file(s) of `tensors` into folder `d` (its old weight files removed first)."
     import jax.numpy as jnp
+    from ...paths import atomic_write_local, is_remote_path
     d.mkdir(parents=True, exist_ok=True)
     for old in list(d.glob("model*.safetensors")) + list(d.glob(WEIGHTS_INDEX_NAME)):
         old.unlink()
@@ -183,7 +233,11 @@ def _write_files(model, d: ePath, tensors: dict, max_shard_size) -> int:
     n = len(shards)
     names = [WEIGHTS_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     for name, shard in zip(names, shards):
-        (d / name).write_bytes(safetensors_dumps(shard, {"format": "pt", WEIGHTS_DIGEST_KEY: weights_digest(shard)}))
+        parts = safetensors_parts(shard, {"format": "pt", WEIGHTS_DIGEST_KEY: weights_digest(shard)})
+        if is_remote_path(d):
+            (d / name).write_bytes(b"".join(bytes(p) for p in parts))  # one object, replaced whole
+        else:  # the arrays' own bytes, no joined copy; on disk before the folder is swapped in
+            atomic_write_local(os.fspath(d / name), parts, fsync=True)
     if n > 1:
         index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))},
                  "weight_map": {t: name for name, shard in zip(names, shards) for t in shard}}
@@ -213,7 +267,6 @@ def _write_folder(model, d: ePath, tensors: dict, max_shard_size) -> int:
         if MARKER_FILE not in keep:  # a finished Hugging Face folder carries no marker
             (d / MARKER_FILE).unlink()
     return n
-
 
 # %% ../../../nbs/12e_modules.llama.files.ipynb #5537fcd3
 def save_pretrained(
@@ -281,7 +334,7 @@ def _read_weights(sources: list, by_hf: dict, flat_shapes: dict, place: dict, co
                     f"intermediate_size={config.intermediate_size}); config and weights do not match"
                 )
             arr = arr.T if transposed else arr
-            arr = arr.astype(param_dtype) if jnp.issubdtype(arr.dtype, jnp.floating) else arr
+            arr = arr.astype(param_dtype, copy=False) if jnp.issubdtype(arr.dtype, jnp.floating) else arr
             values[path] = place[path](arr) if path in place else jnp.asarray(arr)
     return values, unexpected
 
