@@ -3195,6 +3195,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                                 'eformer_nb/serialization/base_manager.py'),
                                                        'eformer_nb.serialization.base_manager._record_prefix': ( 'nbs/serialization.base_manager.html#_record_prefix',
                                                                                                                  'eformer_nb/serialization/base_manager.py'),
+                                                       'eformer_nb.serialization.base_manager._remove_marker_last': ( 'nbs/serialization.base_manager.html#_remove_marker_last',
+                                                                                                                      'eformer_nb/serialization/base_manager.py'),
                                                        'eformer_nb.serialization.base_manager._restore_old': ( 'nbs/serialization.base_manager.html#_restore_old',
                                                                                                                'eformer_nb/serialization/base_manager.py'),
                                                        'eformer_nb.serialization.base_manager._step_regex': ( 'nbs/serialization.base_manager.html#_step_regex',

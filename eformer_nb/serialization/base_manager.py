@@ -241,6 +241,17 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(err, os.strerror(err), a)
 
 
+def _remove_marker_last(d: ePath) -> None:
+    """Remove our marked directory `d`, its marker last: a crash part-way leaves a directory still marked as ours (which
+    `clean_stale` removes), never an unmarked one that every later save of its step must refuse as not ours."""
+    for p in d.iterdir():  # sorted by name: the marker (".eformer_nb") would otherwise be among the first to go
+        if p.name != MARKER_FILE:
+            p.rmtree() if p.is_dir() else p.unlink(missing_ok=True)
+    (d / MARKER_FILE).unlink(missing_ok=True)
+    if not is_remote_path(d):  # object stores have no directories: the prefix is gone with its last object
+        d.rmdir()
+
+
 # %% ../../nbs/10b_serialization.base_manager.ipynb #4f5abe4f
 def rename_into_place(
     work: ePath,  # a finished local directory or file
@@ -253,12 +264,12 @@ def rename_into_place(
         os.replace(work.path, dest.path)
     elif _exchange(os.fspath(work), os.fspath(dest)):
         _fsync_dir(dest.parent)
-        work.rmtree()  # now the old version (a crash here leaves a marked .partial: clean_stale removes it)
+        _remove_marker_last(work)  # now the old version (a crash here leaves a marked .partial: clean_stale removes it)
         return
     else:
         old = dest.parent / (dest.name + _OLD_SUFFIX)
         if old.exists():
-            old.rmtree()
+            _remove_marker_last(old)
         os.replace(dest.path, old.path)
         try:
             os.replace(work.path, dest.path)
@@ -266,7 +277,7 @@ def rename_into_place(
             os.replace(old.path, dest.path)
             raise
         _fsync_dir(dest.parent)
-        old.rmtree()
+        _remove_marker_last(old)
     _fsync_dir(dest.parent)
 
 
@@ -471,7 +482,7 @@ def clean_stale(
         if (stale or torn) and (child / MARKER_FILE).exists():  # never a directory we did not make
             try:
                 with exclusive_writer(base / child.name.split(".")[0]):  # skip one a live writer is writing
-                    child.rmtree()
+                    _remove_marker_last(child)
             except CheckpointLockedError:
                 continue
             removed.append(child.name)
