@@ -91,7 +91,8 @@ def _real_projection(name: str = "blk.0.ffn_down.weight") -> np.ndarray:
     from eformer_nb.modules.llama.gguf import packaged_gguf
     reader = gguf.GGUFReader(packaged_gguf())
     t = next(t for t in reader.tensors if t.name == name)
-    return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape([int(n) for n in t.shape[::-1]])
+    shape = [int(n) for n in t.shape[::-1]]
+    return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
 
 
 def test_model_quantize_nf4_codes_are_bitsandbytes_codes_on_a_real_projection():
