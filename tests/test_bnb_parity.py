@@ -81,3 +81,61 @@ def test_8bit_blockwise_matches_bitsandbytes(size):
     np.testing.assert_array_equal(np.asarray(scale), st.absmax.numpy())
     back = bnb_f.dequantize_blockwise(q, st).numpy() + np.float32(offset)
     np.testing.assert_array_equal(np.asarray(dequantize_8bit(codes, scale, offset)), back)
+
+
+# --- the layout `modules.llama` quantizes kernels in: blocks of input features, on a real projection --------------
+
+def _real_projection(name: str = "blk.0.ffn_down.weight") -> np.ndarray:
+    "One projection of SmolLM2-135M-Instruct (the packaged GGUF), dequantized to float32, torch's `(out, in)` layout."
+    gguf = pytest.importorskip("gguf", reason="gguf cannot be imported (hf extra)")
+    from eformer_nb.modules.llama.gguf import packaged_gguf
+    reader = gguf.GGUFReader(packaged_gguf())
+    t = next(t for t in reader.tensors if t.name == name)
+    shape = [int(n) for n in t.shape[::-1]]
+    return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
+
+
+def test_model_quantize_nf4_codes_are_bitsandbytes_codes_on_a_real_projection():
+    """`quantize("nf4")` of a model stores each `(in, out)` kernel in blocks of input features: the codes and scales of
+    bitsandbytes' `quantize_4bit` of the `(out, in)` weight, byte for byte; the matmul equals the dense one."""
+    from flax import nnx
+
+    from eformer_nb.jaximus import implicit
+    from eformer_nb.modules.llama.adapters import quantize as quantize_model
+    from eformer_nb.modules.llama.modeling import Linear
+
+    w = _real_projection()  # (576, 1536): down_proj of layer 0
+    out_f, in_f = w.shape
+
+    class Block(nnx.Module):
+        def __init__(self):
+            self.down_proj = Linear(in_f, out_f, rngs=nnx.Rngs(0))
+
+    block = Block()
+    block.down_proj.kernel.set_value(jnp.asarray(w.T))  # our (in, out) kernel
+    quantize_model(block, "nf4")
+    ours = block.down_proj.kernel.get_value()
+    assert isinstance(ours, ArrayNF4) and ours.transposed and ours.shape == (in_f, out_f)
+    packed, state = bnb_f.quantize_4bit(torch.from_numpy(w.copy()), quant_type="nf4", blocksize=64)
+    np.testing.assert_array_equal(np.asarray(ours.packed), packed.numpy().reshape(out_f, in_f // 2))
+    np.testing.assert_array_equal(np.asarray(ours.absmax), state.absmax.numpy().reshape(out_f, in_f // 64))
+    theirs = bnb_f.dequantize_4bit(packed, state).numpy()
+    np.testing.assert_array_equal(np.asarray(materialize(ours)), theirs.T)
+    # the fused matmul of the transposed layout equals dequantize-then-matmul, and torch's Linear on bnb's weight
+    x = np.random.default_rng(0).standard_normal((3, in_f)).astype(np.float32)
+    got = np.asarray(jax.jit(implicit(lambda x, k: x @ k))(jnp.asarray(x), ours))
+    np.testing.assert_allclose(got, x @ theirs.T, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got, torch.nn.functional.linear(torch.from_numpy(x), torch.from_numpy(theirs)).numpy(),
+                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(block.down_proj(jnp.asarray(x))), got, rtol=1e-5, atol=1e-5)
+
+
+def test_nf4_double_quant_input_blocks_match_bitsandbytes_on_a_real_projection():
+    "Double quantization in the input-feature layout: bitsandbytes' 8-bit absmax codes and values, on a real weight."
+    w = _real_projection("blk.3.attn_v.weight")  # (192, 576)
+    ours = jax.jit(lambda k: ArrayNF4.quantize(k, block_size=64, double_quant=True, block_axis=-2))(jnp.asarray(w.T))
+    packed, st = bnb_f.quantize_4bit(torch.from_numpy(w.copy()), quant_type="nf4", blocksize=64,
+                                     compress_statistics=True)
+    np.testing.assert_array_equal(np.asarray(ours.packed).reshape(-1), packed.numpy().reshape(-1))
+    np.testing.assert_array_equal(np.asarray(ours.qabsmax).reshape(-1), st.absmax.numpy())
+    np.testing.assert_array_equal(np.asarray(materialize(ours)), bnb_f.dequantize_4bit(packed, st).numpy().T)

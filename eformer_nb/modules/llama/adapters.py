@@ -122,9 +122,12 @@ def quantize(
 ):
     """Quantize the kernels of the selected layers (default: every projection; the LM head and the embeddings stay
     float). `quantization_config`: a `QuantizationConfig`, a type name (`"nf4"`, `"int8"`, ...) or None for INT8.
-    `quantize_tensors=False` keeps float kernels and fake-quantizes them in the forward (straight-through)."""
-    from eformer_nb.ops.quantization import quantize as quantize_array, resolve_config
+    `quantize_tensors=False` keeps float kernels and fake-quantizes them in the forward (straight-through). NF4 blocks
+    run along the input features (`block_axis=-2`, bitsandbytes' layout) unless the config says otherwise."""
+    from eformer_nb.ops.quantization import QuantizationType, quantize as quantize_array, resolve_config
     config = resolve_config("int8" if quantization_config is None else quantization_config)
+    if config.dtype is QuantizationType.NF4 and config.block_axis is None:
+        config = resolve_config(config, block_axis=-2)  # kernels are (in, out): blocks of inputs, as bitsandbytes
     for path, m in select_linears(model, pattern):
         kernel = m.kernel.get_value()
         if is_implicit(kernel):

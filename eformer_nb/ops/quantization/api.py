@@ -47,7 +47,7 @@ def quantize(
     dtype: QuantizationType | str | None = None,  # the format, replacing config's (eformer's argument)
     block_size: int | None = None,  # values per scale, replacing config's
     simulate: bool | None = None,  # True: return the dequantized dense array (fake quantization)
-    **overrides,  # other QuantizationConfig fields (granularity, double_quant, nonfinite, use_kernel)
+    **overrides,  # other QuantizationConfig fields (granularity, double_quant, nonfinite, use_kernel, block_axis)
 ) -> QuantizedArray | jax.Array:  # ArrayNF4, Array8B, Array1B or ArrayTernary (a jax.Array with simulate)
     """Quantize the float `array` as `config` says; returns an implicit array (`ArrayNF4`, `Array8B`, `Array1B`,
     `ArrayTernary`), or its dequantized dense form with `simulate=True`. `dtype`, `block_size`, `simulate`
@@ -58,14 +58,14 @@ def quantize(
         nf4_use_kernel(False)
     if c.simulate:
         return materialize(quantize(array, dataclasses.replace(c, simulate=False)))
-    x = array
     if c.dtype is QuantizationType.NF4:
-        return ArrayNF4.quantize(x, c.block_size, double_quant=c.double_quant, nonfinite=c.nonfinite)
+        return ArrayNF4.quantize(array, c.block_size, double_quant=c.double_quant, nonfinite=c.nonfinite,
+                                 block_axis=-1 if c.block_axis is None else c.block_axis)
     if c.dtype is QuantizationType.INT8:
         block = None if c.granularity == "channel" else c.block_size
-        return Array8B.quantize(x, block_size=block, nonfinite=c.nonfinite)
+        return Array8B.quantize(array, block_size=block, nonfinite=c.nonfinite)
     cls = Array1B if c.dtype is QuantizationType.BINARY else ArrayTernary
-    return cls.quantize(x, block_size=None if c.granularity == "row" else c.block_size, nonfinite=c.nonfinite)
+    return cls.quantize(array, block_size=None if c.granularity == "row" else c.block_size, nonfinite=c.nonfinite)
 
 
 def straight_through(

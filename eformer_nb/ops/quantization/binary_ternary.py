@@ -84,6 +84,7 @@ def binary_dequantize(
     return vals.reshape(signs.shape)[..., :n].astype(dtype)
 
 
+# %% ../../../nbs/06d_ops.quantization.binary_ternary.ipynb #a1b2c3d4
 class Array1B(QuantizedArray):
     "A 1-bit array: sign bits packed 8 per byte and a float32 scale per block (or row)."
     bits: jax.Array  # uint8 (..., Np // 8)
@@ -153,6 +154,7 @@ def ternary_dequantize(
     return vals.reshape(codes.shape)[..., :n].astype(dtype)
 
 
+# %% ../../../nbs/06d_ops.quantization.binary_ternary.ipynb #b2c3d4e5
 class ArrayTernary(QuantizedArray):
     "A ternary array: {-1, 0, +1} codes packed 4 per byte and a float32 scale per block (or row)."
     packed: jax.Array  # uint8 (..., Np // 4)

@@ -72,6 +72,7 @@ class QuantizationConfig:
     granularity: str | None = None  # None: the type's default (see `GRANULARITIES`)
     double_quant: bool = False
     nonfinite: str = "raise"  # NaN/Inf in the input: "raise" (a clear error) or "keep" (exactly where they were)
+    block_axis: int | None = None  # nf4: blocks along axis -1 or -2; None: -1 (modules.llama kernels: -2, bitsandbytes')
 
     def __post_init__(self):
         qt = QuantizationType.parse(self.dtype)
@@ -97,6 +98,9 @@ class QuantizationConfig:
             raise ValueError(f"double_quant=True is only defined for nf4, got dtype={qt.value!r}")
         if self.nonfinite not in NONFINITE_MODES:
             raise ValueError(f"nonfinite={self.nonfinite!r} is not one of {NONFINITE_MODES}")
+        if self.block_axis is not None and (qt is not QuantizationType.NF4 or type(self.block_axis) is not int):
+            raise ValueError(f"block_axis={self.block_axis!r} is only defined for nf4, as an int (-1 or -2); got it for "
+                             f"dtype={qt.value!r}")
 
 # %% ../../../nbs/06a_ops.quantization.config.ipynb #f1c4b600
 def check_float_input(

@@ -334,6 +334,51 @@ def _require(ok: bool, what: str, t: Tiles, shape):
         raise ValueError(f"{what}: tiles {t} do not fit weight shape {tuple(shape)} (see `Tiles and when a kernel "
                          f"fits`)")
 
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #f7a8b9c0
+def _nf4_mm_gpu(pl, t: Tiles, K: int, Np: int, Mp: int, B: int, absmax, dtype):
+    "`nf4_matmul_pallas`' GPU schedule: `(kernel, output dtype, grid, in_specs, out spec, absmax as passed)`."
+    hn, hb, nb = t.bn // 2, B // 2, t.bn // B
+
+    def kernel(x_ref, p_ref, a_ref, oe_ref, oo_ref):
+        def body(kk, acc):
+            ks = pl.ds(pl.multiple_of(kk * t.bk, t.bk), t.bk)
+            we, wo = _nf4_tile(p_ref[ks, :], [a_ref[ks, pl.ds(s, 1)] for s in range(nb)], hb, x_ref.dtype)
+            xk = x_ref[:, ks]
+            return acc[0] + _dot(xk, we), acc[1] + _dot(xk, wo)
+
+        z = jnp.zeros((t.bm, hn), jnp.float32)
+        e, o = jax.lax.fori_loop(0, K // t.bk, body, (z, z))
+        oe_ref[...] = e.astype(oe_ref.dtype)
+        oo_ref[...] = o.astype(oo_ref.dtype)
+
+    in_specs = [pl.BlockSpec((t.bm, K), lambda i, j: (i, 0)), pl.BlockSpec((K, hn), lambda i, j: (0, j)),
+                pl.BlockSpec((K, nb), lambda i, j: (0, j))]
+    return kernel, dtype, (Mp // t.bm, Np // t.bn), in_specs, pl.BlockSpec((t.bm, hn), lambda i, j: (i, j)), absmax
+
+
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #b9c0d1e2
+def _nf4_mm_tpu(pl, t: Tiles, K: int, Np: int, Mp: int, B: int, absmax, dtype):
+    "`nf4_matmul_pallas`' TPU schedule (float32 output blocks resident across the contraction), as `_nf4_mm_gpu`."
+    hn, hb, nb = t.bn // 2, B // 2, t.bn // B
+
+    def kernel(x_ref, p_ref, a_ref, oe_ref, oo_ref):
+        @pl.when(pl.program_id(2) == 0)
+        def _():
+            oe_ref[...] = jnp.zeros_like(oe_ref)
+            oo_ref[...] = jnp.zeros_like(oo_ref)
+
+        we, wo = _nf4_tile(p_ref[...], [a_ref[:, s:s + 1] for s in range(nb)], hb, x_ref.dtype)
+        xk = x_ref[...]
+        oe_ref[...] += _dot(xk, we)
+        oo_ref[...] += _dot(xk, wo)
+
+    in_specs = [pl.BlockSpec((t.bm, t.bk), lambda i, j, k: (i, k)), pl.BlockSpec((t.bk, hn), lambda i, j, k: (k, j)),
+                pl.BlockSpec((None, t.bk, nb), lambda i, j, k: (j, k, 0))]
+    a_in = absmax.reshape(K, Np // t.bn, nb).transpose(1, 0, 2)
+    grid = (Mp // t.bm, Np // t.bn, K // t.bk)
+    return kernel, jnp.float32, grid, in_specs, pl.BlockSpec((t.bm, hn), lambda i, j, k: (i, j)), a_in
+
+
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #17433030
 def nf4_matmul_pallas(
     x,  # activations (M, K)
@@ -357,50 +402,14 @@ def nf4_matmul_pallas(
     opts = _launch_opts(variant, interpret, ("parallel", "parallel", "arbitrary"))
     M = x.shape[0]
     xp, Mp = _pad_rows(x, t.bm)
-    hn, hb, nb = t.bn // 2, B // 2, t.bn // B
-    if variant == "gpu":
-        def kernel(x_ref, p_ref, a_ref, oe_ref, oo_ref):
-            def body(kk, acc):
-                ks = pl.ds(pl.multiple_of(kk * t.bk, t.bk), t.bk)
-                we, wo = _nf4_tile(p_ref[ks, :], [a_ref[ks, pl.ds(s, 1)] for s in range(nb)], hb, x_ref.dtype)
-                xk = x_ref[:, ks]
-                return acc[0] + _dot(xk, we), acc[1] + _dot(xk, wo)
-
-            z = jnp.zeros((t.bm, hn), jnp.float32)
-            e, o = jax.lax.fori_loop(0, K // t.bk, body, (z, z))
-            oe_ref[...] = e.astype(oe_ref.dtype)
-            oo_ref[...] = o.astype(oo_ref.dtype)
-
-        out_dtype = x.dtype
-        grid = (Mp // t.bm, Np // t.bn)
-        in_specs = [pl.BlockSpec((t.bm, K), lambda i, j: (i, 0)), pl.BlockSpec((K, hn), lambda i, j: (0, j)),
-                    pl.BlockSpec((K, nb), lambda i, j: (0, j))]
-        o_spec = pl.BlockSpec((t.bm, hn), lambda i, j: (i, j))
-        a_in = absmax
-    else:
-        def kernel(x_ref, p_ref, a_ref, oe_ref, oo_ref):
-            @pl.when(pl.program_id(2) == 0)
-            def _():
-                oe_ref[...] = jnp.zeros_like(oe_ref)
-                oo_ref[...] = jnp.zeros_like(oo_ref)
-
-            we, wo = _nf4_tile(p_ref[...], [a_ref[:, s:s + 1] for s in range(nb)], hb, x_ref.dtype)
-            xk = x_ref[...]
-            oe_ref[...] += _dot(xk, we)
-            oo_ref[...] += _dot(xk, wo)
-
-        out_dtype = jnp.float32
-        grid = (Mp // t.bm, Np // t.bn, K // t.bk)
-        in_specs = [pl.BlockSpec((t.bm, t.bk), lambda i, j, k: (i, k)),
-                    pl.BlockSpec((t.bk, hn), lambda i, j, k: (k, j)),
-                    pl.BlockSpec((None, t.bk, nb), lambda i, j, k: (j, k, 0))]
-        o_spec = pl.BlockSpec((t.bm, hn), lambda i, j, k: (i, j))
-        a_in = absmax.reshape(K, Np // t.bn, nb).transpose(1, 0, 2)
+    schedule = _nf4_mm_gpu if variant == "gpu" else _nf4_mm_tpu
+    kernel, out_dtype, grid, in_specs, o_spec, a_in = schedule(pl, t, K, Np, Mp, B, absmax, x.dtype)
     out = jax.ShapeDtypeStruct((Mp, Np // 2), out_dtype)
     even, odd = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=[o_spec, o_spec],
                                out_shape=[out, out], **opts)(xp, packed, a_in)
     y = jnp.stack([even, odd], axis=-1).reshape(Mp, Np)
     return y[:M, :n].astype(x.dtype)
+
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #cc82c1b0
 def _nf4_rand(K: int, n: int, seed: int = 0, block_size: int = DEFAULT_BLOCK_SIZE):
@@ -408,6 +417,47 @@ def _nf4_rand(K: int, n: int, seed: int = 0, block_size: int = DEFAULT_BLOCK_SIZ
     w = np.random.default_rng(seed).standard_normal((K, n)).astype(np.float32)
     p, a, n = _nf4_quantize_ref(w, block_size)
     return jnp.asarray(p), jnp.asarray(a), n
+
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #a8b9c0d1
+def _nf4_mmt_gpu(pl, t: Tiles, K: int, Np: int, Mp: int, B: int, absmax, dtype):
+    "`nf4_matmul_t_pallas`' GPU schedule: `(kernel, output dtype, grid, in_specs, out spec, absmax as passed)`."
+    hn, hb, nb = t.bn // 2, B // 2, t.bn // B
+
+    def kernel(ge_ref, go_ref, p_ref, a_ref, o_ref):
+        def body(jj, acc):
+            cs = pl.ds(pl.multiple_of(jj * hn, hn), hn)
+            we, wo = _nf4_tile(p_ref[:, cs], [a_ref[:, pl.ds(jj * nb + s, 1)] for s in range(nb)], hb, ge_ref.dtype)
+            return acc + _dot_nt(ge_ref[:, cs], we) + _dot_nt(go_ref[:, cs], wo)
+
+        acc = jax.lax.fori_loop(0, Np // t.bn, body, jnp.zeros((t.bm, t.bk), jnp.float32))
+        o_ref[...] = acc.astype(o_ref.dtype)
+
+    g_spec = pl.BlockSpec((t.bm, Np // 2), lambda i, kb: (i, 0))
+    in_specs = [g_spec, g_spec, pl.BlockSpec((t.bk, Np // 2), lambda i, kb: (kb, 0)),
+                pl.BlockSpec((t.bk, Np // B), lambda i, kb: (kb, 0))]
+    return kernel, dtype, (Mp // t.bm, K // t.bk), in_specs, pl.BlockSpec((t.bm, t.bk), lambda i, kb: (i, kb)), absmax
+
+
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #c0d1e2f3
+def _nf4_mmt_tpu(pl, t: Tiles, K: int, Np: int, Mp: int, B: int, absmax, dtype):
+    "`nf4_matmul_t_pallas`' TPU schedule (the chunks of `Np` contracted last), as `_nf4_mmt_gpu`."
+    hn, hb, nb = t.bn // 2, B // 2, t.bn // B
+
+    def kernel(ge_ref, go_ref, p_ref, a_ref, o_ref):
+        @pl.when(pl.program_id(2) == 0)
+        def _():
+            o_ref[...] = jnp.zeros_like(o_ref)
+
+        we, wo = _nf4_tile(p_ref[...], [a_ref[:, s:s + 1] for s in range(nb)], hb, ge_ref.dtype)
+        o_ref[...] += _dot_nt(ge_ref[...], we) + _dot_nt(go_ref[...], wo)
+
+    g_spec = pl.BlockSpec((t.bm, hn), lambda i, kb, j: (i, j))
+    in_specs = [g_spec, g_spec, pl.BlockSpec((t.bk, hn), lambda i, kb, j: (kb, j)),
+                pl.BlockSpec((None, t.bk, nb), lambda i, kb, j: (j, kb, 0))]
+    a_in = absmax.reshape(K, Np // t.bn, nb).transpose(1, 0, 2)
+    grid = (Mp // t.bm, K // t.bk, Np // t.bn)
+    return kernel, jnp.float32, grid, in_specs, pl.BlockSpec((t.bm, t.bk), lambda i, kb, j: (i, kb)), a_in
+
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #82148d31
 def nf4_matmul_t_pallas(
@@ -436,43 +486,12 @@ def nf4_matmul_t_pallas(
     if n < Np:
         gp = jnp.pad(gp, ((0, 0), (0, Np - n)))
     g_even, g_odd = gp[:, 0::2], gp[:, 1::2]
-    hn, hb, nb = t.bn // 2, B // 2, t.bn // B
-    if variant == "gpu":
-        def kernel(ge_ref, go_ref, p_ref, a_ref, o_ref):
-            def body(jj, acc):
-                cs = pl.ds(pl.multiple_of(jj * hn, hn), hn)
-                we, wo = _nf4_tile(p_ref[:, cs], [a_ref[:, pl.ds(jj * nb + s, 1)] for s in range(nb)], hb, ge_ref.dtype)
-                return acc + _dot_nt(ge_ref[:, cs], we) + _dot_nt(go_ref[:, cs], wo)
-
-            acc = jax.lax.fori_loop(0, Np // t.bn, body, jnp.zeros((t.bm, t.bk), jnp.float32))
-            o_ref[...] = acc.astype(o_ref.dtype)
-
-        out_dtype = g.dtype
-        grid = (Mp // t.bm, K // t.bk)
-        g_spec = pl.BlockSpec((t.bm, Np // 2), lambda i, kb: (i, 0))
-        in_specs = [g_spec, g_spec, pl.BlockSpec((t.bk, Np // 2), lambda i, kb: (kb, 0)),
-                    pl.BlockSpec((t.bk, Np // B), lambda i, kb: (kb, 0))]
-        o_spec = pl.BlockSpec((t.bm, t.bk), lambda i, kb: (i, kb))
-        a_in = absmax
-    else:
-        def kernel(ge_ref, go_ref, p_ref, a_ref, o_ref):
-            @pl.when(pl.program_id(2) == 0)
-            def _():
-                o_ref[...] = jnp.zeros_like(o_ref)
-
-            we, wo = _nf4_tile(p_ref[...], [a_ref[:, s:s + 1] for s in range(nb)], hb, ge_ref.dtype)
-            o_ref[...] += _dot_nt(ge_ref[...], we) + _dot_nt(go_ref[...], wo)
-
-        out_dtype = jnp.float32
-        grid = (Mp // t.bm, K // t.bk, Np // t.bn)
-        g_spec = pl.BlockSpec((t.bm, hn), lambda i, kb, j: (i, j))
-        in_specs = [g_spec, g_spec, pl.BlockSpec((t.bk, hn), lambda i, kb, j: (kb, j)),
-                    pl.BlockSpec((None, t.bk, nb), lambda i, kb, j: (j, kb, 0))]
-        o_spec = pl.BlockSpec((t.bm, t.bk), lambda i, kb, j: (i, kb))
-        a_in = absmax.reshape(K, Np // t.bn, nb).transpose(1, 0, 2)
+    schedule = _nf4_mmt_gpu if variant == "gpu" else _nf4_mmt_tpu
+    kernel, out_dtype, grid, in_specs, o_spec, a_in = schedule(pl, t, K, Np, Mp, B, absmax, g.dtype)
     y = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=o_spec,
                        out_shape=jax.ShapeDtypeStruct((Mp, K), out_dtype), **opts)(g_even, g_odd, packed, a_in)
     return y[:M].astype(g.dtype)
+
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #edd18465
 def int8_matmul_pallas(

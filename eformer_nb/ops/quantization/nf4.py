@@ -238,17 +238,20 @@ def dequantize_absmax(
 
 # %% ../../../nbs/06b_ops.quantization.nf4.ipynb #5e0d90c6
 class ArrayNF4(QuantizedArray):
-    "An NF4-quantized array: `packed` codes and per-block `absmax` (or its double-quantized form)."
-    packed: jax.Array  # uint8 (..., Np // 2)
+    """An NF4-quantized array: `packed` codes and per-block `absmax` (or its double-quantized form). The leaves
+    describe the *stored* array: the logical one, or with `transposed` the logical one with its last two axes swapped
+    (blocks along the logical axis -2: for an `(in, out)` kernel its input features, bitsandbytes' layout)."""
+    packed: jax.Array  # uint8 (..., Np // 2) of the stored array
     absmax: jax.Array | None  # float32 (..., Np // block_size); None when double-quantized
-    block_size: int = aux_field()  # values per absmax along the last axis
+    block_size: int = aux_field()  # values per absmax along the stored array's last axis
     sharding: tp.Any = aux_field(default=None)  # the NamedSharding of the logical array, recorded by `with_sharding`
-    n: int | None = aux_field(default=None)  # true length of the last axis; None: 2 * packed.shape[-1]
+    n: int | None = aux_field(default=None)  # true length of the stored last axis; None: 2 * packed.shape[-1]
     dtype: tp.Any = aux_field(default=jnp.float32)  # logical dtype
     qabsmax: jax.Array | None = None  # uint8 codes of DYNAMIC_MAP (..., Np // block_size) when double-quantized
     absmax_scale: jax.Array | None = None  # float32 second-level absmax, (ceil(num_blocks / 256),)
     absmax_offset: jax.Array | None = None  # float32 (): the mean of absmax, subtracted before quantizing
-    nonfinite: jax.Array | None = None  # uint8 NaN/Inf codes (shape of the array) when quantized with nonfinite="keep"
+    nonfinite: jax.Array | None = None  # uint8 NaN/Inf codes (logical shape) when quantized with nonfinite="keep"
+    transposed: bool = aux_field(default=False)  # the leaves hold the logical array with its last two axes swapped
 
     def __post_init__(self):
         if self.n is None and hasattr(self.packed, "shape"):
@@ -258,6 +261,8 @@ class ArrayNF4(QuantizedArray):
     def _check_leaves(self) -> None:
         _check_block(self.block_size)
         p = tuple(self.packed.shape)
+        if self.transposed and len(p) < 2:
+            raise ValueError(f"ArrayNF4: transposed=True needs packed codes with at least 2 axes, got shape {p}")
         if not 0 < self.n <= 2 * p[-1] or (2 * p[-1]) % self.block_size:
             raise ValueError(f"ArrayNF4: n={self.n} and block_size={self.block_size} do not fit packed codes of "
                              f"shape {p}")
@@ -271,40 +276,79 @@ class ArrayNF4(QuantizedArray):
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (*self.packed.shape[:-1], self.n)
+        stored = (*self.packed.shape[:-1], self.n)
+        return (*stored[:-2], stored[-1], stored[-2]) if self.transposed else stored
 
     @property
     def double_quant(self) -> bool:
         return self.qabsmax is not None
 
-    def slices_along_axis0(self) -> bool:
-        # double quantization scales blocks of the flattened absmax: they do not follow axis 0
-        return not self.double_quant and super().slices_along_axis0()
 
-    def absmax_f32(self) -> jax.Array:
-        "The float32 absmax per block (decoded from the 8-bit dynamic codes when double-quantized)."
-        if self.qabsmax is None:
-            return self.absmax
-        return dequantize_absmax(self.qabsmax, self.absmax_scale, self.absmax_offset)
+# %% ../../../nbs/06b_ops.quantization.nf4.ipynb #b7a1e0d4
+def _nf4_absmax_f32(self) -> jax.Array:
+    "The float32 absmax per block (decoded from the 8-bit dynamic codes when double-quantized)."
+    if self.qabsmax is None:
+        return self.absmax
+    return dequantize_absmax(self.qabsmax, self.absmax_scale, self.absmax_offset)
 
-    def materialize(self) -> jax.Array:
-        dense = nf4_decode(self.packed, self.absmax_f32(), self.block_size, self.n, self.dtype)
-        return restore_nonfinite(dense, self.nonfinite)
+
+def _nf4_materialize(self) -> jax.Array:
+    "The dense logical array: the stored codes decoded (and their last two axes swapped back when `transposed`)."
+    dense = nf4_decode(self.packed, self.absmax_f32(), self.block_size, self.n, self.dtype)
+    return restore_nonfinite(jnp.swapaxes(dense, -1, -2) if self.transposed else dense, self.nonfinite)
+
+
+def _nf4_slices_along_axis0(self) -> bool:
+    # double quantization scales blocks of the flattened absmax: they do not follow axis 0; a transposed 2-D array
+    # stores its logical axis 1 first
+    if self.double_quant or (self.transposed and self.ndim == 2):
+        return False
+    return QuantizedArray.slices_along_axis0(self)
+
+
+def _nf4_leaf_spec(self, name: str, leaf: jax.Array, spec: tuple) -> tuple:
+    "A transposed array's codes and scales take the logical spec with its last two entries swapped."
+    if self.transposed and name != "nonfinite" and leaf.ndim == len(spec):
+        spec = (*spec[:-2], spec[-1], spec[-2])
+    return QuantizedArray._leaf_spec(self, name, leaf, spec)
+
+
+ArrayNF4.absmax_f32, ArrayNF4.materialize = _nf4_absmax_f32, _nf4_materialize
+ArrayNF4.slices_along_axis0, ArrayNF4._leaf_spec = _nf4_slices_along_axis0, _nf4_leaf_spec
+
 
 # %% ../../../nbs/06b_ops.quantization.nf4.ipynb #fa6fe4a2
+def _block_axis_transposed(
+    block_axis: tp.Any,  # the axis the blocks run along
+    ndim: int,  # the array's number of axes
+) -> bool:
+    "Whether `block_axis` asks for the transposed layout (-2, the axis before the last); a clear error if invalid."
+    if isinstance(block_axis, (int, np.integer)) and not isinstance(block_axis, bool):
+        if block_axis in (-1, ndim - 1):
+            return False
+        if ndim >= 2 and block_axis in (-2, ndim - 2):
+            return True
+    other = " or -2 (along the axis before it: the input features of an (in, out) kernel)" if ndim >= 2 else ""
+    raise ValueError(f"nf4 block_axis={block_axis!r} is not valid for a {ndim}-D array; expected -1 (blocks along the "
+                     f"last axis){other}")
+
+
 def _nf4_quantize(
     cls,
-    array: jax.Array,  # the float array; blocks run along its last axis
+    array: jax.Array,  # the float array
     block_size: int = 64,  # values per absmax (even)
     double_quant: bool = False,  # also quantize the absmax values (QLoRA double quantization)
     dtype=None,  # logical dtype (what materialize() returns); None: array.dtype
     nonfinite: str = "raise",  # NaN/Inf in `array`: "raise" or "keep" (exactly where they were)
+    block_axis: int = -1,  # blocks along the last axis (-1), or the one before it (-2, bitsandbytes' kernel layout)
 ) -> ArrayNF4:
     "NF4-quantize the float `array` (eformer's `ArrayNF4.quantize(array, block_size)`, plus our options)."
     x, keep = split_nonfinite(array, "nf4", nonfinite)
-    codes, absmax = nf4_encode(x, block_size)
+    transposed = _block_axis_transposed(block_axis, x.ndim)
+    stored = jnp.swapaxes(x, -1, -2) if transposed else x
+    codes, absmax = nf4_encode(stored, block_size)
     dtype = jnp.dtype(x.dtype if dtype is None else dtype)
-    kw = dict(n=x.shape[-1], block_size=int(block_size), dtype=dtype, nonfinite=keep)
+    kw = dict(n=stored.shape[-1], block_size=int(block_size), dtype=dtype, nonfinite=keep, transposed=transposed)
     if double_quant:
         q, s, o = quantize_absmax(absmax)
         return cls(nf4_pack(codes), None, qabsmax=q, absmax_scale=s, absmax_offset=o, **kw)
@@ -312,6 +356,7 @@ def _nf4_quantize(
 
 
 ArrayNF4.quantize = classmethod(_nf4_quantize)
+
 
 # %% ../../../nbs/06b_ops.quantization.nf4.ipynb #c55c8f7d
 def _nf4_absmax_grad(x, g, packed: jax.Array, block_size: int) -> jax.Array:
@@ -381,8 +426,8 @@ def _nf4_dot_general(lhs: jax.Array, rhs: ArrayNF4, *, dimension_numbers, **para
     out_dtype = dot_out_dtype(lhs, rhs, dict(dimension_numbers=dimension_numbers, **params))
     k, n = rhs.shape
     x2 = lhs.reshape(-1, lhs.shape[-1])
-    if kind == "nn":
-        y = nf4_matmul(x2, rhs.packed, rhs.absmax_f32(), rhs.block_size, n).reshape(*lhs.shape[:-1], n)
-    else:
-        y = nf4_matmul_t(x2, rhs.packed, rhs.absmax_f32(), rhs.block_size, n).reshape(*lhs.shape[:-1], k)
-    return y.astype(out_dtype)
+    # the leaves hold W (K, N), or Wᵀ (N, K) when transposed: then x @ W is the transposed product of what is stored
+    mm = nf4_matmul if (kind == "nn") != rhs.transposed else nf4_matmul_t
+    y = mm(x2, rhs.packed, rhs.absmax_f32(), rhs.block_size, rhs.n)
+    return y.reshape(*lhs.shape[:-1], n if kind == "nn" else k).astype(out_dtype)
+

@@ -10,6 +10,7 @@ import typing as tp
 import jax
 import jax.numpy as jnp
 import numpy as np
+from fastcore.basics import patch
 
 from ...jaximus import ImplicitArray, aux_field
 
@@ -60,35 +61,45 @@ class RSROperatorBinary(ImplicitArray):
         codes = jnp.sum(bits << jnp.arange(k - 1, -1, -1, dtype=jnp.int32), axis=-1)
         return cls(codes.T.astype(jnp.int32), k, pad, jnp.dtype(org_dtype))
 
-    @classmethod
-    def quantize(
-        cls,
-        A,  # a real matrix: `A > 0` becomes 1
-        k: int = 8,  # columns per pattern, in [1, 16]
-    ) -> RSROperatorBinary:
-        "Binarize a real matrix (`A > 0` -> 1, else 0) and encode it."
-        A = jnp.asarray(A)
-        org = A.dtype if jnp.issubdtype(A.dtype, jnp.floating) else jnp.float32
-        return cls.from_matrix((A > 0).astype(jnp.int8), k, org)
 
-    def dot(
-        self,
-        v: jax.Array,  # a vector or batch of shape (..., n)
-    ) -> jax.Array:
-        "`v @ A` for `v` of shape `(..., n)`: segment sums of `v` per pattern, times the pattern table."
-        v = jnp.asarray(v)
-        n, m = self.shape
-        if v.shape[-1] != n:
-            raise ValueError(f"dot: v has {v.shape[-1]} entries on its last axis, the matrix has {n} rows")
-        batch = v.shape[:-1]
-        vt = jnp.moveaxis(v.reshape(-1, n), -1, 0)  # (n, B)
-        sums = jax.vmap(lambda codes: jax.ops.segment_sum(vt, codes, num_segments=2 ** self.k))(self.one_hot_maps)
-        out = jnp.einsum("gcb,cj->bgj", sums, _patterns(self.k, sums.dtype))  # (B, blocks, k)
-        return out.reshape(*batch, -1)[..., :m]
+# %% ../../../nbs/06f_ops.quantization.rsr.ipynb #c3d4e5f6
+@patch(cls_method=True)
+def quantize(
+    cls: RSROperatorBinary,
+    A,  # a real matrix: `A > 0` becomes 1
+    k: int = 8,  # columns per pattern, in [1, 16]
+) -> RSROperatorBinary:
+    "Binarize a real matrix (`A > 0` -> 1, else 0) and encode it."
+    A = jnp.asarray(A)
+    org = A.dtype if jnp.issubdtype(A.dtype, jnp.floating) else jnp.float32
+    return cls.from_matrix((A > 0).astype(jnp.int8), k, org)
 
-    def materialize(self) -> jax.Array:
-        bits = (self.one_hot_maps[..., None] >> jnp.arange(self.k - 1, -1, -1, dtype=jnp.int32)) & 1  # (blocks, n, k)
-        return jnp.moveaxis(bits, 0, 1).reshape(self.shape[0], -1)[:, :self.shape[1]].astype(self.dtype)
+
+# %% ../../../nbs/06f_ops.quantization.rsr.ipynb #d4e5f6a7
+@patch
+def dot(
+    self: RSROperatorBinary,
+    v: jax.Array,  # a vector or batch of shape (..., n)
+) -> jax.Array:
+    "`v @ A` for `v` of shape `(..., n)`: segment sums of `v` per pattern, times the pattern table."
+    v = jnp.asarray(v)
+    n, m = self.shape
+    if v.shape[-1] != n:
+        raise ValueError(f"dot: v has {v.shape[-1]} entries on its last axis, the matrix has {n} rows")
+    batch = v.shape[:-1]
+    vt = jnp.moveaxis(v.reshape(-1, n), -1, 0)  # (n, B)
+    sums = jax.vmap(lambda codes: jax.ops.segment_sum(vt, codes, num_segments=2 ** self.k))(self.one_hot_maps)
+    out = jnp.einsum("gcb,cj->bgj", sums, _patterns(self.k, sums.dtype))  # (B, blocks, k)
+    return out.reshape(*batch, -1)[..., :m]
+
+
+# %% ../../../nbs/06f_ops.quantization.rsr.ipynb #e5f6a7b8
+@patch
+def materialize(self: RSROperatorBinary) -> jax.Array:
+    "The dense 0/1 matrix."
+    bits = (self.one_hot_maps[..., None] >> jnp.arange(self.k - 1, -1, -1, dtype=jnp.int32)) & 1  # (blocks, n, k)
+    return jnp.moveaxis(bits, 0, 1).reshape(self.shape[0], -1)[:, :self.shape[1]].astype(self.dtype)
+
 
 # %% ../../../nbs/06f_ops.quantization.rsr.ipynb #733124aa
 class RSROperatorTernary(ImplicitArray):
