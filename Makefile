@@ -10,7 +10,7 @@ NBDEV_TEST_FLAGS ?= multidevice
 NBDEV_WORKERS ?= 2
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: help install test lint check-sync check-notebooks check-readme nbtest pytest docs readme bench bench-check demo mutate clean client
+.PHONY: help install test lint check-sync check-notebooks check-readme nbtest pytest docs readme bench bench-llamacpp bench-check demo mutate clean client
 
 help:
 	@echo "make install  - create $(VENV) and install eformer-nb with its dev extras"
@@ -20,6 +20,7 @@ help:
 	@echo "make docs     - build the docs site (Quarto when installed, otherwise an offline HTML preview in _docs/)"
 	@echo "make readme   - regenerate README.md from nbs/index.ipynb"
 	@echo "make bench    - run the benchmark notebooks in nbs/benchmarks/ and save their outputs"
+	@echo "make bench-llamacpp - build llama-cpp-python (the [llamacpp] extra, compiles llama.cpp: minutes) and run the llama.cpp page"
 	@echo "make bench-check - re-judge the saved benchmark verdicts and re-run the cheap headline rows (BENCH_PAGES=all: every page)"
 	@echo "make mutate   - apply each mutation in tests/mutations/*.yaml in a scratch copy; fails if one survives (MUTATE_ARGS=\"-j 2 --only NAME\")"
 	@echo "make demo     - QLoRA fine-tuning of SmolLM2-135M through a local Ray cluster: held-out perplexity before/after, SIGKILL, bit-identical resume, chat sample (DEMO_ARGS=\"--model tiny\": a random byte model)"
@@ -113,6 +114,13 @@ bench: install
 	# notebook's previous outputs and prints the error) and this target, after nbdev-clean; "too noisy to judge" is
 	# printed, not failed. Quantization alone took 14-16 min at load ~30 on the shared 2-core box.
 	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/nbdev-test nbs/benchmarks --flags "bench multidevice hf" --n-workers 0 --save --timing; \
+	rc=$$?; $(BIN)/nbdev-clean; exit $$rc
+
+# The llama.cpp anchor (nbs/benchmarks/llamacpp.ipynb): llama-cpp-python builds llama.cpp from source, so it is its own
+# extra, installed here only (never by `make install` or `make test`; without it the page skips its llama.cpp rows).
+bench-llamacpp: install
+	CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-2} $(BIN)/python -m pip install -q -e ".[llamacpp]"
+	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/nbdev-test nbs/benchmarks/llamacpp.ipynb --flags "bench" --save --timing; \
 	rc=$$?; $(BIN)/nbdev-clean; exit $$rc
 
 # Part of `make test` (CI). Fails when a saved benchmark verdict claims more than its own interval or a brief

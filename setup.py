@@ -23,6 +23,7 @@ requirements = cfg.get("requirements", "").split()
 dev_requirements = cfg.get("dev_requirements", "").split()
 bench_requirements = cfg.get("bench_requirements", "").split()
 hf_requirements = cfg.get("hf_requirements", "").split()
+llamacpp_requirements = cfg.get("llamacpp_requirements", "").split()
 
 readme = here / "README.md"
 setuptools.setup(
@@ -48,7 +49,8 @@ setuptools.setup(
     include_package_data=True,
     package_data={lib: ["data/*.txt", "data/*.yaml"]},  # the demo's corpus and example configs
     install_requires=requirements,
-    extras_require={"dev": dev_requirements, "bench": bench_requirements, "hf": hf_requirements},
+    extras_require={"dev": dev_requirements, "bench": bench_requirements, "hf": hf_requirements,
+                    "llamacpp": llamacpp_requirements},
     entry_points={"nbdev": [f"{cfg['lib_path']}={cfg['lib_path']}._modidx:d"]},
     project_urls={"Documentation": cfg["doc_host"] + cfg["doc_baseurl"], "Source": cfg.get("git_url", "")},
     zip_safe=False,

@@ -292,7 +292,7 @@ def decode_ids(
         return tok.decode(ids)
     return tok.decode(np.asarray(ids).reshape(-1).tolist(), skip_special_tokens=True)
 
-
+# %% ../nbs/90_demo.ipynb #5d1e7a20
 def split_corpus(tokens: np.ndarray,  # the whole corpus as token ids
                  held_out: float = 0.2,  # the fraction at the end kept for evaluation
                  ) -> tuple[np.ndarray, np.ndarray]:
