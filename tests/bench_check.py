@@ -41,7 +41,11 @@ TARGETS = {  # page -> {label: target}, as each page judges them
               "save_state + load_state vs safetensors directly": Target("<=", 1.1),
               "save_state + load_state vs safetensors + fsync + sha256": Target("<=", 1.1)},
     "serialization": {"save 1 GiB, ours vs np": Target("<=", 1.1), "restore 1 GiB, ours vs np": Target("<=", 1.3)},
-    "models": {"train step value_and_grad 4x128 vs plain function": Target("<=", 1.05)},
+    "models": {"train step value_and_grad 4x128 vs plain function": Target("<=", 1.05),
+               "QLoRA step 1x64 SmolLM2-135M (NF4, LoRA) vs nnx+optax": Target("<=", 1.1),
+               "prefill 1x512 SmolLM2-135M vs transformers": Target("<=", 1.0, margin=0.10),
+               "generate 1x(64+128) SmolLM2-135M vs transformers": Target("<=", 1 / 1.5),
+               "generate 8x(64+128) SmolLM2-135M vs transformers": Target("<=", 1 / 1.5)},
     "executor": {"100 tiny tasks: execute vs ray.remote": Target("<=", 1.2)},
 }
 CHEAP = ("optimizers", "escale", "quantization", "pytree_serialization")

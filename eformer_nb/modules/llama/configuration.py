@@ -19,11 +19,27 @@ logger = get_logger(__name__)
 # %% auto #0
 __all__ = ['logger', 'ACTIVATIONS', 'ROPE_TYPES', 'LlamaConfig']
 
-# %% ../../../nbs/12a_modules.llama.configuration.ipynb #0e84bdcc
+# %% ../../../nbs/12a_modules.llama.configuration.ipynb #a3f1c2d4
 ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
+def _read_rope_parameters(
+    rope_parameters: dict | None,  # transformers >= 5: rope_theta and the scaling in one dict (None: not given)
+    rope_theta: float,  # the separate rope_theta argument
+    rope_scaling: dict | None,  # the separate rope_scaling argument
+) -> tuple:
+    "`(rope_theta, rope_scaling)` read from transformers 5's `rope_parameters` when given (written back in the old form)."
+    if not rope_parameters:
+        return rope_theta, rope_scaling
+    rope_parameters = dict(rope_parameters)
+    rope_theta = rope_parameters.pop("rope_theta", rope_theta)
+    if rope_parameters.get("rope_type", rope_parameters.get("type", "default")) != "default":
+        rope_scaling = rope_parameters
+    return rope_theta, rope_scaling
+
+
+# %% ../../../nbs/12a_modules.llama.configuration.ipynb #0e84bdcc
 @register_config("llama")
 class LlamaConfig(EasyDeLBaseConfig):
     "Configuration of a Llama-style decoder (field names and defaults as in `transformers.LlamaConfig`)."
@@ -61,24 +77,13 @@ class LlamaConfig(EasyDeLBaseConfig):
         self.head_dim = head_dim if head_dim is not None else (hidden_size // num_attention_heads if sizes_ok else None)
         self._derived_head_dim = head_dim is None  # then hidden_size must split evenly into the heads
         self.hidden_act, self.max_position_embeddings = hidden_act, max_position_embeddings
-        if (
-            rope_parameters
-        ):  # read transformers 5's form; written back as rope_theta + rope_scaling, which it also reads
-            rope_parameters = dict(rope_parameters)
-            rope_theta = rope_parameters.pop("rope_theta", rope_theta)
-            if rope_parameters.get("rope_type", rope_parameters.get("type", "default")) != "default":
-                rope_scaling = rope_parameters
+        rope_theta, rope_scaling = _read_rope_parameters(rope_parameters, rope_theta, rope_scaling)
         self.initializer_range, self.rms_norm_eps, self.rope_theta = initializer_range, rms_norm_eps, rope_theta
         self.rope_scaling = dict(rope_scaling) if rope_scaling else None
         self.attention_bias, self.attention_dropout, self.mlp_bias = attention_bias, attention_dropout, mlp_bias
         self.pretraining_tp = pretraining_tp
-        super().__init__(
-            bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id,
-            pad_token_id=pad_token_id,
-            tie_word_embeddings=tie_word_embeddings,
-            **kwargs,
-        )
+        super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                         tie_word_embeddings=tie_word_embeddings, **kwargs)
         self.validate()
 
 # %% ../../../nbs/12a_modules.llama.configuration.ipynb #46e7f5f9

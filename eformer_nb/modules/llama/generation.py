@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import typing as tp
 
@@ -16,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from ...infra.mixins.protocol import GenerateOutput
-from .modeling import TransformerCache, TransformerMetadata
+from .modeling import TransformerCache, TransformerMetadata, stack_layers, using_stacked_layers
 
 # %% auto #0
 __all__ = ['create_cache_metadata', 'init_cache', 'prepare_inputs_for_generation', 'update_inputs_for_generation',
@@ -170,6 +171,7 @@ class GenerationConfig:
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
 
 
+# %% ../../../nbs/12c_modules.llama.generation.ipynb #30bf3d35
 _GEN_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationConfig))
 
 
@@ -277,10 +279,16 @@ def decode_loop(
     g: GenerationConfig,  # the resolved `GenerationConfig`
     processor=None,  # logits processor or None
     stream_id=None,  # an int32 id of a registered streamer (None: no streaming)
+    stacked=None,  # the layer weights stacked once (`stack_layers`), or None: stacked inside
 ) -> GenerateOutput:
     """Prefill and decode `g.max_new_tokens` tokens. Pure: `generate` jits it with `graphdef`, `g` and `processor`
     static; the EOS ids `eos (k,)` and the pad id `pad ()` are traced, so changing them compiles nothing."""
-    model = nnx.merge(graphdef, state)
+    with using_stacked_layers(stacked):
+        return _decode(nnx.merge(graphdef, state), input_ids, attention_mask, key, eos, pad, g, processor, stream_id)
+
+
+# %% ../../../nbs/12c_modules.llama.generation.ipynb #8967df43
+def _decode(model, input_ids, attention_mask, key, eos, pad, g: GenerationConfig, processor, stream_id):
     b, t = input_ids.shape
     n = g.max_new_tokens
     seqs = jnp.concatenate([input_ids.astype(jnp.int32), jnp.full((b, n), pad, jnp.int32)], 1)
@@ -433,7 +441,7 @@ def generate(
             raise ValueError("streamer works with greedy decoding and sampling, not with beam search (num_beams > 1)")
         return beam_search(model, jnp.asarray(input_ids), mask, g, trace)
     eos, pad, static = _eos_pad(g)
-    fn = _decode_jit if trace else decode_loop
+    fn = functools.partial(_decode_jit if trace else decode_loop, stacked=stack_layers(model))  # stacked once, kept
     args = (graphdef, state, jnp.asarray(input_ids), mask, key, eos, pad, static, logits_processor)
     if streamer is None:
         return fn(*args)
@@ -475,9 +483,15 @@ def beam_loop(
     eos,  # end-of-sequence ids
     pad,  # the padding id
     g: GenerationConfig,  # the resolved `GenerationConfig`
+    stacked=None,  # the layer weights stacked once (`stack_layers`), or None: stacked inside
 ) -> GenerateOutput:
     "Beam search with `g.num_beams` beams (pure: `beam_search` jits it)."
-    model = nnx.merge(graphdef, state)
+    with using_stacked_layers(stacked):
+        return _beams(nnx.merge(graphdef, state), input_ids, attention_mask, eos, pad, g)
+
+
+# %% ../../../nbs/12c_modules.llama.generation.ipynb #53e9e1fd
+def _beams(model, input_ids, attention_mask, eos, pad, g: GenerationConfig) -> GenerateOutput:
     b, t = input_ids.shape
     k, n = g.num_beams, g.max_new_tokens
     rep = lambda x: jnp.repeat(x, k, axis=0)
@@ -535,7 +549,8 @@ def beam_search(
     "Run `beam_loop` (compiled unless `trace=False`); `generate` calls this when `num_beams > 1`."
     eos, pad, static = _eos_pad(g)
     graphdef, state = nnx.split(model)
-    return (_beam_jit if trace else beam_loop)(graphdef, state, input_ids, attention_mask, eos, pad, static)
+    return (_beam_jit if trace else beam_loop)(graphdef, state, input_ids, attention_mask, eos, pad, static,
+                                                stack_layers(model))
 
 
 # %% ../../../nbs/12c_modules.llama.generation.ipynb #42403f9b

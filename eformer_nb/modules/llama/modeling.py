@@ -5,9 +5,12 @@
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #c50f4943
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import typing as tp
+import weakref
 
 import flax.struct
 import jax
@@ -25,8 +28,8 @@ from .configuration import LlamaConfig
 
 # %% auto #0
 __all__ = ['Linear', 'Embed', 'RMSNorm', 'rope_inv_freq', 'apply_rotary', 'LayerCache', 'TransformerCache', 'TransformerMetadata',
-           'make_attention_mask', 'grouped_attention', 'LlamaAttention', 'LlamaMLP', 'LlamaDecoderLayer', 'LlamaModel',
-           'causal_lm_loss', 'LlamaForCausalLM', 'flatten_params']
+           'make_attention_mask', 'grouped_attention', 'LlamaAttention', 'LlamaMLP', 'LlamaDecoderLayer',
+           'stack_layers', 'using_stacked_layers', 'LlamaModel', 'causal_lm_loss', 'LlamaForCausalLM', 'flatten_params']
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #60798828
 def _normal(key, shape, std, dtype):
@@ -387,7 +390,7 @@ def _check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids
             raise ValueError(f"{shape[1]} tokens do not fit a cache of max_length {cache.max_length}")
     if position_ids is None and cache is None and shape[1] > config.max_position_embeddings:
         raise ValueError(f"{shape[1]} tokens are more than max_position_embeddings={config.max_position_embeddings}")
-    _check_values(config, input_ids, position_ids)
+    _check_values(config, input_ids, position_ids, segment_ids)
     return shape
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #bddc138b
@@ -395,7 +398,7 @@ def _concrete(x) -> bool:
     return x is not None and not isinstance(x, jax.core.Tracer)
 
 
-def _check_values(config, input_ids, position_ids):
+def _check_values(config, input_ids, position_ids, segment_ids=None):
     """On the host, when the values are known (not under `jit`): ids in `[0, vocab_size)` and positions in
     `[0, max_position_embeddings)`, else a ValueError naming the offending entries. Under `jit` the values are not
     known: set `model.model.check_values_in_jit = True` and wrap the step in `jax.experimental.checkify.checkify`
@@ -404,6 +407,9 @@ def _check_values(config, input_ids, position_ids):
     if position_ids is not None and not jnp.issubdtype(position_ids.dtype, jnp.integer):  # dtype: known under jit too
         raise ValueError(f"position_ids must be integers, got dtype {position_ids.dtype} (a fractional position "
                          "would rotate the keys and queries by an angle no token has)")
+    if segment_ids is not None and not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(f"segment_ids must be integers (one id per packed sequence), got dtype {segment_ids.dtype}: "
+                         "float ids compare equal only when exactly equal, so a rounding would split a sequence")
     for name, value, hi in (("input_ids", input_ids, config.vocab_size),
                             ("position_ids", position_ids, config.max_position_embeddings)):
         if not _concrete(value):
@@ -441,8 +447,12 @@ def _scannable(layers) -> bool:
 
 def _run_layers(model, h, positions, key_valid, segment_ids, kv, index, keep_states: bool):
     """The decoder layers over `h`: one `jax.lax.scan` step over their stacked parameters when `model.scan_layers`
-    and the layers share one structure (compile time independent of depth), else a Python loop (unrolled)."""
-    if not (model.scan_layers and _scannable(model.layers)):
+    and the layers share one structure (compile time independent of depth), else a Python loop (unrolled). A
+    one-token step with a cache (decode) runs unrolled when `model.scan_decode` is False: a scan step slices each
+    layer's weights out of the stack, which XLA:CPU does as a copy (all the weights again per token), but the
+    unrolled step compiles every layer (SmolLM2-135M's first `generate` about 5x slower)."""
+    decode = kv is not None and h.shape[1] == 1 and not model.scan_decode
+    if decode or not (model.scan_layers and _scannable(model.layers)):
         states = [h] if keep_states else None
         for i, layer in enumerate(model.layers):
             h, kv = layer(h, positions, key_valid, segment_ids, kv, index, None if kv is None else i)
@@ -451,8 +461,11 @@ def _run_layers(model, h, positions, key_valid, segment_ids, kv, index, keep_sta
         return h, kv, states
     graphdef = nnx.graphdef(model.layers[0])
     treedef = jax.tree.structure(nnx.state(model.layers[0]))
-    # stack the raw leaves: a quantized kernel is rebuilt per layer inside the step, with its own shapes
-    stacked = [jnp.stack(xs) for xs in zip(*(jax.tree.leaves(nnx.state(m)) for m in model.layers))]
+    # the raw leaves stacked: a quantized kernel is rebuilt per layer inside the step, with its own shapes. Given
+    # by `using_stacked_layers` (stacked once, outside the call), else stacked here: a copy of the weights per call
+    stacked = _prestacked(model.layers)
+    if stacked is None:
+        stacked = [jnp.stack(xs) for xs in zip(*(jax.tree.leaves(nnx.state(m)) for m in model.layers))]
 
     def step(carry, xs):
         h, kv = carry
@@ -464,6 +477,57 @@ def _run_layers(model, h, positions, key_valid, segment_ids, kv, index, keep_sta
     h0 = h
     (h, kv), hs = jax.lax.scan(step, (h, kv), (jnp.arange(len(model.layers)), stacked))
     return h, kv, ([h0, *hs] if keep_states else None)
+
+
+# %% ../../../nbs/12b_modules.llama.modeling.ipynb #fa78eec8
+_PRESTACKED = contextvars.ContextVar("eformer_nb_prestacked_layers", default=None)
+_STACK_CACHE = weakref.WeakKeyDictionary()  # LlamaModel -> (the leaves it was stacked from, the stacked leaves)
+
+
+def stack_layers(
+    model,  # a `LlamaForCausalLM` or its `LlamaModel`
+) -> list | None:
+    """The decoder layers' parameter leaves stacked layers-first, for `using_stacked_layers`. Built on first use and
+    kept with the model (one more copy of the layer weights) until one of the layers' arrays is replaced (a load, an
+    update, LoRA, quantization); None when the layers do not scan or their values are traced (inside `jit`)."""
+    inner = getattr(model, "model", model)
+    if not (inner.scan_layers and _scannable(inner.layers)):
+        return None
+    per_layer = [jax.tree.leaves(nnx.state(m)) for m in inner.layers]
+    flat = [x for xs in per_layer for x in xs]
+    if any(isinstance(x, jax.core.Tracer) for x in flat):
+        return None
+    hit = _STACK_CACHE.get(inner)
+    if hit is not None and len(hit[0]) == len(flat) and all(a is b for a, b in zip(hit[0], flat)):
+        return hit[1]
+    stacked = [jnp.stack(xs) for xs in zip(*per_layer)]
+    _STACK_CACHE[inner] = (flat, stacked)
+    return stacked
+
+
+@contextlib.contextmanager
+def using_stacked_layers(
+    stacked: list | None,  # `stack_layers(model)` (passed into the `jit` as an argument), or None: stack per call
+):
+    "Inside this block a scanned forward reads its layer weights from `stacked` instead of stacking them per call."
+    token = _PRESTACKED.set(stacked)
+    try:
+        yield
+    finally:
+        _PRESTACKED.reset(token)
+
+
+def _prestacked(layers) -> list | None:
+    "The stacked leaves of `using_stacked_layers`, checked against `layers` (count, shapes, dtypes), or None."
+    stacked = _PRESTACKED.get()
+    if stacked is None:
+        return None
+    want = [((len(layers), *jnp.shape(x)), jnp.result_type(x)) for x in jax.tree.leaves(nnx.state(layers[0]))]
+    got = [(tuple(jnp.shape(x)), jnp.result_type(x)) for x in stacked]
+    if got != want:
+        raise ValueError(f"using_stacked_layers got leaves of (shape, dtype) {got[:3]}...; these {len(layers)} layers "
+                         f"need {want[:3]}... ({len(want)} leaves): stack_layers(model) of this model")
+    return stacked
 
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #4b718f2e
@@ -486,6 +550,7 @@ class LlamaModel(nnx.Module):
                                                   rngs=rngs) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.scan_layers = True  # run the layers as one `jax.lax.scan` step when they share one structure
+        self.scan_decode = True  # scan a one-token decode step too (False: unrolled, slower to compile, faster on CPU)
         self.check_values_in_jit = False  # under jit, check ids/positions with checkify (wrap in checkify.checkify)
 
     def __call__(self, input_ids=None, attention_mask=None, position_ids=None, segment_ids=None,
@@ -586,32 +651,6 @@ class LlamaForCausalLM(nnx.Module, BaseModuleProtocol):
                               past_key_values=out.past_key_values)
 
     def __str__(self) -> str: return printify_nnx(self)
-
-    graphdef = property(lambda self: nnx.graphdef(self), doc="The nnx `GraphDef` (structure without arrays).")
-    graphstate = property(lambda self: nnx.state(self, nnx.Param), doc="The parameters (LoRA factors included).")
-    graphother = property(lambda self: nnx.state(self, nnx.Not(nnx.Param)), doc="Every non-parameter variable.")
-    params_sharding = property(lambda self: _params_sharding(self), doc="`.sharding` of each parameter (a pure dict).")
-    def split_params(self): return self.graphstate
-    def merge_params(
-        self,
-        tree,  # an nnx `State` of parameters (as `split_params` gives) to put into the model
-    ):
-        return _merge_params(self, tree)
-    def split_params_dict(
-        self,
-        params_dict=None,  # a parameter `State` to convert (None: the model's own)
-    ) -> dict:
-        return _split_params_dict(self, params_dict)
-    def merge_params_dict(
-        self,
-        params_dict: dict,  # nested plain dict of arrays, checked against the parameters' names and shapes
-    ):
-        return _merge_params_dict(self, params_dict)
-    def to_dtype(
-        self,
-        dtype,  # the dtype every floating parameter is cast to (jnp.float32, jnp.bfloat16, ...)
-    ):
-        return _to_dtype(self, dtype, change_runtime_dtype=False)
     def half(
         self,
         change_runtime_dtype: bool = True,  # also compute in float16 (the model's `dtype`), not only store
@@ -622,27 +661,67 @@ class LlamaForCausalLM(nnx.Module, BaseModuleProtocol):
         change_runtime_dtype: bool = True,  # also compute in float32 (the model's `dtype`), not only store
     ):
         return _to_dtype(self, jnp.float32, change_runtime_dtype)
-    @classmethod
-    def lazy_init(
-        cls,
-        *args,  # positional arguments of the constructor
-        rngs: nnx.Rngs | None = None,  # initialisation randomness
-        **kwargs,  # more keyword arguments (see the description)
-    ):
-        "The model with `ShapeDtypeStruct`s for parameters (`nnx.eval_shape`): nothing is allocated."
-        return nnx.eval_shape(lambda r: cls(*args, rngs=r, **kwargs), nnx.Rngs(0) if rngs is None else rngs)
-    def shard_model(
-        self,
-        partition_rules=None,  # regex -> `PartitionSpec` pairs (None: the config's `get_partition_rules()`)
-        mesh=None,  # the mesh to place on (None: the one in context)
-    ):
-        return _shard_model(self, partition_rules, mesh)
-    def gather_model(
-        self,
-        partition_rules=None,  # the rules the model was sharded with (None: the config's)
-        mesh=None,  # the mesh it lives on (None: the one in context)
-    ):
-        return _gather_model(self, partition_rules, mesh)
+
+
+# %% ../../../nbs/12b_modules.llama.modeling.ipynb #bcc836ae
+# the parameter API: state views, split and merge, dtypes
+LlamaForCausalLM.graphdef = property(lambda self: nnx.graphdef(self), doc="The nnx `GraphDef` (structure without arrays).")
+LlamaForCausalLM.graphstate = property(lambda self: nnx.state(self, nnx.Param), doc="The parameters (LoRA factors included).")
+LlamaForCausalLM.graphother = property(lambda self: nnx.state(self, nnx.Not(nnx.Param)), doc="Every non-parameter variable.")
+LlamaForCausalLM.params_sharding = property(lambda self: _params_sharding(self), doc="Each parameter's sharding (a pure dict).")
+@patch
+def split_params(self: LlamaForCausalLM): return self.graphstate
+@patch
+def merge_params(
+    self: LlamaForCausalLM,
+    tree,  # an nnx `State` of parameters (as `split_params` gives) to put into the model
+):
+    return _merge_params(self, tree)
+@patch
+def split_params_dict(
+    self: LlamaForCausalLM,
+    params_dict=None,  # a parameter `State` to convert (None: the model's own)
+) -> dict:
+    return _split_params_dict(self, params_dict)
+@patch
+def merge_params_dict(
+    self: LlamaForCausalLM,
+    params_dict: dict,  # nested plain dict of arrays, checked against the parameters' names and shapes
+):
+    return _merge_params_dict(self, params_dict)
+@patch
+def to_dtype(
+    self: LlamaForCausalLM,
+    dtype,  # the dtype every floating parameter is cast to (jnp.float32, jnp.bfloat16, ...)
+):
+    return _to_dtype(self, dtype, change_runtime_dtype=False)
+
+
+# %% ../../../nbs/12b_modules.llama.modeling.ipynb #065bd897
+# the parameter API: abstract init, sharding
+@patch(cls_method=True)
+def lazy_init(
+    cls: LlamaForCausalLM,
+    *args,  # positional arguments of the constructor
+    rngs: nnx.Rngs | None = None,  # initialisation randomness
+    **kwargs,  # more keyword arguments (see the description)
+):
+    "The model with `ShapeDtypeStruct`s for parameters (`nnx.eval_shape`): nothing is allocated."
+    return nnx.eval_shape(lambda r: cls(*args, rngs=r, **kwargs), nnx.Rngs(0) if rngs is None else rngs)
+@patch
+def shard_model(
+    self: LlamaForCausalLM,
+    partition_rules=None,  # regex -> `PartitionSpec` pairs (None: the config's `get_partition_rules()`)
+    mesh=None,  # the mesh to place on (None: the one in context)
+):
+    return _shard_model(self, partition_rules, mesh)
+@patch
+def gather_model(
+    self: LlamaForCausalLM,
+    partition_rules=None,  # the rules the model was sharded with (None: the config's)
+    mesh=None,  # the mesh it lives on (None: the one in context)
+):
+    return _gather_model(self, partition_rules, mesh)
 
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #dd74f904
