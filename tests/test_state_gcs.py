@@ -58,8 +58,9 @@ def test_gcs_state_layout_roundtrip_and_resave(gcs_root):
     (v1,) = _versions(gcs_root)
     assert meta["dir"] == v1 and meta["version"] == bs.STATE_FORMAT_VERSION
     assert sorted(p.name for p in gcs_root.iterdir()) == [STATE_FILE, v1]
+    (shard,) = [p.name for p in (gcs_root / v1).iterdir() if files._FRESH_SHARD.match(p.name)]  # gs://: index layout
     assert sorted(p.name for p in (gcs_root / v1).iterdir()) == sorted(
-        [MARKER_FILE, "config.json", "model.safetensors", bs.OPTIMIZER_FILE, STATE_FILE])
+        [MARKER_FILE, "config.json", shard, files.WEIGHTS_INDEX_NAME, bs.OPTIMIZER_FILE, STATE_FILE])
     assert _bits(_load(gcs_root)) == _bits(state1)
     model = LlamaForCausalLM.from_pretrained(str(gcs_root / v1))  # the version folder is a Hugging Face folder
     assert _bits(model.to_state().replace(step=state1.step, opt_state=state1.opt_state))[1][:3] == _bits(state1)[1][:3]
