@@ -932,6 +932,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                              'eformer_nb/infra/base_state.py'),
                                              'eformer_nb.infra.base_state._checked_step': ( 'nbs/infra.base_state.html#_checked_step',
                                                                                             'eformer_nb/infra/base_state.py'),
+                                             'eformer_nb.infra.base_state._commit_version': ( 'nbs/infra.base_state.html#_commit_version',
+                                                                                              'eformer_nb/infra/base_state.py'),
                                              'eformer_nb.infra.base_state._committed_state': ( 'nbs/infra.base_state.html#_committed_state',
                                                                                                'eformer_nb/infra/base_state.py'),
                                              'eformer_nb.infra.base_state._config_overrides': ( 'nbs/infra.base_state.html#_config_overrides',

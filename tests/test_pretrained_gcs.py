@@ -148,3 +148,41 @@ def test_gcs_pretrained_replaces_only_ours(gcs_root, tmp_path):
     with pytest.raises(FileExistsError, match="was not written by save_pretrained"):
         _model(3).save_pretrained(gcs_root)
     assert _objects(gcs_root) == before
+
+
+def test_gcs_state_commit_lost_race_is_an_error_and_keeps_the_winner(gcs_root, monkeypatch):
+    """13a's gs:// state commit is conditional on the state file's generation read when the save began: when another
+    writer commits in between (here: its lock object deleted mid-save, then a whole save of another state), ours is a
+    `CheckpointLockedError` naming the folder, removes only its own version folder, and the winner's state loads."""
+    import sys
+    from pathlib import Path
+
+    import optax
+
+    import eformer_nb.infra.base_state as bs
+    from eformer_nb.infra.base_state import EasyDeLState
+    from eformer_nb.serialization.serialization import CheckpointLockedError
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from serialization_worker import TX_LR, state_of
+
+    def bits(state):
+        return [np.asarray(x).tobytes() for x in __import__("jax").tree.leaves((state.graphstate, state.opt_state))]
+
+    state_of(1).save_state(gcs_root, verbose=False)
+    real, raced = bs._write_state, []
+
+    def write_then_race(*a, **k):
+        out = real(*a, **k)
+        if not raced:  # once, between our version folder's files and our commit
+            raced.append(1)
+            (gcs_root.parent / f".{gcs_root.name}.lock").unlink()
+            state_of(3).save_state(gcs_root, verbose=False)
+        return out
+    monkeypatch.setattr(bs, "_write_state", write_then_race)
+    with pytest.raises(CheckpointLockedError, match=f"{gcs_root}.*committed by another writer"):
+        state_of(2).save_state(gcs_root, verbose=False)
+    winner = json.loads((gcs_root / bs.STATE_FILE).read_text())["dir"]
+    assert sorted(p.name for p in gcs_root.iterdir() if bs._VERSION_DIR.fullmatch(p.name)) == [winner]
+    loaded = EasyDeLState.load_state(gcs_root, tx=optax.adam(TX_LR), verbose=False)
+    assert int(loaded.step) == 3 and bits(loaded) == bits(state_of(3))

@@ -21,6 +21,7 @@ import pytest
 
 import eformer_nb.infra.base_state as bs
 import eformer_nb.modules.llama.files as files
+import eformer_nb.serialization.base_manager as bm
 import eformer_nb.serialization.serialization as ser
 from eformer_nb.infra.base_state import STATE_FILE, EasyDeLState
 from eformer_nb.modules.llama import LlamaForCausalLM
@@ -100,6 +101,8 @@ def _fail_at(point: str, root, monkeypatch) -> None:
                 raise boom
             return real(f, obj)
         monkeypatch.setattr(ser, "_write_json", json_write)
+        if point == "commit":  # the commit is a write conditional on the state file's generation
+            monkeypatch.setattr(bm, "_write_json_if_generation", lambda *a: (_ for _ in ()).throw(boom))
     else:
         raise ValueError(point)
 
