@@ -186,3 +186,19 @@ def test_gcs_state_commit_lost_race_is_an_error_and_keeps_the_winner(gcs_root, m
     assert sorted(p.name for p in gcs_root.iterdir() if bs._VERSION_DIR.fullmatch(p.name)) == [winner]
     loaded = EasyDeLState.load_state(gcs_root, tx=optax.adam(TX_LR), verbose=False)
     assert int(loaded.step) == 3 and bits(loaded) == bits(state_of(3))
+
+
+@pytest.mark.parametrize("shards", ["5GB", "100KB"])
+def test_gcs_pretrained_folder_loads_in_transformers(gcs_root, tmp_path, shards):
+    "A copy of a re-saved gs:// folder (index layout, fresh shard names) loads in transformers with our tensors."
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    _model(1).save_pretrained(gcs_root)
+    m2 = _model(2)
+    m2.save_pretrained(gcs_root, max_shard_size=shards)
+    for name, blob in _objects(gcs_root).items():
+        (tmp_path / name).write_bytes(blob)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    want = files.to_hf_state_dict(m2.split_params_dict())
+    got = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    assert all(np.array_equal(got[k], v) for k, v in want.items())
