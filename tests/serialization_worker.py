@@ -207,14 +207,13 @@ def state_gcs_kill(url: str, root: str, point: str) -> None:
 
     import eformer_nb.infra.base_state as bs
     import eformer_nb.modules.llama.files as files
-    import eformer_nb.serialization.serialization as ser
+    import eformer_nb.serialization.base_manager as bm
     from eformer_nb.paths import ePath, make_gcs_filesystem, set_gcs_filesystem
 
     set_gcs_filesystem(make_gcs_filesystem(endpoint_url=url))
     state_of(1).save_state(root, verbose=False)
     kill = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
-    real_files, real_opt, real_json, real_drop = files._write_files, bs._write_optimizer_file, ser._write_json, \
-        bs._drop_replaced
+    real_files, real_opt, real_drop = files._write_files, bs._write_optimizer_file, bs._drop_replaced
 
     def model(*a):  # the new version's model files are written
         n = real_files(*a)
@@ -228,10 +227,12 @@ def state_gcs_kill(url: str, root: str, point: str) -> None:
             kill()
         return out
 
-    def state_json(f, obj):  # the commit: the folder's own state file naming the new version
+    real_commit = bm._write_json_if_generation
+
+    def commit(f, obj, generation):  # the commit: the folder's own state file naming the new version (conditional)
         if point == "commit" and ePath(f) == ePath(root) / bs.STATE_FILE:
             kill()
-        return real_json(f, obj)
+        return real_commit(f, obj, generation)
 
     def drop(*a):  # after the commit: the replaced version is removed
         if point == "drop":
@@ -239,7 +240,7 @@ def state_gcs_kill(url: str, root: str, point: str) -> None:
         return real_drop(*a)
 
     files._write_files, bs._write_optimizer_file = model, optimizer
-    ser._write_json, bs._drop_replaced = state_json, drop
+    bs._drop_replaced, bm._write_json_if_generation = drop, commit
     print("re-saving", flush=True)
     state_of(2).save_state(root, verbose=False)
     print("not killed", flush=True)

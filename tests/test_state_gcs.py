@@ -21,6 +21,7 @@ import pytest
 
 import eformer_nb.infra.base_state as bs
 import eformer_nb.modules.llama.files as files
+import eformer_nb.serialization.base_manager as bm
 import eformer_nb.serialization.serialization as ser
 from eformer_nb.infra.base_state import STATE_FILE, EasyDeLState
 from eformer_nb.modules.llama import LlamaForCausalLM
@@ -58,8 +59,9 @@ def test_gcs_state_layout_roundtrip_and_resave(gcs_root):
     (v1,) = _versions(gcs_root)
     assert meta["dir"] == v1 and meta["version"] == bs.STATE_FORMAT_VERSION
     assert sorted(p.name for p in gcs_root.iterdir()) == [STATE_FILE, v1]
+    (shard,) = [p.name for p in (gcs_root / v1).iterdir() if files._FRESH_SHARD.match(p.name)]  # gs://: index layout
     assert sorted(p.name for p in (gcs_root / v1).iterdir()) == sorted(
-        [MARKER_FILE, "config.json", "model.safetensors", bs.OPTIMIZER_FILE, STATE_FILE])
+        [MARKER_FILE, "config.json", shard, files.WEIGHTS_INDEX_NAME, bs.OPTIMIZER_FILE, STATE_FILE])
     assert _bits(_load(gcs_root)) == _bits(state1)
     model = LlamaForCausalLM.from_pretrained(str(gcs_root / v1))  # the version folder is a Hugging Face folder
     assert _bits(model.to_state().replace(step=state1.step, opt_state=state1.opt_state))[1][:3] == _bits(state1)[1][:3]
@@ -99,6 +101,8 @@ def _fail_at(point: str, root, monkeypatch) -> None:
                 raise boom
             return real(f, obj)
         monkeypatch.setattr(ser, "_write_json", json_write)
+        if point == "commit":  # the commit is a write conditional on the state file's generation
+            monkeypatch.setattr(bm, "_write_json_if_generation", lambda *a: (_ for _ in ()).throw(boom))
     else:
         raise ValueError(point)
 

@@ -553,8 +553,8 @@ def _read_state_file(directory, check_weights: bool = False) -> dict:
     return meta
 
 # %% ../../nbs/13a_infra.base_state.ipynb #6bab507b
-_STATE_OWNED = re.compile(r"^(easydel_state\.json|config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors"
-                          r"|model\.safetensors\.index\.json|optimizer|optimizer\.safetensors|state\.[0-9a-f]{8}"
+_STATE_OWNED = re.compile(r"^(easydel_state\.json|config\.json|generation_config\.json"
+                          r"|model(-[0-9a-f]{8})?(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|optimizer|optimizer\.safetensors|state\.[0-9a-f]{8}"
                           r"|\.eformer_nb)$")  # what save_state writes
 
 
@@ -731,6 +731,22 @@ def _drop_replaced(directory, old: dict | None, committed: str) -> None:
     if opt.get("prefix"):
         (directory / opt["prefix"]).rmtree(missing_ok=True)
 
+# %% ../../nbs/13a_infra.base_state.ipynb #6f381ca5
+def _commit_version(directory, name: str, meta: dict, generation: int | None, old: dict | None) -> None:
+    """The gs:// commit: one write of `directory`'s state file naming version folder `name`, only while that file is
+    still at `generation` (read under the lock when the save began; None: a filesystem without generations, a plain
+    write). A lost race removes only our own new version folder and raises `CheckpointLockedError` naming the folder;
+    the winner's files are untouched. After the commit, the replaced version is removed."""
+    from eformer_nb.serialization.base_manager import _write_json_if_generation
+    from eformer_nb.serialization.serialization import CheckpointLockedError
+    if not _write_json_if_generation(directory / STATE_FILE, dict(meta, dir=name), generation):
+        (directory / name).rmtree(missing_ok=True)
+        raise CheckpointLockedError(
+            f"save_state: {str(directory)!r} was committed by another writer while this save ran: its {STATE_FILE} "
+            f"is no longer at generation {generation} (its lock object was deleted mid-save?); this save did not "
+            f"commit and removed only its own new version folder {name!r}; load the folder to see what it holds now")
+    _drop_replaced(directory, old, name)
+
 # %% ../../nbs/13a_infra.base_state.ipynb #fe3a2804
 @_method("save_state")
 def _save_state(
@@ -749,9 +765,9 @@ def _save_state(
     import secrets
 
     from eformer_nb.paths import ePath, is_remote_path
-    from eformer_nb.serialization.base_manager import fresh_work_dir, rename_into_place
-    from eformer_nb.serialization.serialization import (_write_json, broadcast_from_first, exclusive_writer,
-                                                        refuse_destination, sync_processes)
+    from eformer_nb.serialization.base_manager import _object_generation, fresh_work_dir, rename_into_place
+    from eformer_nb.serialization.serialization import (broadcast_from_first, exclusive_writer, refuse_destination,
+                                                        sync_processes)
     if enable is False:
         return None
     if not callable(getattr(self.model, "save_pretrained", None)):
@@ -764,12 +780,13 @@ def _save_state(
     local = not is_remote_path(directory)
     with exclusive_writer(directory, "state"):
         name = directory.name + ".partial" if local else broadcast_from_first(f"state.{secrets.token_hex(4)}", "state")
-        work, old = (directory.parent / name if local else directory / name), None
+        work, old, generation = (directory.parent / name if local else directory / name), None, None
         if first:
             foreign = _state_foreign(directory, overwrite)
             if local:
                 fresh_work_dir(directory, foreign)
-            else:
+            else:  # the state file's generation first: a commit landing after this read makes ours lose
+                generation = _object_generation(directory / STATE_FILE)
                 old = _committed_state(directory)
                 _begin_version(directory, name, old)
         sync_processes("state-begin")
@@ -777,8 +794,7 @@ def _save_state(
         if first and local:
             rename_into_place(work, directory)
         elif first:  # the commit: one object write; until it lands the previous state file and files are untouched
-            _write_json(directory / STATE_FILE, dict(meta, dir=name))
-            _drop_replaced(directory, old, name)
+            _commit_version(directory, name, meta, generation, old)
         sync_processes("state-committed")
     if verbose:
         _logger.info("saved state at step %d to %s (model%s)", step, directory,

@@ -219,42 +219,118 @@ def read_verified_weights(
     return tensors
 
 # %% ../../../nbs/12e_modules.llama.files.ipynb #a1f58579
-_HF_OWNED = re.compile(r"^(config\.json|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json)$")
+_HF_OWNED = re.compile(r"^(config\.json|model(-[0-9a-f]{8})?(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json)$")
+_FRESH_SHARD = re.compile(r"^model-[0-9a-f]{8}-\d{5}-of-\d{5}\.safetensors$")  # the names an in-place save writes
 
 
-def _write_files(model, d: ePath, tensors: dict, max_shard_size) -> int:
-    "Write config.json and the safetensors file(s) of `tensors` into folder `d` (its old weight files removed first)."
-    import jax.numpy as jnp
+def _write_blob(f: ePath, parts: list) -> None:
+    "One file: on gs:// one object (replaced whole); locally via a temporary, fsync'd and renamed into place."
     from ...paths import atomic_write_local, is_remote_path
-    d.mkdir(parents=True, exist_ok=True)
-    for old in list(d.glob("model*.safetensors")) + list(d.glob(WEIGHTS_INDEX_NAME)):
-        old.unlink()
-    shards = _shards(tensors, parse_size(max_shard_size))
-    n = len(shards)
-    names = [WEIGHTS_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    for name, shard in zip(names, shards):
-        parts = safetensors_parts(shard, {"format": "pt", WEIGHTS_DIGEST_KEY: weights_digest(shard)})
-        if is_remote_path(d):
-            (d / name).write_bytes(b"".join(bytes(p) for p in parts))  # one object, replaced whole
-        else:  # the arrays' own bytes, no joined copy; on disk before the folder is swapped in
-            atomic_write_local(os.fspath(d / name), parts, fsync=True)
-    if n > 1:
-        index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))},
-                 "weight_map": {t: name for name, shard in zip(names, shards) for t in shard}}
-        (d / WEIGHTS_INDEX_NAME).save_dict(index, format="json")
+    if is_remote_path(f):
+        f.write_bytes(b"".join(bytes(p) for p in parts))
+    else:  # the arrays' own bytes, no joined copy
+        atomic_write_local(os.fspath(f), parts, fsync=True)
+
+
+def _write_shard(f: ePath, shard: dict) -> None:
+    "The safetensors file `f` of `shard`, its tensors' digest in the header."
+    _write_blob(f, safetensors_parts(shard, {"format": "pt", WEIGHTS_DIGEST_KEY: weights_digest(shard)}))
+
+
+def _write_config(model, d: ePath, tensors: dict) -> None:
+    "config.json with `architectures` and `torch_dtype` as transformers writes them."
+    import jax.numpy as jnp
     dtype = next((a.dtype for a in tensors.values() if jnp.issubdtype(a.dtype, jnp.floating)), np.dtype("float32"))
     config = type(model.config).from_dict(model.config.to_dict())
     config.architectures, config.torch_dtype = [type(model).__name__], np.dtype(dtype).name
     config.save_pretrained(d)
-    return n
 
 
-def _write_folder(model, d: ePath, tensors: dict, max_shard_size) -> int:
-    """Write the folder `d`: locally (one process) into a fresh `.partial` sibling swapped in at the end, the user's
-    other files (tokenizer, notes) hard-linked across, so a failed overwrite leaves the previous folder whole."""
+def _write_files(model, d: ePath, tensors: dict, max_shard_size) -> int:
+    """Write config.json and the safetensors file(s) of `tensors` into folder `d`: a fresh local folder directly; on
+    gs:// or with several processes in place, committed by the index (`_write_committed`)."""
     import jax
     from ...paths import is_remote_path
-    if is_remote_path(d) or jax.process_count() > 1:  # in place: no directory rename on object stores
+    if is_remote_path(d) or jax.process_count() > 1:
+        return _write_committed(model, d, tensors, max_shard_size)
+    d.mkdir(parents=True, exist_ok=True)
+    shards = _shards(tensors, parse_size(max_shard_size))
+    n = len(shards)
+    names = [WEIGHTS_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for name, shard in zip(names, shards):
+        _write_shard(d / name, shard)
+    if n > 1:
+        _write_blob(d / WEIGHTS_INDEX_NAME, [_index_bytes(tensors, names, shards)])
+    _write_config(model, d, tensors)
+    return n
+
+# %% ../../../nbs/12e_modules.llama.files.ipynb #252d2811
+def _index_bytes(tensors: dict, names: list, shards: list) -> bytes:
+    index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))},
+             "weight_map": {t: name for name, shard in zip(names, shards) for t in shard}}
+    return json.dumps(index, indent=2, sort_keys=True).encode()
+
+
+def _ours(f: ePath) -> bool:
+    "Whether safetensors file `f` was written by `save_pretrained` (its header records the tensors' digest)."
+    try:
+        with f.open("rb") as h:
+            n = int.from_bytes(h.read(8), "little")
+            header = json.loads(h.read(min(n, 1 << 26)))
+        return WEIGHTS_DIGEST_KEY in (header.get("__metadata__") or {})
+    except (ValueError, AttributeError, TypeError):  # not safetensors (bad JSON, a header that is not an object)
+        return False
+
+
+def _replaced_weights(d: ePath) -> set[str]:
+    """The weight files a save into `d` replaces: those the committed index names, a `model.safetensors` of ours, and
+    the fresh-named shards of a crashed save; a `model.safetensors` of another writer is refused (transformers would
+    load it before the index)."""
+    index = d / WEIGHTS_INDEX_NAME
+    named = set(index.load_dict(format="json").get("weight_map", {}).values()) if index.is_file() else set()
+    old = {n for n in named if isinstance(n, str) and re.fullmatch(r"[^/\\]+\.safetensors", n)}  # inside `d` only
+    for f in d.glob("model*.safetensors"):
+        if f.name in old or _FRESH_SHARD.match(f.name) or (f.name == WEIGHTS_NAME and _ours(f)):
+            old.add(f.name)
+        elif f.name == WEIGHTS_NAME:
+            raise FileExistsError(f"save_pretrained: {str(f)!r} was not written by save_pretrained (its header records "
+                                  f"no {WEIGHTS_DIGEST_KEY!r}) and transformers loads it before the index this save "
+                                  "commits; move it away or save into another folder")
+    return old
+
+# %% ../../../nbs/12e_modules.llama.files.ipynb #ea6c7276
+def _drop_replaced_weights(d: ePath, names: list[str]) -> None:
+    "Remove the replaced weight files `names` from `d`, a `model.safetensors` first (transformers prefers it)."
+    for name in sorted(names, key=lambda n: (n != WEIGHTS_NAME, n)):
+        (d / name).unlink(missing_ok=True)
+
+
+def _write_committed(model, d: ePath, tensors: dict, max_shard_size) -> int:
+    """Write into `d` in place without losing the previous version: the shards under names no committed index names
+    (`model-<8 hex of their digests>-0000i-of-0000N.safetensors`), config.json, then the index, the commit; only
+    then the replaced weight files are removed. Same tensors give the same names, so several processes agree."""
+    import hashlib
+    d.mkdir(parents=True, exist_ok=True)
+    old = _replaced_weights(d)
+    shards = _shards(tensors, parse_size(max_shard_size))
+    n = len(shards)
+    token = hashlib.sha256("|".join(f"{list(s)}:{weights_digest(s)}" for s in shards).encode()).hexdigest()[:8]
+    names = [f"model-{token}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for name, shard in zip(names, shards):
+        _write_shard(d / name, shard)
+    _write_config(model, d, tensors)
+    _write_blob(d / WEIGHTS_INDEX_NAME, [_index_bytes(tensors, names, shards)])  # the commit
+    _drop_replaced_weights(d, sorted(old - set(names)))
+    return n
+
+# %% ../../../nbs/12e_modules.llama.files.ipynb #0465a8eb
+def _write_folder(model, d: ePath, tensors: dict, max_shard_size) -> int:
+    """Write the folder `d`: locally (one process) into a fresh `.partial` sibling swapped in at the end, the user's
+    other files (tokenizer, notes) hard-linked across, so a failed overwrite leaves the previous folder whole; on
+    gs:// (or with several processes) in place, committed by the index (`_write_committed`)."""
+    import jax
+    from ...paths import is_remote_path
+    if is_remote_path(d) or jax.process_count() > 1:  # no directory rename on object stores
         return _write_files(model, d, tensors, max_shard_size)
     from ...serialization.base_manager import MARKER_FILE, fresh_work_dir, rename_into_place
     from ...serialization.serialization import exclusive_writer, refuse_destination
