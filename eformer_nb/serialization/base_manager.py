@@ -248,7 +248,9 @@ def _remove_marker_last(d: ePath) -> None:
         if p.name != MARKER_FILE:
             p.rmtree() if p.is_dir() else p.unlink(missing_ok=True)
     (d / MARKER_FILE).unlink(missing_ok=True)
-    if not is_remote_path(d):  # object stores have no directories: the prefix is gone with its last object
+    if is_remote_path(d):  # an object store may hold a placeholder of the prefix, and fsspec caches listings
+        d.rmtree(missing_ok=True)
+    else:
         d.rmdir()
 
 
