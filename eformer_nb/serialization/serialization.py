@@ -30,7 +30,7 @@ from ..pytree.tree_util import tree_path_to_string
 # %% auto #0
 __all__ = ['INLINE_BYTES', 'MAX_CHUNK_BYTES', 'FORMAT_NAME', 'FORMAT_VERSION', 'READ_VERSIONS', 'INDEX_FILE', 'ARRAYS_DIR',
            'BARRIER_TIMEOUT_S', 'PROGRESS_BYTES', 'LOCAL_FAST_READ', 'is_array_like', 'leaf_key_paths', 'process_info',
-           'sync_processes', 'broadcast_from_first', 'CheckpointNotFoundError', 'TornCheckpointError',
+           'sync_processes', 'broadcast_from_first', 'static_fields', 'CheckpointNotFoundError', 'TornCheckpointError',
            'CorruptCheckpointError', 'CheckpointLockedError', 'read_index', 'refuse_destination', 'exclusive_writer',
            'tree_serialize_leaves', 'tree_deserialize_leaves']
 
@@ -66,8 +66,8 @@ def leaf_key_paths(
 # %% ../../nbs/10a_serialization.serialization.ipynb #1091c044
 INLINE_BYTES = 4096  # replicated arrays up to this size live inside index.json
 MAX_CHUNK_BYTES = 256 << 20  # a saved shard larger than this is split into several chunks
-FORMAT_NAME, FORMAT_VERSION = "eformer_nb.tree", 2  # 2: crc32c chunks, versioned array directory, index digest
-READ_VERSIONS = (1, 2)  # index versions this eformer_nb reads (1: before checksums; still restores)
+FORMAT_NAME, FORMAT_VERSION = "eformer_nb.tree", 3  # 2: crc32c chunks, array directory, digest; 3: static fields
+READ_VERSIONS = (1, 2, 3)  # index versions this eformer_nb reads (1: before checksums; still restores)
 INDEX_FILE, ARRAYS_DIR = "index.json", "arrays"
 _ARRAYS_RE = re.compile(r"^arrays\.[0-9a-f]{8}$")  # the array directory of one save: arrays.<token>
 _ARRAYS_MARKER = ".eformer_nb"  # written first into each arrays.<token>: only marked ones are ever cleaned
@@ -231,6 +231,7 @@ class _SavePlan(tp.NamedTuple):
     structure: tp.Any  # JSON description of the tree's nodes
     writes: list[tuple[str, list[int], list[tuple[tuple, np.ndarray]]]]  # (key, chunk shape, [(index, host data)])
     nbytes: int  # bytes this process writes
+    static: dict[str, dict]  # node key path -> the static fields of the implicit array there (`static_fields`)
 
 
 def _structure(node: tp.Any, path: tuple, is_leaf_fn, leaf_name) -> tp.Any:
@@ -274,6 +275,54 @@ def _rebuild(desc: tp.Any, leaf: Callable[[str], tp.Any]) -> tp.Any:
     if "tuple" in desc:
         return tuple(_rebuild(d, leaf) for d in desc["tuple"])
     return {k: _rebuild(d, leaf) for k, d in desc["dict"]}
+
+# %% ../../nbs/10a_serialization.serialization.ipynb #9ab273e0
+_PLACEMENT_FIELDS = ("sharding",)  # static fields that say where an array lives, not how to read its leaves
+
+
+def _static_value(v: tp.Any) -> tp.Any:
+    "A JSON form of one static field: scalars, nested tuples, dtypes by name; another object by its type's name."
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return {"float": v.hex()}  # every bit, nan and inf included
+    if isinstance(v, (tuple, list)):
+        return [_static_value(x) for x in v]
+    try:
+        return {"dtype": np.dtype(v).name}
+    except TypeError:
+        return {"object": f"{type(v).__module__}.{type(v).__qualname__}"}
+
+
+def static_fields(
+    tree: tp.Any,  # any pytree; `ImplicitArray` nodes in it (at any depth, inside each other too) are described
+) -> dict[str, dict]:  # `{node key path: {"type": class name, "fields": {name: JSON value}}}`
+    "The static fields (`aux_field`s, placement left out) of every implicit array in `tree`, by node key path."
+    import dataclasses
+
+    import jax
+
+    from eformer_nb.jaximus import ImplicitArray
+
+    out: dict[str, dict] = {}
+
+    def visit(node: tp.Any, path: tuple) -> None:
+        if not isinstance(node, ImplicitArray):
+            flat, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: isinstance(x, ImplicitArray))
+            for p, x in flat:
+                if isinstance(x, ImplicitArray):
+                    visit(x, path + p)
+            return
+        fields = dataclasses.fields(node)
+        out[tree_path_to_string(path, sep="/")] = {"type": type(node).__qualname__, "fields": {
+            f.name: _static_value(getattr(node, f.name)) for f in fields
+            if f.metadata.get("static") and f.name not in _PLACEMENT_FIELDS}}
+        for f in fields:  # implicit arrays inside this one (a lazy view of a quantized array, ...)
+            if not f.metadata.get("static"):
+                visit(getattr(node, f.name), path + (jax.tree_util.GetAttrKey(f.name),))
+
+    visit(tree, ())
+    return out
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #1ae13296
 def _host(x: tp.Any, copy: bool) -> np.ndarray:
@@ -329,7 +378,7 @@ def _plan_save(pytree: tp.Any, *, copy: bool = False, dtype: tp.Any = None, with
         structure = _structure(pytree, (), lambda v: not isinstance(v, (dict, list, tuple)) and v is not None
                                and jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(v)),
                                lambda p: tree_path_to_string(p, sep="/"))
-    return _SavePlan(records, structure, writes, nbytes)
+    return _SavePlan(records, structure, writes, nbytes, static_fields(pytree))
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #42a94d42
 class CheckpointNotFoundError(FileNotFoundError):
@@ -642,7 +691,7 @@ def _commit_tree(tree_dir: ePath, plan: _SavePlan, compression: str | None, over
         sync_processes("tree-written")
         if first:
             body = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "arrays": arrays, "leaves": records,
-                    "tree": plan.structure, "seq": (old or {}).get("seq", 0) + 1}  # the newest committed wins
+                    "tree": plan.structure, "static": plan.static, "seq": (old or {}).get("seq", 0) + 1}  # the newest committed wins
             if commit is not None:
                 commit(dict(body, digest=_digest(body)))
             _write_json(tree_dir / INDEX_FILE, body)
@@ -1039,6 +1088,41 @@ def _restore_jobs(records: dict, keys: list[str], tleaves: list, placed: dict, m
     return jobs, values
 
 
+# %% ../../nbs/10a_serialization.serialization.ipynb #04583ca2
+def _check_static(tree_dir: ePath, index: dict, template: tp.Any, unverified_ok: bool) -> None:
+    """A `ValueError` naming the node when an implicit array of `template` has static fields (its layout) other than
+    the saved one's; an index from before version 3 recorded none, so a template holding implicit arrays needs
+    `unverified_ok`."""
+    want = static_fields(template)
+    if not want:
+        return
+    saved = index.get("static")
+    if saved is None:
+        if unverified_ok:
+            return
+        node, w = next(iter(want.items()))
+        raise ValueError(
+            f"{str(tree_dir)!r} has format version {index.get('version')!r}, which did not record the static fields "
+            f"of implicit arrays; the template holds a {w['type']} at {node!r} ({w['fields']}), and a checkpoint "
+            "quantized another way (e.g. blocks along another axis) would restore wrong values without an error. If "
+            "this checkpoint was saved from a model quantized exactly like the template, pass "
+            "allow_unverified_layout=True, then save it again: the new save records them (format version "
+            f"{FORMAT_VERSION})")
+    for node, w in want.items():
+        s = saved.get(node)
+        if s is None:
+            raise ValueError(f"node {node!r}: the template holds a {w['type']} there, the checkpoint "
+                             f"{str(tree_dir)!r} saved no implicit array there")
+        if s["type"] != w["type"]:
+            raise ValueError(f"node {node!r}: the checkpoint {str(tree_dir)!r} saved a {s['type']} there, the "
+                             f"template holds a {w['type']}")
+        diff = [f"{k}: saved {s['fields'].get(k, '<absent>')!r}, template {w['fields'].get(k, '<absent>')!r}"
+                for k in sorted(set(s["fields"]) | set(w["fields"])) if s["fields"].get(k) != w["fields"].get(k)]
+        if diff:
+            raise ValueError(f"node {node!r} ({w['type']}): the template's static fields differ from the ones saved "
+                             f"in {str(tree_dir)!r}, so its leaves would be read in another layout: "
+                             f"{'; '.join(diff)}. Build the template the way the saved tree was built")
+
 # %% ../../nbs/10a_serialization.serialization.ipynb #c0982f6d
 def tree_deserialize_leaves(
     checkpoint_dir: str | ePath,  # directory of the checkpoint (local path or gs://)
@@ -1054,6 +1138,7 @@ def tree_deserialize_leaves(
     dtype: tp.Any = None,  # cast floating arrays to this dtype
     strict_shapes: bool = True,  # kept for eformer: a shape differing from the template's is an error either way
     allow_lossy_cast: bool = False,  # allow `dtype` to be non-floating, or to overflow finite values to inf/nan
+    allow_unverified_layout: bool = False,  # restore an index older than version 3 into implicit arrays unchecked
 ) -> tp.Any:
     "Restore a tree saved by `tree_serialize_leaves`, in the template's structure when given (else the saved one)."
     tree_dir = _tree_dir(checkpoint_dir, prefix)
@@ -1068,6 +1153,7 @@ def tree_deserialize_leaves(
         if missing:
             raise ValueError(f"the template has leaves the checkpoint {str(tree_dir)!r} does not hold: {missing[:5]}"
                              f"{' ...' if len(missing) > 5 else ''}; it holds e.g. {sorted(records)[:5]}")
+        _check_static(tree_dir, index, template, allow_unverified_layout)
     elif index.get("tree") is None:
         raise ValueError(f"{str(tree_dir)!r} was saved with write_index=False (no tree structure); pass template=")
     else:
