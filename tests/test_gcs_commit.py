@@ -4,6 +4,7 @@ version's tree after the commit (locally and on gs://), never anything that is n
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -197,8 +198,13 @@ def test_gcs_crash_while_dropping_the_old_tree(gcs_root, monkeypatch):
     with pytest.raises(bm.TornCheckpointError, match="has no index.json"):
         tree_deserialize_leaves(step, prefix="model")
     assert all(p.name.startswith("arrays.") for p in (step / "model").iterdir())  # the marked arrays are left
-    bm.save_checkpoint_dir({"w": np.ones(N)}, step, step=1, prefix="params")()  # and do not block the next save
+    (step / "user").mkdir()
+    (step / "user" / "arrays.0badc0de").mkdir()
+    (step / "user" / "arrays.0badc0de" / "notes.txt").write_text("mine")  # looks like ours, has no marker
+    bm.save_checkpoint_dir({"w": np.ones(N)}, step, step=1, prefix="params", overwrite=True)()  # not blocked by them
     assert np.asarray(tree_deserialize_leaves(step, prefix="params")["w"]).tolist() == [1.0] * N
+    assert not (step / "model").exists() or not list((step / "model").iterdir())  # and it removed them
+    assert (step / "user" / "arrays.0badc0de" / "notes.txt").read_text() == "mine"
 
 
 def test_gcs_prefix_record_update_is_never_lost(gcs_root, monkeypatch):
@@ -209,7 +215,7 @@ def test_gcs_prefix_record_update_is_never_lost(gcs_root, monkeypatch):
     real, seen = bm._write_json_if_generation, []
 
     def another_update_first(f, obj, generation):
-        if not seen:
+        if not seen and f.name == "tensorstore_index.json":  # the record's update (the tree's index commits before it)
             seen.append(generation)
             (folder / ".tensorstore_index.json.lock").unlink()  # taken for a dead writer's
             with ThreadPoolExecutor(1) as ex:
@@ -223,3 +229,93 @@ def test_gcs_prefix_record_update_is_never_lost(gcs_root, monkeypatch):
     assert sorted(record) == ["model", "other", "tx"], record
     assert (record["model"]["step"], record["other"]["step"]) == (7, 9)
     assert not (folder / ".tensorstore_index.json.lock").exists()
+
+
+def _race(gcs_root: ePath, locks: list[ePath], save_a, save_b, monkeypatch) -> BaseException | None:
+    """Writer A saves; at A's commit its lock objects are deleted (taken for a dead writer's) and writer B, another
+    thread, saves the same thing up to its own commit and waits there; A commits first, then B goes on. B's error."""
+    real = bm._write_json_if_generation
+    b_at_commit, a_done, box = threading.Event(), threading.Event(), {}
+
+    def run_b():
+        try:
+            save_b()
+        except BaseException as e:  # noqa: BLE001 - handed to the test, which asserts what it is
+            box["err"] = e
+        finally:
+            b_at_commit.set()
+
+    def gate(f, obj, generation):
+        if threading.current_thread().name == "writer-b":
+            b_at_commit.set()
+            assert a_done.wait(120)
+        elif "b" not in box:
+            for lock in locks:
+                assert lock.exists(), lock
+                lock.unlink()
+            box["b"] = threading.Thread(target=run_b, name="writer-b")
+            box["b"].start()
+            assert b_at_commit.wait(120)
+            assert "err" not in box, box.get("err")  # B got past its start and wrote its arrays
+        return real(f, obj, generation)
+
+    monkeypatch.setattr(bm, "_write_json_if_generation", gate)
+    try:
+        save_a()
+    finally:
+        a_done.set()
+        if "b" in box:
+            box["b"].join(120)
+        monkeypatch.setattr(bm, "_write_json_if_generation", real)
+    return box.get("err")
+
+
+def test_broken_lock_first_commit_wins_whole(gcs_root, monkeypatch):
+    """A live writer's lock objects are deleted; a second writer starts and is past its start when the first one
+    commits. The first one's version must be whole: the second one's start used to remove the first one's
+    uncommitted arrays (they looked like a crashed save's), leaving a committed index that named missing chunks. Now
+    other saves' arrays go only after a commit, the second writer loses at its conditional commit, and the first
+    writer's release leaves the second one's lock object alone."""
+    step = gcs_root / "step-5"
+    bm.save_checkpoint_dir({"w": np.full(N, 1.0)}, step, step=5, prefix="model")()
+    err = _race(gcs_root, [gcs_root / ".step-5.lock", step / ".model.lock"],
+                bm.save_checkpoint_dir({"w": np.full(N, 2.0)}, step, step=5, prefix="model"),
+                bm.save_checkpoint_dir({"w": np.full(N, 3.0)}, step, step=5, prefix="model"), monkeypatch)
+    assert isinstance(err, CheckpointLockedError) and "was committed by another writer" in str(err), err
+    assert np.asarray(tree_deserialize_leaves(step, prefix="model")["w"]).tolist() == [2.0] * N
+    arrays = [p.name for p in (step / "model").iterdir() if p.name.startswith("arrays.")]
+    assert len(arrays) == 1, arrays  # the loser's arrays are gone, the old version's too
+    assert not [p.name for p in gcs_root.rglob("*.lock")]
+    bm.save_checkpoint_dir({"w": np.full(N, 4.0)}, step, step=5, prefix="model")()  # and the next save works
+    assert np.asarray(tree_deserialize_leaves(step, prefix="model")["w"]).tolist() == [4.0] * N
+
+
+def test_bare_gcs_tree_commit_is_conditional(gcs_root, monkeypatch):
+    """The same race on a bare gs:// tree (`tree_serialize_leaves`, whose commit is index.json): the second writer's
+    index write used to be unconditional. Now it is conditional on the generation read at its start: it loses with a
+    clear error, removes only its own arrays, and the first writer's tree loads bit-exactly."""
+    d = gcs_root / "tree"
+    tree_serialize_leaves(d, {"w": np.full(N, 1.0)})
+    err = _race(gcs_root, [gcs_root / ".tree.lock"], lambda: tree_serialize_leaves(d, {"w": np.full(N, 2.0)}),
+                lambda: tree_serialize_leaves(d, {"w": np.full(N, 3.0)}), monkeypatch)
+    assert isinstance(err, CheckpointLockedError), err
+    assert f"tree {str(d)!r} was committed by another writer" in str(err) and "index.json" in str(err), err
+    assert np.asarray(tree_deserialize_leaves(d)["w"]).tolist() == [2.0] * N
+    assert len([p for p in d.iterdir() if p.name.startswith("arrays.")]) == 1
+    assert not (gcs_root / ".tree.lock").exists()
+
+
+def test_lock_release_leaves_another_writers_lock(gcs_root):
+    "A save whose lock object was replaced by another writer's does not delete that one when it finishes."
+    from eformer_nb.serialization.serialization import _remote_lock
+
+    d = gcs_root / "x"
+    with _remote_lock(d, "tree"):
+        lock = gcs_root / ".x.lock"
+        lock.unlink()
+        lock.write_bytes(b"pid 1 on elsewhere (save 00)")  # the other writer's
+    assert lock.read_bytes() == b"pid 1 on elsewhere (save 00)"
+    lock.unlink()
+    with _remote_lock(d, "tree"):
+        assert lock.exists()
+    assert not lock.exists()  # our own is removed

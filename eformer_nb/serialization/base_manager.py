@@ -373,6 +373,21 @@ def _drop_trees(dest: ePath, old: list[tuple[ePath, dict]]) -> None:
         if tree_dir != dest and tree_dir.is_dir() and not any(True for _ in tree_dir.iterdir()):
             tree_dir.rmdir()
 
+# %% ../../nbs/10b_serialization.base_manager.ipynb #595f67f0
+def _drop_orphan_trees(
+    dest: ePath,  # a remote checkpoint directory whose commit just landed
+    named: list[str],  # the trees (prefixes) the committed metadata.json names
+) -> None:
+    """Remove what a crash while `_drop_trees` ran left: a direct subdirectory of `dest` that the commit does not name,
+    with no index.json, holding only our marked `arrays.<token>/` (anything else in it keeps it whole)."""
+    for d in dest.iterdir():
+        if d.name in named or not d.is_dir() or (d / INDEX_FILE).exists():
+            continue
+        kids = list(d.iterdir())
+        if kids and all(_ARRAYS_RE.match(k.name) and (k / _ARRAYS_MARKER).exists() for k in kids):
+            for k in kids:
+                k.rmtree()
+
 # %% ../../nbs/10b_serialization.base_manager.ipynb #f0df6647
 def _gcs_commit(dest: ePath, meta: dict, prefix: str | None, generation: int | None) -> Callable[[dict], None]:
     """The commit of a remote checkpoint: ONE write of `metadata.json` carrying the new tree's index, made only if that
@@ -440,6 +455,7 @@ def save_checkpoint_dir(
             _commit_checkpoint(work, dest, meta)
             if remote:
                 _drop_trees(dest, old_trees)  # the previous version's other trees: no longer committed
+                _drop_orphan_trees(dest, meta["trees"])  # and what a crash in an earlier `_drop_trees` left
         if commit_callback is not None:
             commit_callback()
         return dest

@@ -575,8 +575,9 @@ def _remote_lock(d: ePath, what: str) -> tp.Iterator[None]:
         yield
         return
     fs = lock._fs_obj
+    token = f"pid {os.getpid()} on {socket.gethostname()} (save {secrets.token_hex(8)})".encode()
     try:
-        fs.pipe_file(lock.path, f"pid {os.getpid()} on {socket.gethostname()}".encode(), mode="create")
+        fs.pipe_file(lock.path, token, mode="create")
     except FileExistsError:
         try:
             holder = fs.cat_file(lock.path).decode(errors="replace")
@@ -590,8 +591,32 @@ def _remote_lock(d: ePath, what: str) -> tp.Iterator[None]:
         yield
     finally:
         held.discard(str(lock))
+        _release_remote_lock(lock, token)
+
+
+def _release_remote_lock(lock: ePath, token: bytes) -> None:
+    """Delete lock object `lock` only while it is still the one this save created (its `token`, and on GCS its
+    generation as a delete precondition): if an operator deleted it mid-save and another writer then took the lock,
+    that writer's lock object stays."""
+    fs = lock._fs_obj
+    try:
+        generation = _generation(lock)  # read before the content: a later re-create has another generation
+        ours = fs.cat_file(lock.path) == token
+    except FileNotFoundError:
+        return
+    finally:
+        fs.invalidate_cache(lock.path)
+    if not ours:
+        _log.warning(f"lock object {str(lock)!r} was replaced by another writer while this save held it; left in place")
+        return
+    if not generation:
         with contextlib.suppress(FileNotFoundError):
             fs.rm_file(lock.path)
+        return
+    bucket, key, _ = fs.split_path(lock.path)
+    with contextlib.suppress(FileNotFoundError, FileExistsError):  # gone, or 412: re-created by another writer
+        fs.call("DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=str(generation))
+    fs.invalidate_cache(lock.path)
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #dab82807
 @contextlib.contextmanager
@@ -651,13 +676,20 @@ def _begin_tree(tree_dir: ePath, arrays: str, overwrite: bool) -> dict | None:
         raise FileExistsError(f"{str(tree_dir)!r} holds files that are not an eformer_nb tree: {sorted(foreign)[:10]}; "
                               "save into an empty or new directory, or pass overwrite=True to save beside them "
                               "(they are never deleted)")
-    if tree_dir.is_dir():  # a crashed save's arrays: ours by name and marker, and we hold the lock (local or gs://)
-        for p in tree_dir.iterdir():
-            if _ARRAYS_RE.match(p.name) and p.name != (index or {}).get("arrays") and (p / _ARRAYS_MARKER).exists():
-                p.rmtree()
+    if not is_remote_path(tree_dir):  # a crashed save's arrays; on gs:// only after the commit (`_commit_tree`)
+        _drop_other_arrays(tree_dir, (index or {}).get("arrays"))
     (tree_dir / arrays).mkdir(parents=True, exist_ok=False)
     (tree_dir / arrays / _ARRAYS_MARKER).write_text(str(os.getpid()))  # proof that a save of ours made it
     return index
+
+
+def _drop_other_arrays(tree_dir: ePath, keep: str | None) -> None:
+    """Remove every `arrays.<token>/` of `tree_dir` but `keep` that carries our marker: a crashed (or, on gs://, a
+    beaten) save's. Only while no other save of `tree_dir` can still commit: under the local `flock`, or on gs://
+    after this save's conditional commit landed."""
+    for p in tree_dir.iterdir() if tree_dir.is_dir() else []:
+        if _ARRAYS_RE.match(p.name) and p.name != keep and (p / _ARRAYS_MARKER).exists():
+            p.rmtree()
 
 
 def _drop_arrays(tree_dir: ePath, old: dict) -> None:
@@ -674,6 +706,31 @@ def _drop_arrays(tree_dir: ePath, old: dict) -> None:
                 os.rmdir(root)
 
 
+# %% ../../nbs/10a_serialization.serialization.ipynb #5b6656ba
+def _generation(f: ePath) -> int | None:
+    "The GCS generation of `f` (0: absent; None: no generations here), by `base_manager`'s one reader of it."
+    from eformer_nb.serialization.base_manager import _object_generation  # imported late: base_manager imports us
+
+    return _object_generation(f)
+
+
+def _commit_index(tree_dir: ePath, body: dict, generation: int | None) -> None:
+    """Write `index.json`, the commit of a bare tree: atomically, and on gs:// only if it is still at `generation`.
+    A lost race removes this save's own new arrays and raises `CheckpointLockedError`; the winner is untouched."""
+    f = tree_dir / INDEX_FILE
+    if generation is None:
+        _write_json(f, body)
+        return
+    from eformer_nb.serialization.base_manager import _write_json_if_generation
+
+    if _write_json_if_generation(f, body, generation):
+        return
+    (tree_dir / body["arrays"]).rmtree(missing_ok=True)
+    raise CheckpointLockedError(
+        f"tree {str(tree_dir)!r} was committed by another writer while this save ran: {str(f)!r} is no longer at "
+        f"generation {generation} (its lock object was deleted mid-save?); this save did not commit and removed only "
+        "its own new arrays; load the tree to see the version that won")
+
 # %% ../../nbs/10a_serialization.serialization.ipynb #9bbde567
 def _commit_tree(tree_dir: ePath, plan: _SavePlan, compression: str | None, overwrite: bool = False,
                  commit: Callable[[dict], None] | None = None) -> None:
@@ -684,7 +741,10 @@ def _commit_tree(tree_dir: ePath, plan: _SavePlan, compression: str | None, over
     arrays = f"{ARRAYS_DIR}.{broadcast_from_first(secrets.token_hex(4), 'tree-token')}"
     records = {k: dict(r, file=arrays + r["file"][len(ARRAYS_DIR):]) if r.get("file") else r
                for k, r in plan.records.items()}
+    remote = is_remote_path(tree_dir)
     with exclusive_writer(tree_dir, "the tree"):
+        # gs://: the generation of index.json before the committed version is read (a commit after it makes ours fail)
+        generation = _generation(tree_dir / INDEX_FILE) if first and remote and commit is None else None
         old = _begin_tree(tree_dir, arrays, overwrite) if first else None
         sync_processes("tree-begin")
         _write_arrays(tree_dir, plan._replace(records=records), compression)
@@ -694,9 +754,13 @@ def _commit_tree(tree_dir: ePath, plan: _SavePlan, compression: str | None, over
                     "tree": plan.structure, "static": plan.static, "seq": (old or {}).get("seq", 0) + 1}  # the newest committed wins
             if commit is not None:
                 commit(dict(body, digest=_digest(body)))
-            _write_json(tree_dir / INDEX_FILE, body)
+                _write_json(tree_dir / INDEX_FILE, body)
+            else:
+                _commit_index(tree_dir, body, generation)
             if old is not None and old.get("arrays") != arrays:
                 _drop_arrays(tree_dir, old)
+            if remote:  # committed: no save that began before ours can commit now, so their arrays are garbage
+                _drop_other_arrays(tree_dir, arrays)
         sync_processes("tree-committed")
 
 
