@@ -181,3 +181,47 @@ def test_gcs_state_resave_sigkill_keeps_a_whole_version(gcs_root, gcs_emulator, 
     lock.unlink()
     state_of(3).save_state(gcs_root, verbose=False)
     assert len(_versions(gcs_root)) == 1 and _bits(_load(gcs_root)) == _bits(state_of(3))
+
+
+def test_gcs_state_broken_lock_first_commit_wins_whole(gcs_root, monkeypatch):
+    """A live writer's lock object is deleted (taken for a dead writer's); a second writer starts and writes its version
+    folder, then waits at its commit while the first one commits. The second one's start used to remove the first
+    one's in-flight version folder (it looked like a crashed save's), so the first commit named a folder that was
+    gone. Now other saves' folders are removed only after a commit: the first state loads bit-exactly, the second
+    writer loses with CheckpointLockedError, and one version folder is left."""
+    import threading
+
+    state_of(1).save_state(gcs_root, verbose=False)
+    real, box = bm._write_json_if_generation, {}
+    b_at_commit, a_done = threading.Event(), threading.Event()
+    lock = gcs_root.parent / f".{gcs_root.name}.lock"
+
+    def run_b():
+        try:
+            state_of(3).save_state(gcs_root, verbose=False)
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            box["err"] = e
+        finally:
+            b_at_commit.set()
+
+    def gate(f, obj, generation):
+        if f.name == STATE_FILE and threading.current_thread().name == "writer-b":
+            b_at_commit.set()
+            assert a_done.wait(120)
+        elif f.name == STATE_FILE and "b" not in box:
+            lock.unlink()
+            box["b"] = threading.Thread(target=run_b, name="writer-b")
+            box["b"].start()
+            assert b_at_commit.wait(240) and "err" not in box, box.get("err")
+        return real(f, obj, generation)
+
+    monkeypatch.setattr(bm, "_write_json_if_generation", gate)
+    try:
+        state_of(2).save_state(gcs_root, verbose=False)
+    finally:
+        a_done.set()
+        box["b"].join(240)
+        monkeypatch.setattr(bm, "_write_json_if_generation", real)
+    assert isinstance(box.get("err"), ser.CheckpointLockedError), box.get("err")
+    assert _bits(_load(gcs_root)) == _bits(state_of(2))
+    assert len(_versions(gcs_root)) == 1 and not lock.exists()

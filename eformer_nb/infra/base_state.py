@@ -709,10 +709,10 @@ def _drop_versions(directory, keep: str | None) -> None:
                 p.rmtree()
 
 
-def _begin_version(directory, name: str, old: dict | None):
-    "A new, marked version folder `directory/name` for a gs:// save; crashed saves' marked folders are removed first."
+def _begin_version(directory, name: str):
+    """A new, marked version folder `directory/name` for a gs:// save. Other saves' marked folders stay until this save's
+    commit lands (`_drop_replaced`): one of a live writer whose lock object was deleted may be about to commit."""
     from eformer_nb.serialization.base_manager import MARKER_FILE
-    _drop_versions(directory, keep=(old or {}).get("dir"))
     work = directory / name
     (work / MARKER_FILE).write_text(json.dumps({"format": STATE_FORMAT, "pid": os.getpid()}))
     return work
@@ -788,7 +788,7 @@ def _save_state(
             else:  # the state file's generation first: a commit landing after this read makes ours lose
                 generation = _object_generation(directory / STATE_FILE)
                 old = _committed_state(directory)
-                _begin_version(directory, name, old)
+                _begin_version(directory, name)
         sync_processes("state-begin")
         step, optimizer, meta = _write_state(self, work, float_dtype, save_optimizer)
         if first and local:
