@@ -1,12 +1,15 @@
-"""`save_pretrained` re-saving a gs:// folder (fake-gcs-server): a failed re-save never loses the previous weights.
+"""`save_pretrained` re-saving a gs:// folder (fake-gcs-server): a failed re-save never loses the previous weights,
+the config read is the one committed with the weights, and a second writer never destroys the first one's version.
 
-Object stores have no rename, so on gs:// the new shards go under fresh names (`model-<8 hex>-0000i-of-0000N`), then
-`config.json`, then `model.safetensors.index.json`, the commit; only after it are the replaced weight files removed.
-Each test injects a failure at one write of a re-save and checks which version `from_pretrained` loads, bit-exactly,
-and that the next save works and leaves only the files the index names."""
+Object stores have no rename, so on gs:// a save takes the folder's lock object, writes the new shards under fresh
+names (`model-<8 hex>-0000i-of-0000N`), then `model.safetensors.index.json`, the commit (conditional on the index's
+generation read under the lock, and recording the config), then `config.json`; only after the commit are the replaced
+weight files removed. Each test injects a failure at one write of a re-save, or a second writer, and checks which
+version `from_pretrained` loads, bit-exactly, and that the next save works and leaves only the files the index names."""
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -23,8 +26,8 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
 INDEX = files.WEIGHTS_INDEX_NAME
 
 
-def _model(seed: int):
-    return LlamaForCausalLM(LlamaConfig(**TINY), rngs=nnx.Rngs(seed))
+def _model(seed: int, **config):
+    return LlamaForCausalLM(LlamaConfig(**{**TINY, **config}), rngs=nnx.Rngs(seed))
 
 
 def _bits(model) -> dict:
@@ -64,7 +67,10 @@ def test_gcs_pretrained_layout_roundtrip_and_resave(gcs_root):
 
 
 def _fail_at(point: str, monkeypatch) -> None:
-    "Make the next re-save raise at `point`: the first or second shard write, the config write, the commit."
+    """Make the next re-save raise at `point`: the first or second shard write, the index write (the commit, whichever
+    way it is written), or the config write."""
+    import eformer_nb.serialization.base_manager as bm
+
     boom = OSError(28, f"injected failure at {point}")
     calls = []
 
@@ -81,18 +87,20 @@ def _fail_at(point: str, monkeypatch) -> None:
     elif point == "config":
         monkeypatch.setattr(files, "_write_config", lambda *a: (_ for _ in ()).throw(boom))
     elif point == "commit":
-        real = files._write_blob
+        real, real_if = files._write_blob, bm._write_json_if_generation
         monkeypatch.setattr(files, "_write_blob", lambda f, parts: (_ for _ in ()).throw(boom) if f.name == INDEX
                             else real(f, parts))
+        monkeypatch.setattr(bm, "_write_json_if_generation", lambda f, *a: (_ for _ in ()).throw(boom)
+                            if f.name == INDEX else real_if(f, *a))
     else:
         raise ValueError(point)
 
 
-@pytest.mark.parametrize("point", ["shard1", "shard2", "config", "commit"])
+@pytest.mark.parametrize("point", ["shard1", "shard2", "commit"])
 @pytest.mark.parametrize("first_shards", ["5GB", "100KB"])
 def test_gcs_pretrained_injected_failure_keeps_previous(gcs_root, monkeypatch, point, first_shards):
-    """A failure at any write before the commit: the previous weights load bit-exactly and every previous weight
-    object and the index are byte-identical; the next save removes the crashed save's shards."""
+    """A failure at any write before the commit: the previous weights load bit-exactly and every previous object,
+    config.json included, is byte-identical; the next save removes the crashed save's shards."""
     m1 = _model(1)
     m1.save_pretrained(gcs_root, max_shard_size=first_shards)
     (gcs_root / "notes.txt").write_text("mine")
@@ -102,10 +110,7 @@ def test_gcs_pretrained_injected_failure_keeps_previous(gcs_root, monkeypatch, p
         with pytest.raises(OSError, match=f"injected failure at {point}"):
             _model(2).save_pretrained(gcs_root, max_shard_size="100KB")
     after = _objects(gcs_root)
-    assert {k: after[k] for k in before if k != "config.json"} == {k: v for k, v in before.items()
-                                                                   if k != "config.json"}
-    if point != "commit":  # the config is written just before the commit
-        assert after["config.json"] == before["config.json"]
+    assert {k: after[k] for k in before} == before
     assert all(files._FRESH_SHARD.match(k) for k in set(after) - set(before))
     assert len(set(after) - set(before)) == {"shard1": 0, "shard2": 1}.get(point, len(set(after) - set(before)))
     assert _load_bits(gcs_root) == _bits(m1)
@@ -148,6 +153,193 @@ def test_gcs_pretrained_replaces_only_ours(gcs_root, tmp_path):
     with pytest.raises(FileExistsError, match="was not written by save_pretrained"):
         _model(3).save_pretrained(gcs_root)
     assert _objects(gcs_root) == before
+
+
+FAR = dict(rope_theta=500.0)  # a config change that keeps every shape: the weights alone cannot tell it
+
+
+def _config(root) -> dict:
+    return json.loads((root / "config.json").read_text())
+
+
+def _logits(model):
+    import jax
+    ids = jax.random.randint(jax.random.key(0), (2, 7), 0, TINY["vocab_size"])
+    return np.asarray(model(input_ids=ids).logits)
+
+
+@pytest.fixture
+def warnings_seen():
+    import logging
+    seen, handler = [], logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    files.logger.logger.addHandler(handler)
+    yield seen
+    files.logger.logger.removeHandler(handler)
+
+
+@pytest.mark.parametrize("same_weights", [False, True])
+def test_gcs_pretrained_failed_commit_keeps_the_old_config(gcs_root, monkeypatch, warnings_seen, same_weights):
+    """A re-save with a shape-neutral config change (rope_theta) that fails at its index write, the commit: the old
+    version loads bit-exactly with its old config (config.json byte-identical, no warning), as transformers reads it.
+    (Before the fix config.json was written just before the index: the new rope_theta was read with the old weights.)"""
+    m1, m2 = _model(1), _model(1 if same_weights else 2, **FAR)
+    m1.save_pretrained(gcs_root, max_shard_size="100KB")
+    config_before = (gcs_root / "config.json").read_bytes()
+    with monkeypatch.context() as m:
+        _fail_at("commit", m)
+        with pytest.raises(OSError, match="injected failure at commit"):
+            m2.save_pretrained(gcs_root, max_shard_size="100KB")
+    assert (gcs_root / "config.json").read_bytes() == config_before
+    back = LlamaForCausalLM.from_pretrained(str(gcs_root))
+    assert back.config.rope_theta == m1.config.rope_theta != m2.config.rope_theta
+    assert _bits(back) == _bits(m1) and np.array_equal(_logits(back), _logits(m1))
+    assert warnings_seen == []
+
+
+@pytest.mark.parametrize("same_weights", [False, True])
+def test_gcs_pretrained_config_window_loads_the_committed_config(gcs_root, monkeypatch, warnings_seen, same_weights):
+    """A re-save that stops between its commit and its config.json write (the one window left): config.json is still
+    the old one (what a transformers reader sees), the index records the new config, and from_pretrained loads the
+    committed pair, the new weights with the new config, bit-exactly, with a warning naming the folder and the key.
+    The next save rewrites config.json and the warning is gone."""
+    m1, m2 = _model(1), _model(1 if same_weights else 2, **FAR)
+    m1.save_pretrained(gcs_root)
+    config_before = (gcs_root / "config.json").read_bytes()
+    with monkeypatch.context() as m:
+        _fail_at("config", m)
+        with pytest.raises(OSError, match="injected failure at config"):
+            m2.save_pretrained(gcs_root)
+    assert (gcs_root / "config.json").read_bytes() == config_before
+    back = LlamaForCausalLM.from_pretrained(str(gcs_root))
+    assert back.config.rope_theta == FAR["rope_theta"]
+    assert _bits(back) == _bits(m2) and np.array_equal(_logits(back), _logits(m2))
+    index = json.loads((gcs_root / INDEX).read_text())
+    assert index["metadata"][files.CONFIG_KEY]["rope_theta"] == FAR["rope_theta"]
+    assert len(warnings_seen) == 1 and str(gcs_root) in warnings_seen[0] and "'rope_theta'" in warnings_seen[0]
+    m2.save_pretrained(gcs_root)
+    assert _config(gcs_root)["rope_theta"] == FAR["rope_theta"] and _weights(gcs_root) == _indexed(gcs_root)
+    warnings_seen.clear()
+    assert _load_bits(gcs_root) == _bits(m2) and warnings_seen == []
+
+
+def _lock(root):
+    return root.parent / f".{root.name}.lock"
+
+
+def test_gcs_pretrained_second_writer_is_refused(gcs_root):
+    """Two writers of one gs:// folder, in two real threads: the second starts while the first is writing its shards.
+    The second gets `CheckpointLockedError` naming the folder, before it writes anything; the first finishes, and its
+    folder loads bit-exactly with every file its index names. (Before: the second's clean-up of fresh-named leftovers
+    removed the first one's in-flight shard, and the first then committed an index naming it.)"""
+    from eformer_nb.serialization.serialization import CheckpointLockedError
+
+    _model(1).save_pretrained(gcs_root)
+    first, second = _model(2), _model(3)
+    in_flight, second_done, outcome = threading.Event(), threading.Event(), {}
+    real = files._write_shard
+
+    def paused(f, shard):
+        real(f, shard)
+        if threading.current_thread().name == "first" and not in_flight.is_set():
+            in_flight.set()  # one shard written, the others still to come
+            assert second_done.wait(120), "the second writer did not finish"
+
+    def run(name, model):
+        try:
+            if name == "second":
+                assert in_flight.wait(120), "the first writer did not start"
+            model.save_pretrained(gcs_root, max_shard_size="100KB")
+            outcome[name] = "saved"
+        except Exception as e:  # noqa: BLE001  (the test reads it)
+            outcome[name] = e
+        finally:
+            if name == "second":
+                second_done.set()
+
+    files._write_shard = paused
+    try:
+        threads = [threading.Thread(target=run, args=(n, m), name=n) for n, m in (("first", first), ("second", second))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(240)
+    finally:
+        files._write_shard = real
+    assert outcome["first"] == "saved", outcome
+    assert _weights(gcs_root) == _indexed(gcs_root) and len(_indexed(gcs_root)) > 1
+    assert _load_bits(gcs_root) == _bits(first) and not _lock(gcs_root).exists()
+    err = outcome["second"]
+    assert isinstance(err, CheckpointLockedError), outcome
+    assert f"model folder {str(gcs_root)!r} is being saved by another writer" in str(err), str(err)
+
+
+def test_gcs_pretrained_dead_writers_lock_is_named(gcs_root):
+    "A lock object left by a writer that died refuses the next save, naming the object; once deleted, saves work."
+    from eformer_nb.serialization.serialization import CheckpointLockedError
+
+    m1 = _model(1)
+    m1.save_pretrained(gcs_root)
+    before = _objects(gcs_root)
+    _lock(gcs_root).write_text("pid 1 on a-dead-host")
+    with pytest.raises(CheckpointLockedError, match="pid 1 on a-dead-host.*delete that object"):
+        _model(2).save_pretrained(gcs_root)
+    assert _objects(gcs_root) == before and _load_bits(gcs_root) == _bits(m1)
+    _lock(gcs_root).unlink()
+    _model(2).save_pretrained(gcs_root)
+    assert _load_bits(gcs_root) == _bits(_model(2))
+
+
+@pytest.mark.parametrize("winner_config", ["other_weights", "same_weights_other_config"])
+def test_gcs_pretrained_lock_broken_loser_fails_at_commit(gcs_root, winner_config):
+    """A writer whose lock object is deleted mid-save (after its shards, before its commit) while another writer saves
+    the folder whole: the first one's commit is refused (`CheckpointLockedError` naming the folder), it removes only
+    shards it created that the winner does not name, so every object of the winner stays byte-identical and the
+    winner's version loads bit-exactly. With the same weights the two writers' shards bear the same names: the loser
+    must leave them. (Before: the loser committed its index over the winner's, naming shards the winner removed.)"""
+    from eformer_nb.serialization.serialization import CheckpointLockedError
+
+    _model(1).save_pretrained(gcs_root, max_shard_size="100KB")
+    loser = _model(2)
+    winner = _model(3) if winner_config == "other_weights" else _model(2, **FAR)
+    n = len(files._shards(files.to_hf_state_dict(loser.split_params_dict()), files.parse_size("100KB")))
+    real, calls, seen = files._write_shard, [], {}
+
+    def race(f, shard):
+        real(f, shard)
+        calls.append(f.name)
+        if len(calls) == n:  # the loser's shards are written, its commit is next
+            seen["locked"] = _lock(gcs_root).exists()
+            _lock(gcs_root).unlink(missing_ok=True)  # taken for a dead writer's
+            t = threading.Thread(target=lambda: seen.update(err=_save(winner)))  # another writer: another thread
+            files._write_shard = real
+            t.start()
+            t.join(240)
+            seen["winner"] = _objects(gcs_root)
+
+    def _save(model):
+        try:
+            model.save_pretrained(gcs_root, max_shard_size="100KB")
+        except Exception as e:  # noqa: BLE001
+            return e
+
+    files._write_shard = race
+    try:
+        seen["loser"] = _save(loser)
+    finally:
+        files._write_shard = real
+    assert seen.get("err") is None, seen
+    assert _objects(gcs_root) == seen["winner"]  # nothing of the winner's removed, nothing of the loser's left
+    assert _weights(gcs_root) == _indexed(gcs_root)
+    assert _load_bits(gcs_root) == _bits(winner)
+    assert LlamaForCausalLM.from_pretrained(str(gcs_root)).config.rope_theta == winner.config.rope_theta
+    err = seen["loser"]
+    assert isinstance(err, CheckpointLockedError), err
+    msg = str(err)
+    assert f"model folder {str(gcs_root)!r} was committed by another writer" in msg and INDEX in msg, msg
+    assert seen["locked"] and not _lock(gcs_root).exists()
+    _model(4).save_pretrained(gcs_root)  # and the next save works
+    assert _load_bits(gcs_root) == _bits(_model(4)) and _weights(gcs_root) == _indexed(gcs_root)
 
 
 def test_gcs_state_commit_lost_race_is_an_error_and_keeps_the_winner(gcs_root, monkeypatch):

@@ -19,9 +19,9 @@ from ...paths import ePath
 logger = get_logger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'WEIGHTS_NAME', 'WEIGHTS_INDEX_NAME', 'WEIGHTS_DIGEST_KEY', 'safetensors_parts', 'safetensors_dumps',
-           'safetensors_loads', 'hf_name', 'to_hf_state_dict', 'parse_size', 'weights_digest', 'read_verified_weights',
-           'save_pretrained', 'load_weights', 'from_pretrained', 'push_to_hub']
+__all__ = ['logger', 'WEIGHTS_NAME', 'WEIGHTS_INDEX_NAME', 'WEIGHTS_DIGEST_KEY', 'CONFIG_KEY', 'safetensors_parts',
+           'safetensors_dumps', 'safetensors_loads', 'hf_name', 'to_hf_state_dict', 'parse_size', 'weights_digest',
+           'read_verified_weights', 'save_pretrained', 'load_weights', 'from_pretrained', 'push_to_hub']
 
 # %% ../../../nbs/12e_modules.llama.files.ipynb #cb732a9b
 WEIGHTS_NAME = "model.safetensors"
@@ -237,13 +237,18 @@ def _write_shard(f: ePath, shard: dict) -> None:
     _write_blob(f, safetensors_parts(shard, {"format": "pt", WEIGHTS_DIGEST_KEY: weights_digest(shard)}))
 
 
-def _write_config(model, d: ePath, tensors: dict) -> None:
-    "config.json with `architectures` and `torch_dtype` as transformers writes them."
+def _saved_config(model, tensors: dict):
+    "The config a save writes: the model's, with `architectures` and `torch_dtype` as transformers writes them."
     import jax.numpy as jnp
     dtype = next((a.dtype for a in tensors.values() if jnp.issubdtype(a.dtype, jnp.floating)), np.dtype("float32"))
     config = type(model.config).from_dict(model.config.to_dict())
     config.architectures, config.torch_dtype = [type(model).__name__], np.dtype(dtype).name
-    config.save_pretrained(d)
+    return config
+
+
+def _write_config(model, d: ePath, tensors: dict) -> None:
+    "config.json of `_saved_config` in folder `d`."
+    _saved_config(model, tensors).save_pretrained(d)
 
 
 def _write_files(model, d: ePath, tensors: dict, max_shard_size) -> int:
@@ -260,14 +265,23 @@ def _write_files(model, d: ePath, tensors: dict, max_shard_size) -> int:
     for name, shard in zip(names, shards):
         _write_shard(d / name, shard)
     if n > 1:
-        _write_blob(d / WEIGHTS_INDEX_NAME, [_index_bytes(tensors, names, shards)])
+        _write_blob(d / WEIGHTS_INDEX_NAME, [_index_bytes(_index(tensors, names, shards))])
     _write_config(model, d, tensors)
     return n
 
 # %% ../../../nbs/12e_modules.llama.files.ipynb #252d2811
-def _index_bytes(tensors: dict, names: list, shards: list) -> bytes:
-    index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))},
-             "weight_map": {t: name for name, shard in zip(names, shards) for t in shard}}
+CONFIG_KEY = "eformer_nb.config"  # in an in-place save's index metadata: the config its weights were committed with
+
+
+def _index(tensors: dict, names: list, shards: list, config: dict | None = None) -> dict:
+    "The index of `shards` saved under `names`; `config` (a JSON-ready dict) recorded in its metadata when given."
+    metadata = {"total_size": int(sum(a.nbytes for a in tensors.values()))}
+    if config is not None:
+        metadata[CONFIG_KEY] = config
+    return {"metadata": metadata, "weight_map": {t: name for name, shard in zip(names, shards) for t in shard}}
+
+
+def _index_bytes(index: dict) -> bytes:
     return json.dumps(index, indent=2, sort_keys=True).encode()
 
 
@@ -305,22 +319,59 @@ def _drop_replaced_weights(d: ePath, names: list[str]) -> None:
         (d / name).unlink(missing_ok=True)
 
 
+def _commit_index(f: ePath, index: dict, generation: int | None) -> bool:
+    """The commit: write the index `f` only while it is still at `generation` (GCS `ifGenerationMatch`; 0: only while
+    absent), False when another writer committed since; `generation` None (a filesystem without generations): a plain
+    atomic write. On gs:// the index carries a `digest` field (the shared conditional write adds it)."""
+    if generation is None:
+        _write_blob(f, [_index_bytes(index)])
+        return True
+    from ...serialization.base_manager import _write_json_if_generation
+    return _write_json_if_generation(f, index, generation)
+
+
+def _lost_commit(d: ePath, created: list[str], generation: int | None):
+    """After a refused commit: remove the shards this save created that the index now committed does not name (never
+    one the winner wrote); the `CheckpointLockedError` to raise, naming the folder."""
+    from ...serialization.serialization import CheckpointLockedError
+    try:
+        kept = set((d / WEIGHTS_INDEX_NAME).load_dict(format="json")["weight_map"].values())
+    except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):  # unreadable: remove nothing
+        kept = set(created)
+    gone = sorted(set(created) - kept)
+    for name in gone:
+        (d / name).unlink(missing_ok=True)
+    return CheckpointLockedError(
+        f"save_pretrained: model folder {str(d)!r} was committed by another writer while this save ran: its "
+        f"{WEIGHTS_INDEX_NAME} is no longer at generation {generation} (its lock object was deleted mid-save?); this "
+        f"save did not commit and removed only the {len(gone)} shard(s) it created that the winner does not name "
+        f"{gone[:4]}; load the folder to see the version that won")
+
+# %% ../../../nbs/12e_modules.llama.files.ipynb #dd313bdc
 def _write_committed(model, d: ePath, tensors: dict, max_shard_size) -> int:
-    """Write into `d` in place without losing the previous version: the shards under names no committed index names
-    (`model-<8 hex of their digests>-0000i-of-0000N.safetensors`), config.json, then the index, the commit; only
-    then the replaced weight files are removed. Same tensors give the same names, so several processes agree."""
+    """Write into `d` in place without losing the previous version, holding `d`'s lock (`exclusive_writer`): the shards
+    under names no committed index names (`model-<8 hex of their digests>-0000i-of-0000N.safetensors`), then the index
+    recording the config (`CONFIG_KEY`), the commit, conditional on the index's generation read first; then
+    config.json; only then the replaced weight files are removed. Same tensors give the same names and the same index,
+    so several processes agree."""
     import hashlib
+    from ...serialization.base_manager import _object_generation
+    from ...serialization.serialization import exclusive_writer
     d.mkdir(parents=True, exist_ok=True)
-    old = _replaced_weights(d)
-    shards = _shards(tensors, parse_size(max_shard_size))
-    n = len(shards)
-    token = hashlib.sha256("|".join(f"{list(s)}:{weights_digest(s)}" for s in shards).encode()).hexdigest()[:8]
-    names = [f"model-{token}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    for name, shard in zip(names, shards):
-        _write_shard(d / name, shard)
-    _write_config(model, d, tensors)
-    _write_blob(d / WEIGHTS_INDEX_NAME, [_index_bytes(tensors, names, shards)])  # the commit
-    _drop_replaced_weights(d, sorted(old - set(names)))
+    with exclusive_writer(d, "model folder"):
+        generation = _object_generation(d / WEIGHTS_INDEX_NAME)  # first: a commit landing after this makes ours lose
+        old, present = _replaced_weights(d), {p.name for p in d.glob("model*.safetensors")}
+        shards = _shards(tensors, parse_size(max_shard_size))
+        n = len(shards)
+        token = hashlib.sha256("|".join(f"{list(s)}:{weights_digest(s)}" for s in shards).encode()).hexdigest()[:8]
+        names = [f"model-{token}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        config = json.loads(json.dumps(_saved_config(model, tensors).to_dict(), allow_nan=False))  # as read back
+        for name, shard in zip(names, shards):
+            _write_shard(d / name, shard)
+        if not _commit_index(d / WEIGHTS_INDEX_NAME, _index(tensors, names, shards, config), generation):
+            raise _lost_commit(d, sorted(set(names) - present), generation)
+        _write_config(model, d, tensors)  # after the commit: the index holds this config until config.json does
+        _drop_replaced_weights(d, sorted(old - set(names)))
     return n
 
 # %% ../../../nbs/12e_modules.llama.files.ipynb #0465a8eb
@@ -330,11 +381,11 @@ def _write_folder(model, d: ePath, tensors: dict, max_shard_size) -> int:
     gs:// (or with several processes) in place, committed by the index (`_write_committed`)."""
     import jax
     from ...paths import is_remote_path
+    from ...serialization.serialization import exclusive_writer, refuse_destination
+    refuse_destination(d, "save_pretrained")
     if is_remote_path(d) or jax.process_count() > 1:  # no directory rename on object stores
         return _write_files(model, d, tensors, max_shard_size)
     from ...serialization.base_manager import MARKER_FILE, fresh_work_dir, rename_into_place
-    from ...serialization.serialization import exclusive_writer, refuse_destination
-    refuse_destination(d, "save_pretrained")
     with exclusive_writer(d, "model folder"):
         keep = sorted(p.name for p in d.iterdir() if not _HF_OWNED.match(p.name)) if d.is_dir() else []
         work = fresh_work_dir(d, keep)  # marked ours while it is written: a crash leaves it for the next save to clear
@@ -383,6 +434,31 @@ def _weight_files(d: ePath) -> list[ePath]:
 
 
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")  # buffers older transformers checkpoints carry
+
+# %% ../../../nbs/12e_modules.llama.files.ipynb #a3e0bea9
+def _committed_config(d: ePath) -> dict | None:
+    """The config that `d`'s index records as the one its weights were committed with (`CONFIG_KEY`, written by an
+    in-place save), when config.json differs from it or is missing: a save stopped between its commit and its
+    config.json write. A warning names the folder and the differing keys. None: no such record, or config.json agrees."""
+    f = d / WEIGHTS_INDEX_NAME
+    if not f.is_file():
+        return None
+    recorded = (f.load_dict(format="json").get("metadata") or {}).get(CONFIG_KEY)
+    if not isinstance(recorded, dict):
+        return None  # written by transformers, another tool, or an older save_pretrained: config.json is all there is
+    try:
+        found = (d / "config.json").load_dict(format="json")
+    except (FileNotFoundError, ValueError, TypeError):  # missing, not JSON, not an object
+        found = None
+    if found == recorded:
+        return None
+    what = "is missing or not JSON" if found is None else "differs from the config its weights were committed with " \
+        f"in {[k for k in sorted(set(found) | set(recorded)) if found.get(k, ...) != recorded.get(k, ...)][:8]}"
+    logger.warning("%r: config.json %s: a save_pretrained stopped between its commit (%s) and its config.json write, "
+                   "or config.json was edited by hand. Loading the committed config (the index's metadata[%r]); save "
+                   "again to rewrite config.json (to change a saved config: load with config_kwargs= and save)",
+                   str(d), what, WEIGHTS_INDEX_NAME, CONFIG_KEY)
+    return recorded
 
 # %% ../../../nbs/12e_modules.llama.files.ipynb #a1d5d4ca
 def _read_weights(sources: list, by_hf: dict, flat_shapes: dict, place: dict, config: object,
@@ -486,7 +562,9 @@ def from_pretrained(
         from eformer_nb.modules.llama.gguf import from_gguf
         return from_gguf(cls, str(d), gguf_file, dtype=dtype, param_dtype=param_dtype, precision=precision,
                          rngs=rngs, mesh=mesh, partition_rules=partition_rules, config_kwargs=config_kwargs)
-    config = cls.config_class.from_pretrained(d, strict=strict_config, **(config_kwargs or {}))
+    recorded = _committed_config(d)  # the committed config when config.json is not it (a save stopped in between)
+    config = (cls.config_class.from_pretrained(d, strict=strict_config, **(config_kwargs or {})) if recorded is None
+              else cls.config_class.from_dict(recorded, strict=strict_config, **(config_kwargs or {})))
     sources = [(str(f), lambda f=f: read_verified_weights(f)) for f in _weight_files(d)]
     return load_weights(cls, config, sources, str(d), dtype=dtype, param_dtype=param_dtype, precision=precision,
                         rngs=rngs, mesh=mesh, partition_rules=partition_rules)
