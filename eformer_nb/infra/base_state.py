@@ -21,7 +21,7 @@ from ..escale.mesh import get_current_mesh
 from ..escale.partition.constraints import (correct_partition_spec, make_shard_and_gather_fns,
                                                      map_leaves_with_path, match_partition_rules)
 from ..loggings import get_logger
-from ..optimizers.factory import _select, nonfinite_skips
+from ..optimizers.factory import nonfinite_skips
 from ..pytree.dataclasses import auto_pytree, field
 from ..pytree.tree_util import tree_bytes
 
@@ -322,7 +322,8 @@ def _apply_gradients(
 ) -> EasyDeLState:
     """One optimizer step: new parameters and optimizer state, `step + 1`. Needs `tx` and `opt_state`. Gradients with
     NaN/Inf follow the state's `nonfinite` policy: 'skip' keeps parameters and optimizer state and counts the step in
-    `skipped_steps` (one fused check, no branch); 'raise' raises naming the first bad path; 'off' applies them."""
+    `skipped_steps` (one fused check; a `lax.cond` whose branches only hand arrays through picks the new or the old
+    state); 'raise' raises naming the first bad path; 'off' applies them."""
     if self.tx is None or self.opt_state is None:
         raise _missing_opt("apply_gradients", self)
     check_like_params(grads, self.graphstate, "apply_gradients: grads", any_float=True)
@@ -339,8 +340,11 @@ def _apply_gradients(
             _raise_nonfinite(per_leaf, tuple(leaves))
         return new
     ok = per_leaf.all()
-    return new.replace(graphstate=_select(ok, new.graphstate, self.graphstate),
-                       opt_state=_select(ok, new.opt_state, self.opt_state),
+    # one branch picks the whole new or old (parameters, optimizer state): the same run time as a `where` per leaf, but
+    # that select ties every leaf's update to every gradient and made XLA compile a QLoRA step ~3x longer (measured)
+    graphstate, opt_state = jax.lax.cond(ok, lambda: (new.graphstate, new.opt_state),
+                                         lambda: (self.graphstate, self.opt_state))
+    return new.replace(graphstate=graphstate, opt_state=opt_state,
                        skipped_steps=self.skipped_steps + jnp.where(ok, 0, 1).astype(jnp.int32))
 
 # %% ../../nbs/13a_infra.base_state.ipynb #d5feb402

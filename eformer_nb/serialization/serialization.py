@@ -751,7 +751,8 @@ def _commit_tree(tree_dir: ePath, plan: _SavePlan, compression: str | None, over
         sync_processes("tree-written")
         if first:
             body = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "arrays": arrays, "leaves": records,
-                    "tree": plan.structure, "static": plan.static, "seq": (old or {}).get("seq", 0) + 1}  # the newest committed wins
+                    "tree": plan.structure, "static": plan.static,
+                    "seq": (old or {}).get("seq", 0) + 1}  # the newest committed wins
             if commit is not None:
                 commit(dict(body, digest=_digest(body)))
                 _write_json(tree_dir / INDEX_FILE, body)
