@@ -225,3 +225,16 @@ def test_gcs_state_broken_lock_first_commit_wins_whole(gcs_root, monkeypatch):
     assert isinstance(box.get("err"), ser.CheckpointLockedError), box.get("err")
     assert _bits(_load(gcs_root)) == _bits(state_of(2))
     assert len(_versions(gcs_root)) == 1 and not lock.exists()
+
+
+def test_gcs_state_first_save_killed_in_its_model_write(gcs_root):
+    """What a SIGKILL during the model write of a first gs:// save leaves: a marked version folder and, beside it, the
+    lock object of that folder's save_pretrained. Both are ours: the next save goes through (it used to be refused as
+    'not a saved state' naming the lock object) and removes them after its commit."""
+    (gcs_root / "state.deadbeef" / MARKER_FILE).write_text("{}")
+    (gcs_root / "state.deadbeef" / "model-0badc0de-00001-of-00001.safetensors").write_bytes(b"torn")
+    (gcs_root / ".state.deadbeef.lock").write_bytes(b"pid 1 on a dead host (save 00)")
+    state_of(1).save_state(gcs_root, verbose=False)
+    assert _bits(_load(gcs_root)) == _bits(state_of(1))
+    assert len(_versions(gcs_root)) == 1 and "state.deadbeef" not in _versions(gcs_root)
+    assert not (gcs_root / ".state.deadbeef.lock").exists()

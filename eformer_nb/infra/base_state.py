@@ -559,7 +559,7 @@ def _read_state_file(directory, check_weights: bool = False) -> dict:
 # %% ../../nbs/13a_infra.base_state.ipynb #6bab507b
 _STATE_OWNED = re.compile(r"^(easydel_state\.json|config\.json|generation_config\.json"
                           r"|model(-[0-9a-f]{8})?(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|optimizer|optimizer\.safetensors|state\.[0-9a-f]{8}"
-                          r"|\.eformer_nb)$")  # what save_state writes
+                          r"|\.eformer_nb|\.state\.[0-9a-f]{8}\.lock)$")  # what save_state writes (gs://: a version's lock)
 
 
 def _state_foreign(directory, overwrite: bool) -> list[str]:
@@ -711,6 +711,7 @@ def _drop_versions(directory, keep: str | None) -> None:
         for p in directory.iterdir():
             if _VERSION_DIR.fullmatch(p.name) and p.name != keep and (p / MARKER_FILE).exists():
                 p.rmtree()
+                (directory / f".{p.name}.lock").unlink(missing_ok=True)  # its save_pretrained's, if a SIGKILL left it
 
 
 def _begin_version(directory, name: str):
