@@ -540,8 +540,9 @@ def fuzz_quantization(target_dir: Path, n: int) -> Outcomes:
         st.lists(st.sampled_from(specials), max_size=3),
         st.integers(0, 2**32 - 1),
         st.sampled_from(["raise", "keep", "zero"]),
+        st.none() | st.sampled_from([-1, -2, 0, 1, 2, -3, 1.0, True]),  # nf4's block axis (bitsandbytes' layout: -2)
     )
-    def run(fmt, shape, dtype, block, special, seed, nonfinite):
+    def run(fmt, shape, dtype, block, special, seed, nonfinite, block_axis):
         x = np.random.default_rng(seed).normal(size=shape).astype(np.float32)
         for i, v in enumerate(special):
             if x.size:
@@ -552,8 +553,11 @@ def fuzz_quantization(target_dir: Path, n: int) -> Outcomes:
             kw["block_size"] = block
             if fmt == "int8":
                 kw["granularity"] = "block"
+        if block_axis is not None:
+            kw["block_axis"] = block_axis
         o.check(lambda: quantize(x, fmt, **kw), (ValueError, TypeError),
-                names=["block_size", "not finite", "floating", "last axis", "nonfinite", "granularity", repr(block)],
+                names=["block_size", "not finite", "floating", "last axis", "nonfinite", "granularity", repr(block),
+                       "block_axis"],
                 on_ok=ok_for(x, fmt, nonfinite))
 
     run()
@@ -969,7 +973,7 @@ TARGETS: dict[str, tuple[tp.Callable[[Path, int], Outcomes], int]] = {
     "mesh": (fuzz_mesh, 500),
     "msgpack": (fuzz_msgpack, 500),
     "files": (fuzz_files, 250),
-    "quantization": (fuzz_quantization, 60),
+    "quantization": (fuzz_quantization, 300),
     "state": (fuzz_state, 250),
     "llama_config": (fuzz_llama_config, 700),
     "llama_forward": (fuzz_llama_forward, 250),
