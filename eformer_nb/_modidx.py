@@ -1430,6 +1430,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                     'eformer_nb/modules/llama/files.py'),
                                                 'eformer_nb.modules.llama.files.hf_name': ( 'nbs/modules.llama.files.html#hf_name',
                                                                                             'eformer_nb/modules/llama/files.py'),
+                                                'eformer_nb.modules.llama.files.host_value': ( 'nbs/modules.llama.files.html#host_value',
+                                                                                               'eformer_nb/modules/llama/files.py'),
                                                 'eformer_nb.modules.llama.files.load_weights': ( 'nbs/modules.llama.files.html#load_weights',
                                                                                                  'eformer_nb/modules/llama/files.py'),
                                                 'eformer_nb.modules.llama.files.parse_size': ( 'nbs/modules.llama.files.html#parse_size',

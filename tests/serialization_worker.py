@@ -4,6 +4,9 @@
 sharded array as a step checkpoint and restore it onto another sharding; each checks the shards it holds.
 `multiprocess_gcs PORT PID URL DIR`: the same two processes saving to gs:// DIR on the fake-gcs-server at URL; each
 prints the JSON files it wrote, the chunks it wrote and what its commit callback saw.
+`multiprocess_pretrained PORT PID URL GSDIR LOCALDIR`: two JAX processes (4 host CPU devices each) save one tiny Llama
+sharded over all 8 devices with `save_pretrained`, to gs:// GSDIR (emulator at URL) and to LOCALDIR, then re-save
+another model over both in place; each process loads every version back and compares it with the full weights.
 `gcs_kill URL DIR POINT`: saves step 1 to gs:// DIR on the emulator at URL, then SIGKILLs itself at POINT of a
 re-save of step 1 (`arrays`, `commit`, `copy`, `drop`).
 `state_gcs_kill URL DIR POINT`: saves `state_of(1)` with `save_state` to gs:// DIR on the emulator at URL, then
@@ -126,6 +129,39 @@ def multiprocess_gcs(port: int, pid: int, url: str, root: str) -> None:
     for shard in back["w"].addressable_shards:
         np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
     print(f"process {pid}: " + json.dumps({"json": sorted(wrote), "chunks": chunks, "callback": seen}), flush=True)
+    jax.distributed.shutdown()
+
+
+def multiprocess_pretrained(port: int, pid: int, url: str, gs_dir: str, local_dir: str) -> None:
+    import jax
+
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid,
+                               initialization_timeout=120)
+    from flax import nnx
+
+    from eformer_nb.escale.mesh import create_mesh
+    from eformer_nb.modules.llama import LlamaConfig, LlamaForCausalLM
+    from eformer_nb.modules.llama.files import to_hf_state_dict
+    from eformer_nb.paths import make_gcs_filesystem, set_gcs_filesystem
+
+    set_gcs_filesystem(make_gcs_filesystem(endpoint_url=url))
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2)
+    mesh = create_mesh((1, 2, 1, 4, 1))  # fsdp=2 x tp=4 over both processes' devices
+    for seed in (0, 1):  # a first save, then a re-save in place over it
+        with jax.default_device(jax.local_devices()[0]):
+            model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(seed))
+            full = to_hf_state_dict(model.split_params_dict())  # every weight, on this process
+        model = model.shard_model(mesh=mesh)
+        kernel = model.split_params_dict()["model"]["layers"][0]["self_attn"]["q_proj"]["kernel"]
+        assert not kernel.is_fully_addressable, kernel.sharding  # really spread over both processes
+        for dest in (gs_dir, local_dir):
+            model.save_pretrained(dest)
+            back = to_hf_state_dict(LlamaForCausalLM.from_pretrained(dest).split_params_dict())
+            assert sorted(back) == sorted(full), (sorted(back), sorted(full))
+            for name, value in full.items():
+                np.testing.assert_array_equal(back[name], value, err_msg=f"{dest}: {name}")
+        print(f"process {pid}: save {seed} loads bit-exactly from both", flush=True)
     jax.distributed.shutdown()
 
 
@@ -300,6 +336,8 @@ if __name__ == "__main__":
         multiprocess(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
     elif mode == "multiprocess_gcs":
         multiprocess_gcs(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    elif mode == "multiprocess_pretrained":
+        multiprocess_pretrained(int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:7])
     elif mode == "gcs_kill":
         gcs_kill(*sys.argv[2:5])
     elif mode == "state_gcs_kill":

@@ -20,8 +20,9 @@ logger = get_logger(__name__)
 
 # %% auto #0
 __all__ = ['logger', 'WEIGHTS_NAME', 'WEIGHTS_INDEX_NAME', 'WEIGHTS_DIGEST_KEY', 'CONFIG_KEY', 'safetensors_parts',
-           'safetensors_dumps', 'safetensors_loads', 'hf_name', 'to_hf_state_dict', 'parse_size', 'weights_digest',
-           'read_verified_weights', 'save_pretrained', 'load_weights', 'from_pretrained', 'push_to_hub']
+           'safetensors_dumps', 'safetensors_loads', 'hf_name', 'host_value', 'to_hf_state_dict', 'parse_size',
+           'weights_digest', 'read_verified_weights', 'save_pretrained', 'load_weights', 'from_pretrained',
+           'push_to_hub']
 
 # %% ../../../nbs/12e_modules.llama.files.ipynb #cb732a9b
 WEIGHTS_NAME = "model.safetensors"
@@ -116,6 +117,19 @@ def hf_name(
     return ".".join(parts), False
 
 
+def host_value(
+    value,  # a parameter: a jax.Array (sharded or not, possibly over several processes' devices) or a NumPy array
+) -> np.ndarray:  # the whole array on this host
+    """The whole of `value` as a NumPy array on this host. An array spread over devices of several JAX processes is
+    gathered from all of them (`multihost_utils.process_allgather`, a collective: every process calls this for the
+    same arrays in the same order, as `save_pretrained` does); `jax.device_get` alone refuses it."""
+    import jax
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+    return np.asarray(jax.device_get(value))
+
+
 def to_hf_state_dict(
     params: dict,  # nested dict of parameters
     float_dtype=None,  # cast floating parameters
@@ -136,7 +150,7 @@ def to_hf_state_dict(
         if is_implicit(value):
             value = materialize(value)
         fn = gathers.get(path)
-        arr = np.asarray(fn(value)) if fn is not None else np.asarray(jax.device_get(value))
+        arr = np.asarray(fn(value)) if fn is not None else host_value(value)
         if float_dtype is not None and jnp.issubdtype(arr.dtype, jnp.floating):
             arr = arr.astype(jnp.dtype(float_dtype))
         name, transpose = hf_name(path)
