@@ -5,6 +5,7 @@
 # %% ../nbs/90_demo.ipynb #e73224ff
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,10 +29,10 @@ __all__ = ['logger', 'MODEL_SIZES', 'REAL_MODELS', 'MODEL_PRESETS', 'MESH_AXES',
            'ByteTokenizer', 'corpus_batch', 'model_preset', 'AcceleratorSpec', 'DemoConfig', 'parse_config',
            'accelerator_config', 'demo_tokenizer', 'encode_text', 'prompt_ids', 'decode_ids', 'split_corpus',
            'heldout_windows', 'demo_mesh', 'model_config', 'trainable_filter', 'build_model', 'pretrained_model',
-           'partition_rules', 'optimizer', 'create_state', 'train_step_fn', 'heldout_perplexity', 'train_job',
-           'merge_adapters', 'generate_sample', 'sample_and_save', 'measure_before', 'connect_ray', 'run_job',
-           'summarize', 'format_report', 'DemoCheckError', 'report_problems', 'save_report', 'load_report',
-           'plot_losses', 'main']
+           'partition_rules', 'optimizer', 'create_state', 'train_step_fn', 'heldout_perplexity', 'state_digest',
+           'read_step_logs', 'check_resume', 'train_job', 'merge_adapters', 'generate_sample', 'plain_model',
+           'sample_and_save', 'measure_before', 'connect_ray', 'run_job', 'summarize', 'format_report',
+           'DemoCheckError', 'report_problems', 'save_report', 'load_report', 'plot_losses', 'main']
 
 # %% ../nbs/90_demo.ipynb #59e8f262
 def data_file(name: str  # a file in eformer_nb/data, such as 'corpus.txt' or 'demo_tpu_v4_32.yaml'
@@ -157,8 +158,9 @@ class DemoConfig:
     checkpoint_every: int | None = Argu(default=None, help=f"save a checkpoint every N steps {_PRESET}")
     crash_at_step: int | None = Argu(default=None, help=f"a fresh run SIGKILLs its worker after this step (0: never) "
                                                         f"{_PRESET}")
-    verify: bool = Argu(default=True,
-                        help="after a resume, train again from scratch and compare the losses bit for bit")
+    verify: bool = Argu(default=False,
+                        help="after a resume, also train an uninterrupted reference run and compare all losses bit "
+                             "for bit (the whole run again; without it the check is the replayed steps' digests)")
     compile_cache: bool = Argu(default=True, help="share compiled programs between attempts (run_dir/xla-cache)")
     out_dir: str = Argu(default="", help="run directory, local or gs:// (default: a new temporary directory)")
     report_json: str = Argu(default="", help="also write the report, with the loss curves, to this JSON file")
@@ -543,6 +545,99 @@ def _run_steps(state, loss_scale, step_fn, tokens, cfg: DemoConfig, start: int, 
                 on_step(step + 1, state, loss_scale, losses)
     return state, loss_scale, losses, skipped, time.perf_counter() - t_first
 
+# %% ../nbs/90_demo.ipynb #03f5d9b5
+def state_digest(
+    tree,  # a pytree of arrays, sharded or not (a quantized array is a pytree of its packed arrays)
+) -> str:
+    """sha256 of every leaf of `tree`, in tree order: its path, dtype, shape and bytes. Equal digests mean bit-identical
+    values; the sharding does not enter. In a multi-process job every process calls it (it gathers arrays that span
+    processes)."""
+    import hashlib
+    import jax
+    from jax.experimental import multihost_utils
+    h = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, jax.Array):
+            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                leaf = jax.random.key_data(leaf)
+            if not leaf.is_fully_addressable:
+                leaf = multihost_utils.process_allgather(leaf, tiled=True)
+        a = np.ascontiguousarray(np.asarray(leaf))
+        h.update(f"{jax.tree_util.keystr(path)}:{a.dtype.name}{list(a.shape)};".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+# %% ../nbs/90_demo.ipynb #2abdaf7b
+class _Phases:
+    "Wall seconds of a job's phases by name, in the order they ran: `with phases('train'): ...`."
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] = round(self.times.get(name, 0.0) + time.perf_counter() - t0, 2)
+
+
+def _step_log(run: ePath, start: int, frozen: str, phases: dict, t0: float) -> dict:
+    """A new attempt's step log: its file, the step it starts from, its frozen base's digest, its phase times and
+    the `time.perf_counter()` it started at."""
+    return {"path": str(run / f"steps-{time.time_ns()}-from-{start}.json"), "start": start, "pid": os.getpid(),
+            "frozen": frozen, "phases": phases, "t0": t0, "steps": []}
+
+
+def _log_step(log: dict, step: int, state, loss_scale, loss: float | None = None) -> None:
+    "Record the digest of the checkpointed state after `step` (and its loss); process 0 rewrites the attempt's log."
+    import jax
+    rec = {"step": step, "digest": state_digest(_checkpoint_tree(state, loss_scale)),
+           "elapsed_s": round(time.perf_counter() - log["t0"], 2)}
+    if loss is not None:
+        rec["loss"] = loss
+    log["steps"].append(rec)
+    if jax.process_index() == 0:
+        ePath(log["path"]).write_text(json.dumps(log))
+
+
+def read_step_logs(
+    run_dir: str,  # the job's run directory (local or gs://)
+) -> list[dict]:
+    "The step log of every attempt of the job in `run_dir`, oldest first."
+    return [json.loads(p.read_text()) for p in ePath(run_dir).glob("steps-*-from-*.json")]
+
+# %% ../nbs/90_demo.ipynb #abbf3b2e
+def check_resume(
+    logs: list[dict],  # the attempts' step logs, oldest first (`read_step_logs`)
+) -> dict:
+    """Compare every step that two attempts recorded. `restored`: a state an attempt started from (restored from a
+    checkpoint) against the digest the earlier attempt recorded after that step; `replayed`: a step recomputed after a
+    resume, its loss (float32 bits) and state digest; `frozen`: the frozen base each attempt built. Each is
+    `(count, all equal)`; `mismatches` says which step of which attempt differs from which."""
+    bits = lambda x: int(np.float32(x).view(np.uint32))
+    first, counts, bad = {}, {"restored": [0, True], "replayed": [0, True]}, []
+    for i, log in enumerate(logs):
+        for rec in log["steps"]:
+            if rec["step"] not in first:
+                first[rec["step"]] = (i, rec)
+                continue
+            j, ref = first[rec["step"]]
+            kind = "replayed" if "loss" in rec and "loss" in ref else "restored"
+            diff = [what for what, same in (("state digest", rec["digest"] == ref["digest"]),
+                                            ("loss", kind == "restored" or bits(rec["loss"]) == bits(ref["loss"])))
+                    if not same]
+            counts[kind][0] += 1
+            if diff:
+                counts[kind][1] = False
+                bad.append(f"step {rec['step']} ({kind}): the {' and '.join(diff)} of attempt {i + 1} "
+                           f"{'differ' if len(diff) > 1 else 'differs'} from attempt {j + 1}'s")
+    frozen = [log["frozen"] for log in logs]
+    if len(set(frozen)) > 1:
+        bad.append(f"the frozen base differs between attempts: {[f[:12] for f in frozen]}")
+    return {"restored": tuple(counts["restored"]), "replayed": tuple(counts["replayed"]),
+            "frozen": (len(frozen), len(set(frozen)) <= 1), "mismatches": bad}
+
 # %% ../nbs/90_demo.ipynb #caf017bf
 def _restore(ckpt, state, loss_scale) -> tuple:
     "`(state, loss_scale, losses so far)` from the newest checkpoint, restored into the fresh state's layout."
@@ -563,71 +658,83 @@ def _use_compile_cache(cfg: DemoConfig, run: ePath) -> None:
         jax.config.update("jax_compilation_cache_dir", str(run / "xla-cache"))
 
 
-def _before(cfg: DemoConfig, run: ePath, start: int, mesh, tok, windows) -> dict:
-    "`measure_before`, once per run: a fresh run measures and writes `run/before.json`, a resumed one reads it."
+def _before(cfg: DemoConfig, run: ePath, start: int, state, mesh, tok, windows) -> dict:
+    """`measure_before` once per run, on the fresh `state` (before any restore): a fresh run measures and writes
+    `run/before.json`, a resumed one reads it."""
     import jax
     path = run / "before.json"
     if start and path.exists():
         return json.loads(path.read_text())
-    before = measure_before(cfg, mesh, tok, windows)
+    before = measure_before(cfg, state, mesh, tok, windows)
     if jax.process_index() == 0:
         path.write_text(json.dumps(before))
     return before
 
 # %% ../nbs/90_demo.ipynb #d24ce30a
 def train_job(cfg: DemoConfig | dict,  # the job's settings (or `dataclasses.asdict` of them)
-              run_dir: str,  # run directory (local or gs://): checkpoints/, loss logs, the merged model
+              run_dir: str,  # run directory (local or gs://): checkpoints/, step logs, the merged model
               until_step: int | None = None,  # stop cleanly after this step (default: cfg.steps)
               ) -> dict:
-    "Measure, train (resuming from the newest checkpoint), crash once if told to, verify, measure, merge and sample."
+    "Measure, train (resuming from the newest checkpoint), log digests, crash once if told to, measure, merge, sample."
     if isinstance(cfg, dict):
         cfg, = DataClassArgumentParser(DemoConfig).parse_dict(cfg)
     _init_distributed()
     import resource
     import jax
     from eformer_nb.serialization import Checkpointer, CheckpointInterval
-    t_start, run = time.perf_counter(), ePath(run_dir)
+    t_start, run, phase = time.perf_counter(), ePath(run_dir), _Phases()
     _use_compile_cache(cfg, run)
-    mesh, tok = demo_mesh(cfg.mesh), demo_tokenizer(cfg)
-    tokens, held = split_corpus(encode_text(tok, load_corpus()))
-    windows = heldout_windows(held, cfg.seq_len)
+    with phase("tokenizer"):
+        mesh, tok = demo_mesh(cfg.mesh), demo_tokenizer(cfg)
+        tokens, held = split_corpus(encode_text(tok, load_corpus()))
+        windows = heldout_windows(held, cfg.seq_len)
     ckpt = Checkpointer(str(run / "checkpoints"), save_interval=None,
                         step_policies=[CheckpointInterval(cfg.checkpoint_every)])
     start, history = ckpt.latest_step() or 0, []
-    out = _before(cfg, run, start, mesh, tok, windows)
-    with jax.set_mesh(mesh):
+    with phase("model"):  # outside `jax.set_mesh`: the eager quantization is slower under a mesh context
         state, loss_scale, _ = create_state(cfg, mesh)
+        log = _step_log(run, start, state_digest(state.graphother), phase.times, t_start)
+    with phase("before"):
+        out = _before(cfg, run, start, state, mesh, tok, windows)
+    with jax.set_mesh(mesh):
         step_fn = train_step_fn(cfg.policy, state.shardings)
         if start:
-            state, loss_scale, history = _restore(ckpt, state, loss_scale)
-        attempt_log = run / f"losses-from-{start}.json"
+            with phase("restore"):
+                state, loss_scale, history = _restore(ckpt, state, loss_scale)
+        _log_step(log, start, state, loss_scale)
         crash = cfg.crash_at_step if start == 0 else 0
         stop = cfg.steps if until_step is None else min(until_step, cfg.steps)
 
         def on_step(step, state, loss_scale, losses):
             ckpt.on_step(_checkpoint_tree(state, loss_scale), step=step, extras={"losses": history + losses})
+            _log_step(log, step, state, loss_scale, losses[-1])
             if step == crash and jax.process_index() == 0:
-                attempt_log.write_text(json.dumps(losses))
                 logger.warning("step %d: killing this worker (pid %d) with SIGKILL", step, os.getpid())
                 os.kill(os.getpid(), signal.SIGKILL)
 
         t_ready = time.perf_counter()
-        state, loss_scale, losses, skipped, seconds = _run_steps(state, loss_scale, step_fn, tokens, cfg, start, stop,
-                                                                 on_step=on_step)
-        attempt_log.write_text(json.dumps(losses))
+        with phase("train"):
+            state, loss_scale, losses, skipped, seconds = _run_steps(state, loss_scale, step_fn, tokens, cfg, start,
+                                                                     stop, on_step=on_step)
+        with phase("after"):
+            ppl_after = heldout_perplexity(state, windows)
         out.update({"start_step": start, "stop_step": stop, "losses": history + losses, "skipped_steps": skipped,
                     "tokens_per_s": (len(losses) - 1) * cfg.batch_size * cfg.seq_len / max(seconds, 1e-9),
                     "setup_s": t_ready - t_start, "train_s": time.perf_counter() - t_ready,
                     "trainable_bytes": _tree_bytes(state.graphstate), "frozen_bytes": _tree_bytes(state.graphother),
                     "checkpoints": {s: _du(str(run / "checkpoints" / f"step-{s}")) for s in ckpt.manager.all_steps()},
                     "mesh": dict(mesh.shape), "devices": jax.device_count(), "pid": os.getpid(),
-                    "final_step": int(state.step), "ppl_after": heldout_perplexity(state, windows)})
+                    "final_step": int(state.step), "ppl_after": ppl_after, "step_log": log["path"]})
         if start and cfg.verify:
-            ref_state, ref_scale, _ = create_state(cfg, mesh)
-            *_, ref_losses, _, _ = _run_steps(ref_state, ref_scale, step_fn, tokens, cfg, 0, stop, desc="reference")
+            with phase("reference"):
+                ref_state, ref_scale, _ = create_state(cfg, mesh)
+                *_, ref_losses, _, _ = _run_steps(ref_state, ref_scale, step_fn, tokens, cfg, 0, stop,
+                                                  desc="reference")
             out["reference_losses"] = ref_losses
     if stop == cfg.steps:
-        out.update(sample_and_save(cfg, state, run, tok))
+        with phase("sample"):
+            out.update(sample_and_save(cfg, state, run, tok))
+    out["phases"] = phase.times
     out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     return out
 
@@ -675,6 +782,18 @@ def generate_sample(
     return decode_ids(tok, np.asarray(out.sequences[0, ids.shape[1]:ids.shape[1] + n]))
 
 # %% ../nbs/90_demo.ipynb #0af9c034
+def plain_model(
+    state,  # an `EasyDeLState` of the demo, sharded or not
+):
+    """The state's model on one device with its adapters folded into the dequantized base (`merge_adapters`). The
+    arrays are copied through the host, so no collective runs; the state is left as it was."""
+    import jax
+    from flax import nnx
+    host = jax.device_get((state.graphstate, state.graphother))
+    trainable, frozen = jax.device_put(host, jax.local_devices()[0])
+    return merge_adapters(nnx.merge(state.graphdef, trainable, frozen))
+
+
 def sample_and_save(
     cfg: DemoConfig,  # the demo's settings
     state,  # the trained state
@@ -684,7 +803,7 @@ def sample_and_save(
     "Merge the adapters, save the merged model under `run/merged` (bf16 safetensors), and generate the sample."
     import jax.numpy as jnp
     tok = demo_tokenizer(cfg) if tok is None else tok
-    model = merge_adapters(state.model).gather_model()
+    model = plain_model(state)
     merged_dir = run / "merged"
     model.save_pretrained(str(merged_dir), float_dtype=jnp.bfloat16)
     t0 = time.perf_counter()
@@ -694,17 +813,16 @@ def sample_and_save(
 
 def measure_before(
     cfg: DemoConfig,  # the demo's settings
-    mesh,  # the device mesh
+    state,  # the fresh state the job is about to train (adapters at their start)
+    mesh,  # the device mesh `state` is sharded over
     tok,  # the model's tokenizer
     windows: np.ndarray,  # held-out windows (`heldout_windows`)
 ) -> dict:
-    "Held-out perplexity and the sample of the model before training (quantized base, adapters at their start)."
+    "Held-out perplexity and the sample of the model before training, measured on the state the job then trains."
     import jax
     with jax.set_mesh(mesh):
-        state, _, _ = create_state(cfg, mesh)
         ppl = heldout_perplexity(state, windows)
-        model = merge_adapters(state.model).gather_model()
-    return {"ppl_before": ppl, "sample_before": generate_sample(cfg, model, tok)}
+    return {"ppl_before": ppl, "sample_before": generate_sample(cfg, plain_model(state), tok)}
 
 # %% ../nbs/90_demo.ipynb #34c58bbe
 def connect_ray(
@@ -747,7 +865,8 @@ def summarize(
     run_dir: str,  # the run directory
     wall_s: float,  # the job's wall time
 ) -> dict:
-    "The report of a finished job: the model, steps, throughput, perplexity, losses, bytes, the resume, the samples."
+    """The report of a finished job: the model, steps, throughput, perplexity, losses, bytes, the samples, the time of
+    each attempt's phases, and the resume checks of `check_resume` on the attempts' step logs."""
     res = status.unwrap()[0]  # process 0's result
     losses = np.asarray(res["losses"], np.float32)
     report = {"model": cfg.model, "setup": f"{cfg.quantization} base, LoRA rank {cfg.lora_rank} on "
@@ -761,16 +880,18 @@ def summarize(
               "checkpoint_bytes": res["checkpoints"], "merged_bytes": res["merged_bytes"], "mesh": res["mesh"],
               "prompt": cfg.prompt, "sample_before": res["sample_before"], "sample": res["sample"], "wall_s": wall_s,
               "run_dir": run_dir, "losses": losses.tolist()}
-    start = res["start_step"]
-    if start:
-        killed = ePath(run_dir) / "losses-from-0.json"
-        first = np.asarray(json.loads(killed.read_text()), np.float32) if killed.exists() else np.zeros(0, np.float32)
-        overlap = min(len(first), len(losses)) - start
-        report["killed_at_step"] = len(first)
-        report["killed_run_losses"] = first.tolist()
-        same = overlap > 0 and (first[start:start + overlap].view(np.uint32)
-                                == losses[start:start + overlap].view(np.uint32)).all()
-        report["replayed_steps_identical"] = (overlap, bool(same))
+    logs = read_step_logs(run_dir)
+    report["phases"] = [{**log["phases"], "killed_after": log["steps"][-1]["step"],
+                         "until_s": log["steps"][-1]["elapsed_s"]} for log in logs[:-1] if log["steps"]]
+    report["phases"].append(res["phases"])
+    if res["start_step"] and logs:
+        first, check = logs[0]["steps"], check_resume(logs)
+        report["killed_at_step"] = first[-1]["step"]
+        report["killed_run_losses"] = [r["loss"] for r in first if "loss" in r]
+        report["restored_state_identical"] = check["restored"]
+        report["replayed_steps_identical"] = check["replayed"]
+        report["frozen_base_identical"] = check["frozen"]
+        report["resume_mismatches"] = check["mismatches"]
     if "reference_losses" in res:
         ref = np.asarray(res["reference_losses"], np.float32)
         report["identical_to_uninterrupted"] = bool(ref.shape == losses.shape
@@ -797,14 +918,22 @@ def format_report(
              "checkpoints          " + ", ".join(f"step-{s}: {mib(b)}"
                                                   for s, b in sorted(r["checkpoint_bytes"].items())),
              f"merged model         {mib(r['merged_bytes'])} (bf16 safetensors)"]
-    if r.get("resume_step"):
-        n, same = r["replayed_steps_identical"]
+    if r.get("resume_step") and "replayed_steps_identical" in r:
+        (nr, same_r), (n, same), (nf, same_f) = (r["restored_state_identical"], r["replayed_steps_identical"],
+                                                 r["frozen_base_identical"])
         lines += [f"killed / resumed     SIGKILL after step {r['killed_at_step']}; "
                   f"resumed from step {r['resume_step']}",
-                  f"replayed steps       {n} steps recomputed after the resume, "
-                  f"bit-identical to the killed run: {same}"]
+                  f"restored state       sha256 of every leaf equal to the killed run's after step "
+                  f"{r['resume_step']}: {same_r}" + (f" ({nr} restores)" if nr != 1 else ""),
+                  f"replayed steps       {n} steps recomputed after the resume, losses and state digests "
+                  f"bit-identical to the killed run: {same}",
+                  f"frozen base          rebuilt by each of {nf} attempts, the same sha256: {same_f}"]
     if "identical_to_uninterrupted" in r:
         lines.append(f"uninterrupted run    all {r['steps']} losses bit-identical: {r['identical_to_uninterrupted']}")
+    for i, ph in enumerate(r.get("phases", [])):
+        until = f", stopped after step {ph['killed_after']} at {ph['until_s']:.0f}" if "until_s" in ph else ""
+        parts = ", ".join(f"{k} {v:.0f}" for k, v in ph.items() if k not in ("killed_after", "until_s"))
+        lines.append(f"{'seconds, attempt ' + str(i + 1):<21}{parts}{until}")
     lines += [f"wall time            {r['wall_s']:.1f} s", "prompt               " + repr(r["prompt"]),
               "before fine-tuning   " + repr(r["sample_before"]), "after fine-tuning    " + repr(r["sample"])]
     return "\n".join(lines)
@@ -817,12 +946,19 @@ class DemoCheckError(RuntimeError):
 def report_problems(
     r: dict,  # a report from `summarize`
 ) -> list[str]:
-    "What the report shows wrong: the held-out perplexity did not fall, or a resumed curve is not bit-identical."
+    """What the report shows wrong: the held-out perplexity did not fall; a resumed job whose restored state, replayed
+    steps or frozen base differ from the killed attempt's, or whose attempts recorded no step in common."""
     problems = []
     if not r["ppl_after"] < r["ppl_before"]:
         problems.append(f"held-out perplexity did not fall ({r['ppl_before']:.3f} -> {r['ppl_after']:.3f})")
-    if r.get("replayed_steps_identical", (1, True))[1] is not True:
-        problems.append(f"the replayed steps differ from the killed run ({r['replayed_steps_identical']})")
+    if r.get("resume_step"):
+        checks = [r.get(k) for k in ("restored_state_identical", "replayed_steps_identical", "frozen_base_identical")]
+        if None in checks:
+            problems.append("the job resumed, but the run directory holds no step log of the killed attempt")
+        elif checks[0][0] + checks[1][0] == 0:
+            problems.append("the job resumed, but no step was recorded by two attempts: nothing was compared")
+        elif not all(same for _, same in checks):
+            problems.append("the resumed job differs from the killed run: " + "; ".join(r["resume_mismatches"]))
     if r.get("identical_to_uninterrupted", True) is not True:
         problems.append("the resumed loss curve differs from an uninterrupted run")
     return problems
@@ -843,8 +979,9 @@ def load_report(
     r = json.loads(ePath(path).read_text())
     r["attempts"] = [tuple(a) for a in r["attempts"]]
     r["checkpoint_bytes"] = {int(s): b for s, b in r["checkpoint_bytes"].items()}
-    if "replayed_steps_identical" in r:
-        r["replayed_steps_identical"] = tuple(r["replayed_steps_identical"])
+    for k in ("restored_state_identical", "replayed_steps_identical", "frozen_base_identical"):
+        if k in r:
+            r[k] = tuple(r[k])
     return r
 
 # %% ../nbs/90_demo.ipynb #151fff85
