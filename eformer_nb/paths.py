@@ -1138,8 +1138,13 @@ def unlink(self: FsspecPath,
            ) -> None:
     "Remove this file (`IsADirectoryError` for a directory)."
     if self.is_file():
-        self._fs_obj.rm_file(self._path)
-        self._fs_obj.invalidate_cache(self._path)
+        try:
+            self._fs_obj.rm_file(self._path)
+        except FileNotFoundError:  # removed by someone else since is_file() (another process of the same save)
+            if not missing_ok:
+                raise FileNotFoundError(f"unlink: no such file: {str(self)!r}") from None
+        finally:
+            self._fs_obj.invalidate_cache(self._path)
     elif self.is_dir():
         raise IsADirectoryError(f"unlink: {str(self)!r} is a directory; use rmtree")
     elif not missing_ok:

@@ -6,7 +6,9 @@ sharded array as a step checkpoint and restore it onto another sharding; each ch
 prints the JSON files it wrote, the chunks it wrote and what its commit callback saw.
 `multiprocess_pretrained PORT PID URL GSDIR LOCALDIR`: two JAX processes (4 host CPU devices each) save one tiny Llama
 sharded over all 8 devices with `save_pretrained`, to gs:// GSDIR (emulator at URL) and to LOCALDIR, then re-save
-another model over both in place; each process loads every version back and compares it with the full weights.
+another model over both in place; each process loads every version back and compares it with the full weights; then
+the same with `EasyDeLState.save_state` / `load_state` (a save and a re-save); then a tree restored onto process 0's
+first device only (process 1 holds no shard of it).
 `gcs_kill URL DIR POINT`: saves step 1 to gs:// DIR on the emulator at URL, then SIGKILLs itself at POINT of a
 re-save of step 1 (`arrays`, `commit`, `copy`, `drop`).
 `state_gcs_kill URL DIR POINT`: saves `state_of(1)` with `save_state` to gs:// DIR on the emulator at URL, then
@@ -162,6 +164,32 @@ def multiprocess_pretrained(port: int, pid: int, url: str, gs_dir: str, local_di
             for name, value in full.items():
                 np.testing.assert_array_equal(back[name], value, err_msg=f"{dest}: {name}")
         print(f"process {pid}: save {seed} loads bit-exactly from both", flush=True)
+    import optax
+
+    from eformer_nb.infra.base_state import EasyDeLState
+    from eformer_nb.modules.llama.files import host_value
+
+    state = model.to_state().init_tx(optax.adam(1e-3))  # the sharded model's state: its optimizer state sharded alike
+    want = [host_value(x) for x in jax.tree.leaves((state.graphstate, state.opt_state))]
+    for dest in (gs_dir + "/state", local_dir + "-state"):
+        for _ in range(2):  # a first save, then a re-save over it
+            state.save_state(dest, verbose=False)
+            back = EasyDeLState.load_state(dest, tx=optax.adam(1e-3), verbose=False)
+            got = [host_value(x) for x in jax.tree.leaves((back.graphstate, back.opt_state))]
+            assert len(got) == len(want)
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(a, b, err_msg=dest)
+    print(f"process {pid}: save_state loads bit-exactly from both", flush=True)
+    from jax.sharding import SingleDeviceSharding
+
+    from eformer_nb.serialization import tree_deserialize_leaves, tree_serialize_leaves
+
+    tree_serialize_leaves(local_dir + "-tree", {"w": np.arange(4096.0)})  # every process calls it (process 0 writes)
+    only0 = tree_deserialize_leaves(local_dir + "-tree", shardings=SingleDeviceSharding(jax.devices()[0]))["w"]
+    assert only0.shape == (4096,) and len(only0.addressable_shards) == (1 if pid == 0 else 0), only0.sharding
+    if pid == 0:
+        np.testing.assert_array_equal(np.asarray(only0), np.arange(4096.0))
+    print(f"process {pid}: a leaf placed on another process's device restores", flush=True)
     jax.distributed.shutdown()
 
 

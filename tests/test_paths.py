@@ -497,3 +497,23 @@ def test_emulator_stopped_when_a_test_fails(tmp_path):
     pid = int(pidfile.read_text())
     assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower(), \
         f"fake-gcs-server (pid {pid}) outlived the failing test run"
+
+
+def test_gcs_unlink_missing_ok_survives_a_concurrent_removal(gcs_root, monkeypatch):
+    """`unlink(missing_ok=True)` of an object that another process removes between our existence check and our delete
+    (two processes of one save cleaning the same replaced files) returns; without `missing_ok` it names the path."""
+    f = gcs_root / "gone.bin"
+    f.write_bytes(b"x")
+    fs = f._fs_obj
+    real = fs.rm_file
+
+    def other_process_first(path, *a, **k):
+        real(path)  # the other process's delete lands first
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(fs, "rm_file", other_process_first)
+    f.unlink(missing_ok=True)
+    assert not f.exists()
+    f.write_bytes(b"x")
+    with pytest.raises(FileNotFoundError, match="gone.bin"):
+        f.unlink()

@@ -399,7 +399,9 @@ def test_gcs_pretrained_folder_loads_in_transformers(gcs_root, tmp_path, shards)
 def test_two_processes_save_pretrained_sharded(gcs_root, gcs_emulator, tmp_path):
     """Two real JAX processes (4 host devices each) hold one model sharded over all 8 devices and call save_pretrained
     together, to gs:// and to a local folder, then re-save another model in place over both: every version loads
-    bit-exactly on each process. (A parameter spread over both processes is not fully addressable on either.)"""
+    bit-exactly on each process. (A parameter spread over both processes is not fully addressable on either: this
+    used to fail in jax.device_get.) Then `save_state`/`load_state` the same way (load_state used to place an unsharded
+    state on the global device 0, which process 1 does not hold), and a restore onto process 0's device only."""
     import os
     import socket
     import subprocess
@@ -427,5 +429,7 @@ def test_two_processes_save_pretrained_sharded(gcs_root, gcs_emulator, tmp_path)
     for i, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
         assert f"process {i}: save 1 loads bit-exactly from both" in out, out[-2000:]
+        assert f"process {i}: save_state loads bit-exactly from both" in out, out[-2000:]
+        assert f"process {i}: a leaf placed on another process's device restores" in out, out[-2000:]
     names = sorted(p.name for p in gcs_root.iterdir())
     assert INDEX in names and "config.json" in names and not [n for n in names if n.endswith(".lock")], names

@@ -884,7 +884,7 @@ def _place_loaded(state: tp.Any, model: tp.Any, device: tp.Any, mesh: tp.Any, pa
     """The loaded state on `device`, or (with a mesh) its step and non-parameter leaves on the mesh beside the
     parameters."""
     if mesh is None and device is not None:
-        target = jax.devices(device)[0] if isinstance(device, str) else device
+        target = jax.local_devices(backend=device)[0] if isinstance(device, str) else device  # this process's
         return jax.device_put(state, target)
     if mesh is not None:  # the parameters are placed by from_pretrained; the rest joins them on the mesh
         rules = model.config.get_partition_rules() if partition_rules is None else partition_rules

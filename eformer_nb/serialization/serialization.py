@@ -901,6 +901,8 @@ def _place(data: np.ndarray, box: tuple[slice, ...], shape: tuple, sharding: tp.
                     for d, s in enumerate(idx))
         devices.append(dev)
         pieces.append(data[rel])
+    if not pieces:  # every shard lives on other processes' devices: this process holds none of it
+        return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=data.dtype)
     if len(pieces) == 1:  # one device: take the buffer itself where the device is a CPU (no copy)
         return jax.make_array_from_single_device_arrays(shape, sharding, [_to_device(pieces[0], devices[0])])
     return jax.make_array_from_single_device_arrays(shape, sharding, jax.device_put(pieces, devices))
@@ -971,7 +973,7 @@ def _to_device(data: np.ndarray, device: tp.Any = None) -> tp.Any:
     `data` is an aligned, contiguous array of a dtype JAX keeps as it is; else `jax.device_put`."""
     import jax
 
-    device = device if device is not None else jax.devices()[0]
+    device = device if device is not None else jax.local_devices()[0]  # this process's first
     if (isinstance(data, np.ndarray) and device.platform == "cpu" and data.size and data.flags.c_contiguous
             and data.ctypes.data % 64 == 0 and data.dtype.kind in "biuf"
             and jax.dtypes.canonicalize_dtype(data.dtype) == data.dtype):

@@ -143,7 +143,7 @@ def get_corrected_named_sharding(
     if isinstance(raise_mesh_error, (Mesh, AbstractMesh)):  # the older (shape, spec, mesh) order
         mesh, raise_mesh_error = raise_mesh_error, True
     if mesh is None and get_current_mesh() is None and not raise_mesh_error:
-        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     mesh = _require_mesh(mesh, "get_corrected_named_sharding")
     return NamedSharding(mesh, correct_partition_spec(shape, partition_spec, mesh, auto_correct=auto_correct))
 

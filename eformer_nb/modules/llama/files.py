@@ -136,7 +136,6 @@ def to_hf_state_dict(
     gather_fns: dict | None = None,  # a tree of functions applied to each parameter first
 ) -> dict[str, np.ndarray]:
     "transformers-named NumPy tensors of a nested parameter dict (quantized kernels dequantized, LoRA refused)."
-    import jax
     import jax.numpy as jnp
     from eformer_nb.jaximus import is_implicit, materialize
     flat = flatten_params(params)

@@ -1113,7 +1113,7 @@ def _shard_model(model, partition_rules=None, mesh=None):
 def _gather_model(model, partition_rules=None, mesh=None):
     "Replicate every parameter (on `mesh` if given, else on the first device); `partition_rules` is not needed."
     from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
-    target = NamedSharding(mesh, PartitionSpec()) if mesh is not None else SingleDeviceSharding(jax.devices()[0])
+    target = NamedSharding(mesh, PartitionSpec()) if mesh is not None else SingleDeviceSharding(jax.local_devices()[0])
     state = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jax.device_put(x, target), nnx.to_pure_dict(state)))
     nnx.update(model, state)
