@@ -420,7 +420,7 @@ def test_two_processes_save_pretrained_sharded(gcs_root, gcs_emulator, tmp_path)
     outs = []
     try:
         for p in procs:
-            outs.append(p.communicate(timeout=240)[0])
+            outs.append(p.communicate(timeout=150)[0])
     finally:
         for p in procs:
             if p.poll() is None:
