@@ -421,10 +421,8 @@ def _local_start_env(temp_dir: str):
             os.environ[_MARK] = before
 
 
-def _likely_cause(temp_dir: str) -> str:
-    "Why a local start failed, most specific first: a crash in the session logs, a busy port, low memory, load."
-    import psutil
-
+def _log_cause(temp_dir: str) -> str | None:
+    "What the session logs under `temp_dir` say went wrong at start: a Ray process that failed, or a busy port."
     for path in sorted(glob.glob(os.path.join(temp_dir, "session_*", "logs", "*"))):
         with contextlib.suppress(OSError), open(path, errors="replace") as f:  # a log that is gone says nothing
             for line in f.read()[-200_000:].splitlines():
@@ -432,13 +430,30 @@ def _likely_cause(temp_dir: str) -> str:
                     return f"a port already in use ({os.path.basename(path)})"
                 if "Check failed" in line or "FATAL" in line:
                     return f"a Ray process failed at start ({os.path.basename(path)}: {line.strip()[-200:]})"
-    free = psutil.virtual_memory().available
+    return None
+
+
+def _machine_cause(
+    load: float,  # the 1-minute load average
+    cores: int,  # the machine's CPU count
+    free: int,  # available memory, bytes
+) -> str | None:
+    "The machine's state when it alone can explain a failed start: low memory, or more runnable work than cores."
     if free < 2**30:
         return f"low memory ({free / 2**30:.2f} GiB available)"
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
     if load > cores:
         return f"an overloaded machine (load {load:.1f} on {cores} cores)"
-    return f"not found in the logs (load {load:.1f} on {cores} cores)"
+    return None
+
+
+def _likely_cause(temp_dir: str) -> str:
+    """Why a local start failed: every cause found, the logs' first, then the machine's (an overloaded machine also
+    leaves timeouts and busy-port lines in the logs, so the load is named beside them, not hidden behind them)."""
+    import psutil
+
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    causes = [c for c in (_log_cause(temp_dir), _machine_cause(load, cores, psutil.virtual_memory().available)) if c]
+    return "; ".join(causes) if causes else f"not found in the logs (load {load:.1f} on {cores} cores)"
 
 # %% ../../nbs/14f_executor.cluster_util.ipynb #6e0b4286
 def _start_local(
