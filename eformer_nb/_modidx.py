@@ -3452,6 +3452,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                                   'eformer_nb/serialization/serialization.py'),
                                                         'eformer_nb.serialization.serialization._write_arrays': ( 'nbs/serialization.serialization.html#_write_arrays',
                                                                                                                   'eformer_nb/serialization/serialization.py'),
+                                                        'eformer_nb.serialization.serialization._write_context': ( 'nbs/serialization.serialization.html#_write_context',
+                                                                                                                   'eformer_nb/serialization/serialization.py'),
                                                         'eformer_nb.serialization.serialization._write_json': ( 'nbs/serialization.serialization.html#_write_json',
                                                                                                                 'eformer_nb/serialization/serialization.py'),
                                                         'eformer_nb.serialization.serialization.broadcast_from_first': ( 'nbs/serialization.serialization.html#broadcast_from_first',
