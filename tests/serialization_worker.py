@@ -52,6 +52,35 @@ def state_of(step: int):
     return state.replace(step=jnp.int32(step))
 
 
+def run_pair(mode: str, args_of, env: dict, timeout: float = 240) -> list[tuple[int, str]]:
+    """Run `python serialization_worker.py MODE PORT PID *args_of(PID)` as the two JAX processes of one job (a free
+    loopback port for their coordinator); `[(exit code, output)]` per process. One still running after `timeout`
+    seconds is killed (and reads as failed)."""
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    me = os.path.abspath(__file__)
+    procs = [subprocess.Popen([sys.executable, me, mode, str(port), str(i), *args_of(i)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired as e:
+        outs.append(f"timed out after {timeout} s: {e}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    outs += [""] * (2 - len(outs))
+    return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
 def multiprocess(port: int, pid: int, root: str) -> None:
     import jax
 

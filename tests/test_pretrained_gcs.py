@@ -403,31 +403,18 @@ def test_two_processes_save_pretrained_sharded(gcs_root, gcs_emulator, tmp_path)
     used to fail in jax.device_get.) Then `save_state`/`load_state` the same way (load_state used to place an unsharded
     state on the global device 0, which process 1 does not hold), and a restore onto process 0's device only."""
     import os
-    import socket
-    import subprocess
     import sys
     from pathlib import Path
 
     here = Path(__file__).parent
+    sys.path.insert(0, str(here))
+    from serialization_worker import run_pair
+
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
                PYTHONPATH=str(here.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    worker = [sys.executable, str(here / "serialization_worker.py"), "multiprocess_pretrained", str(port)]
-    procs = [subprocess.Popen(worker + [str(i), gcs_emulator.url, str(gcs_root), str(tmp_path / "local")], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=150)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    for i, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
+    args = lambda i: [gcs_emulator.url, str(gcs_root), str(tmp_path / "local")]  # noqa: E731
+    for i, (rc, out) in enumerate(run_pair("multiprocess_pretrained", args, env, timeout=150)):
+        assert rc == 0, f"process {i} failed:\n{out[-4000:]}"
         assert f"process {i}: save 1 loads bit-exactly from both" in out, out[-2000:]
         assert f"process {i}: save_state loads bit-exactly from both" in out, out[-2000:]
         assert f"process {i}: a leaf placed on another process's device restores" in out, out[-2000:]

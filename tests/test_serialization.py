@@ -12,7 +12,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -37,7 +36,7 @@ pytestmark = pytest.mark.timeout(300)
 HERE = Path(__file__).parent
 WORKER = HERE / "serialization_worker.py"
 sys.path.insert(0, str(HERE))
-from serialization_worker import expected  # noqa: E402
+from serialization_worker import expected, run_pair  # noqa: E402
 
 
 def _env(devices: int) -> dict:
@@ -288,23 +287,8 @@ def test_gcs_tensorstore_uses_the_emulator(gcs_root, gcs_emulator):
 # --- two JAX processes -------------------------------------------------------------------------------------------
 
 def test_two_processes_save_and_reshard(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "multiprocess", str(port), str(i), str(tmp_path / "run")],
-                              env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=240)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    for i, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"process {i} failed:\n{out[-3000:]}"
+    for i, (rc, out) in enumerate(run_pair("multiprocess", lambda i: [str(tmp_path / "run")], _env(4))):
+        assert rc == 0, f"process {i} failed:\n{out[-3000:]}"
         assert f"process {i}: checked 4 shards" in out
         assert f"process {i}: policies agreed on [3, 4, 7, 8]" in out
     # one commit: a single step directory, no work directory left, one metadata.json
@@ -316,24 +300,9 @@ def test_two_processes_save_and_reshard(tmp_path):
 def test_two_processes_on_gcs_share_the_work(gcs_root, gcs_emulator):
     """Two JAX processes save one sharded array to gs://: each writes its own shards, only process 0 writes the shared
     index.json and metadata.json, and process 1's commit callback runs only once the commit is visible."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "multiprocess_gcs", str(port), str(i), gcs_emulator.url,
-                               str(gcs_root)], env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=240)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
     said = {}
-    for i, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"process {i} failed:\n{out[-3000:]}"
+    for i, (rc, out) in enumerate(run_pair("multiprocess_gcs", lambda i: [gcs_emulator.url, str(gcs_root)], _env(4))):
+        assert rc == 0, f"process {i} failed:\n{out[-3000:]}"
         line = next(ln for ln in out.splitlines() if ln.startswith(f"process {i}: {{"))
         said[i] = json.loads(line.split(": ", 1)[1])
     assert said[0]["json"] == ["index.json", "metadata.json"], said
