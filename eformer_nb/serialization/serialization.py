@@ -1173,9 +1173,13 @@ def _restore_jobs(records: dict, keys: list[str], tleaves: list, placed: dict, m
 
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #04583ca2
+_VIEW_FIELDS = ("dtype", "org_dtype")  # what `materialize()` returns: the template's to choose, not how leaves are read
+
+
 def _check_static(tree_dir: ePath, index: dict, template: tp.Any, unverified_ok: bool) -> None:
     """A `ValueError` naming the node when an implicit array of `template` has static fields (its layout) other than
-    the saved one's; an index from before version 3 recorded none, so a template holding implicit arrays needs
+    the saved one's (the logical dtype, `_VIEW_FIELDS`, is the template's: it changes what comes out, not how the
+    leaves are read); an index from before version 3 recorded none, so a template holding implicit arrays needs
     `unverified_ok`."""
     want = static_fields(template)
     if not want:
@@ -1201,7 +1205,8 @@ def _check_static(tree_dir: ePath, index: dict, template: tp.Any, unverified_ok:
             raise ValueError(f"node {node!r}: the checkpoint {str(tree_dir)!r} saved a {s['type']} there, the "
                              f"template holds a {w['type']}")
         diff = [f"{k}: saved {s['fields'].get(k, '<absent>')!r}, template {w['fields'].get(k, '<absent>')!r}"
-                for k in sorted(set(s["fields"]) | set(w["fields"])) if s["fields"].get(k) != w["fields"].get(k)]
+                for k in sorted(set(s["fields"]) | set(w["fields"]))
+                if k not in _VIEW_FIELDS and s["fields"].get(k) != w["fields"].get(k)]
         if diff:
             raise ValueError(f"node {node!r} ({w['type']}): the template's static fields differ from the ones saved "
                              f"in {str(tree_dir)!r}, so its leaves would be read in another layout: "
