@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import eformer_nb.serialization.base_manager as bm
+import eformer_nb.serialization.serialization as ser
 from eformer_nb.paths import ePath
 from eformer_nb.serialization import tree_deserialize_leaves, tree_serialize_leaves
 from eformer_nb.serialization.serialization import CheckpointLockedError
@@ -259,14 +260,16 @@ def _race(gcs_root: ePath, locks: list[ePath], save_a, save_b, monkeypatch) -> B
             assert "err" not in box, box.get("err")  # B got past its start and wrote its arrays
         return real(f, obj, generation)
 
-    monkeypatch.setattr(bm, "_write_json_if_generation", gate)
+    for module in (bm, ser):  # a checkpoint commits through base_manager's name, a bare tree through serialization's
+        monkeypatch.setattr(module, "_write_json_if_generation", gate)
     try:
         save_a()
     finally:
         a_done.set()
         if "b" in box:
             box["b"].join(120)
-        monkeypatch.setattr(bm, "_write_json_if_generation", real)
+        for module in (bm, ser):
+            monkeypatch.setattr(module, "_write_json_if_generation", real)
     return box.get("err")
 
 

@@ -31,13 +31,14 @@ from eformer_nb.serialization.serialization import (
     TornCheckpointError,
     _check_digest,
     _commit_tree,
-    _digest,
     _drop_arrays,
+    _object_generation,
     _plan_save,
     _read_json,
     _tree_dir,
     _tree_foreign,
     _write_json,
+    _write_json_if_generation,
     exclusive_writer,
     leaf_key_paths,
     process_info,
@@ -292,52 +293,6 @@ def _commit_checkpoint(work: ePath, dest: ePath, metadata: dict) -> None:
         rename_into_place(work, dest)
     sync_processes("ckpt-committed")
 
-
-# %% ../../nbs/10b_serialization.base_manager.ipynb #7cb477ec
-def _object_generation(
-    f: ePath,  # an object on a remote filesystem
-) -> int | None:
-    """The GCS generation of object `f` now (0 when it does not exist: what `ifGenerationMatch` expects for a create);
-    None on a filesystem that has no generations (only GCS has them)."""
-    from gcsfs.core import GCSFileSystem  # the base class (gcsfs.GCSFileSystem may be a subclass of it)
-
-    if not isinstance(getattr(f, "fs", None), GCSFileSystem):  # a local path has no fsspec filesystem
-        return None
-    bucket, key, _ = f.fs.split_path(f.path)
-    try:
-        return int(f.fs.call("GET", "b/{}/o/{}", bucket, key, json_out=True)["generation"])
-    except FileNotFoundError:
-        return 0
-
-
-def _write_json_if_generation(
-    f: ePath,  # the object to replace (or create)
-    obj: dict,  # written with its digest, as `_write_json` does
-    generation: int | None,  # replace only the object of this generation (0: only create); None: no precondition
-) -> bool:
-    """Write `obj` to `f` only if `f` is still at `generation` (GCS JSON API upload with `ifGenerationMatch`); False when
-    another writer replaced it since (HTTP 412). gcsfs's `pipe_file` offers this precondition only for a create."""
-    blob = json.dumps(dict(obj, digest=_digest(obj)), indent=1).encode()
-    if generation is None:
-        f.write_bytes(blob)
-        return True
-    fs, sep = f.fs, "eformer-nb-commit"
-    bucket, key, _ = fs.split_path(f.path)
-    head = json.dumps({"name": key, "contentType": "application/json"})
-    body = (f"--{sep}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{head}\r\n--{sep}\r\n"
-            "Content-Type: application/json\r\n\r\n").encode() + blob + f"\r\n--{sep}--".encode()
-    try:
-        fs.call("POST", f"{fs._location}/upload/storage/v1/b/{bucket}/o", uploadType="multipart",
-                ifGenerationMatch=str(generation), headers={"Content-Type": f'multipart/related; boundary="{sep}"'},
-                data=body, json_out=True)
-    except FileExistsError:  # 412: the object changed; or our own write, answered 412 when gcsfs retried it
-        try:
-            return fs.cat_file(f.path) == blob
-        except FileNotFoundError:
-            return False
-    finally:
-        fs.invalidate_cache(f.path)
-    return True
 
 # %% ../../nbs/10b_serialization.base_manager.ipynb #2ae42d6f
 def _committed_state(dest: ePath, prefix: str | None) -> tuple[int | None, list[tuple[ePath, dict]]]:

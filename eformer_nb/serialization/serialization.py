@@ -617,7 +617,7 @@ def _release_remote_lock(lock: ePath, token: bytes) -> None:
     that writer's lock object stays."""
     fs = lock._fs_obj
     try:
-        generation = _generation(lock)  # read before the content: a later re-create has another generation
+        generation = _object_generation(lock)  # read before the content: a later re-create has another generation
         ours = fs.cat_file(lock.path) == token
     except FileNotFoundError:
         return
@@ -724,12 +724,50 @@ def _drop_arrays(tree_dir: ePath, old: dict) -> None:
 
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #5b6656ba
-def _generation(f: ePath) -> int | None:
-    "The GCS generation of `f` (0: absent; None: no generations here), by `base_manager`'s one reader of it."
-    from eformer_nb.serialization.base_manager import _object_generation  # imported late: base_manager imports us
+def _object_generation(
+    f: ePath,  # an object on a remote filesystem
+) -> int | None:
+    """The GCS generation of object `f` now (0 when it does not exist: what `ifGenerationMatch` expects for a create);
+    None on a filesystem that has no generations (only GCS has them)."""
+    from gcsfs.core import GCSFileSystem  # the base class (gcsfs.GCSFileSystem may be a subclass of it)
 
-    return _object_generation(f)
+    if not isinstance(getattr(f, "fs", None), GCSFileSystem):  # a local path has no fsspec filesystem
+        return None
+    bucket, key, _ = f.fs.split_path(f.path)
+    try:
+        return int(f.fs.call("GET", "b/{}/o/{}", bucket, key, json_out=True)["generation"])
+    except FileNotFoundError:
+        return 0
 
+
+def _write_json_if_generation(
+    f: ePath,  # the object to replace (or create)
+    obj: dict,  # written with its digest, as `_write_json` does
+    generation: int | None,  # replace only the object of this generation (0: only create); None: no precondition
+) -> bool:
+    """Write `obj` to `f` only if `f` is still at `generation` (GCS JSON API upload with `ifGenerationMatch`); False when
+    another writer replaced it since (HTTP 412). gcsfs's `pipe_file` offers this precondition only for a create."""
+    blob = json.dumps(dict(obj, digest=_digest(obj)), indent=1).encode()
+    if generation is None:
+        f.write_bytes(blob)
+        return True
+    fs, sep = f.fs, "eformer-nb-commit"
+    bucket, key, _ = fs.split_path(f.path)
+    head = json.dumps({"name": key, "contentType": "application/json"})
+    body = (f"--{sep}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{head}\r\n--{sep}\r\n"
+            "Content-Type: application/json\r\n\r\n").encode() + blob + f"\r\n--{sep}--".encode()
+    try:
+        fs.call("POST", f"{fs._location}/upload/storage/v1/b/{bucket}/o", uploadType="multipart",
+                ifGenerationMatch=str(generation), headers={"Content-Type": f'multipart/related; boundary="{sep}"'},
+                data=body, json_out=True)
+    except FileExistsError:  # 412: the object changed; or our own write, answered 412 when gcsfs retried it
+        try:
+            return fs.cat_file(f.path) == blob
+        except FileNotFoundError:
+            return False
+    finally:
+        fs.invalidate_cache(f.path)
+    return True
 
 def _commit_index(tree_dir: ePath, body: dict, generation: int | None) -> None:
     """Write `index.json`, the commit of a bare tree: atomically, and on gs:// only if it is still at `generation`.
@@ -738,8 +776,6 @@ def _commit_index(tree_dir: ePath, body: dict, generation: int | None) -> None:
     if generation is None:
         _write_json(f, body)
         return
-    from eformer_nb.serialization.base_manager import _write_json_if_generation
-
     if _write_json_if_generation(f, body, generation):
         return
     (tree_dir / body["arrays"]).rmtree(missing_ok=True)
@@ -761,7 +797,7 @@ def _commit_tree(tree_dir: ePath, plan: _SavePlan, compression: str | None, over
     remote = is_remote_path(tree_dir)
     with exclusive_writer(tree_dir, "the tree"):
         # gs://: the generation of index.json before the committed version is read (a commit after it makes ours fail)
-        generation = _generation(tree_dir / INDEX_FILE) if first and remote and commit is None else None
+        generation = _object_generation(tree_dir / INDEX_FILE) if first and remote and commit is None else None
         old = _begin_tree(tree_dir, arrays, overwrite) if first else None
         sync_processes("tree-begin")
         _write_arrays(tree_dir, plan._replace(records=records), compression)
