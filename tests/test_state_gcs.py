@@ -101,8 +101,14 @@ def _fail_at(point: str, root, monkeypatch) -> None:
                 raise boom
             return real(f, obj)
         monkeypatch.setattr(ser, "_write_json", json_write)
-        if point == "commit":  # the commit is a write conditional on the state file's generation
-            monkeypatch.setattr(bm, "_write_json_if_generation", lambda *a: (_ for _ in ()).throw(boom))
+        if point == "commit":  # the commit is a write conditional on the state file's generation (only that write:
+            real_if = bm._write_json_if_generation  # the model's save_pretrained commits its index the same way)
+
+            def commit_fails(f, obj, generation):
+                if f == target:
+                    raise boom
+                return real_if(f, obj, generation)
+            monkeypatch.setattr(bm, "_write_json_if_generation", commit_fails)
     else:
         raise ValueError(point)
 
