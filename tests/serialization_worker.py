@@ -16,7 +16,7 @@ SIGKILLs itself at POINT of a re-save of `state_of(2)` (`model`, `optimizer`, `c
 `crashloop DIR [KIND]`: saves forever (the test SIGKILLs it); prints "ready N" after each save. KIND `ckpt`
 (the default): step checkpoints 1, 2, 3, ..., each re-saved once (an overwrite), old ones deleted; `tree`:
 `tree_serialize_leaves` over the same directory, `expected(N)` each time; `state`: `EasyDeLState.save_state` over
-the same folder, `state_of(N)`.
+the same folder, `state_of(1)` and `state_of(2)` in turn.
 `fsize DIR LIMIT [KIND]`: under RLIMIT_FSIZE=LIMIT bytes (SIGXFSZ ignored, so a write past it fails with EFBIG) tries to
 save step 2 and to re-save step 1 under DIR (`ckpt`), to overwrite the tree at DIR (`tree`) or the state at DIR
 (`state`); prints a JSON object attempt -> "saved" or the error raised.
@@ -347,9 +347,12 @@ def crashloop(root: str, kind: str = "ckpt") -> None:
             tree_serialize_leaves(root, expected(step))
             print("ready", step, flush=True)
     if kind == "state":
-        for step in range(1, 10**9):
-            state_of(step).save_state(root, verbose=False)
-            print("ready", step, flush=True)
+        # two states built once, then re-saved in turn: building one takes ~20x longer than saving it, and the kill
+        # is meant to land inside a save
+        states = {1: state_of(1), 2: state_of(2)}
+        for n in range(10**9):
+            states[1 + n % 2].save_state(root, verbose=False)
+            print("ready", 1 + n % 2, flush=True)
     mgr = CheckpointManager(root)
     step = (mgr.all_steps() or [0])[-1]
     while True:
