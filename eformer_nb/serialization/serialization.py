@@ -29,8 +29,8 @@ from ..pytree.tree_util import tree_path_to_string
 
 # %% auto #0
 __all__ = ['INLINE_BYTES', 'MAX_CHUNK_BYTES', 'FORMAT_NAME', 'FORMAT_VERSION', 'READ_VERSIONS', 'INDEX_FILE', 'ARRAYS_DIR',
-           'BARRIER_TIMEOUT_S', 'PROGRESS_BYTES', 'WRITE_IO_CONCURRENCY', 'LOCAL_FAST_READ', 'is_array_like',
-           'leaf_key_paths', 'process_info', 'sync_processes', 'broadcast_from_first', 'static_fields',
+           'BARRIER_TIMEOUT_S', 'LOCAL_FAST_WRITE', 'PROGRESS_BYTES', 'WRITE_IO_CONCURRENCY', 'LOCAL_FAST_READ',
+           'is_array_like', 'leaf_key_paths', 'process_info', 'sync_processes', 'broadcast_from_first', 'static_fields',
            'CheckpointNotFoundError', 'TornCheckpointError', 'CorruptCheckpointError', 'CheckpointLockedError',
            'read_index', 'refuse_destination', 'exclusive_writer', 'tree_serialize_leaves', 'tree_deserialize_leaves']
 
@@ -138,9 +138,10 @@ def _leaf_file(key: str) -> str:
     return "/".join([ARRAYS_DIR] + [p if p not in (".", "..", "") else "%" + p.encode().hex() for p in parts])
 
 
-def _chunk_shape(shard_shape: tuple[int, ...], itemsize: int, max_bytes: int = MAX_CHUNK_BYTES) -> list[int]:
+def _chunk_shape(shard_shape: tuple[int, ...], itemsize: int, max_bytes: int | None = None) -> list[int]:
     """The shard shape, its outermost even dimension halved (row blocks stay contiguous) until a chunk holds at most
-    `max_bytes`."""
+    `max_bytes` (default: `MAX_CHUNK_BYTES`)."""
+    max_bytes = MAX_CHUNK_BYTES if max_bytes is None else max_bytes
     chunk = [max(1, int(d)) for d in shard_shape]
     while math.prod(chunk) * itemsize > max_bytes:
         even = [i for i, d in enumerate(chunk) if d % 2 == 0]
@@ -487,6 +488,88 @@ def read_index(
     return index
 
 
+# %% ../../nbs/10a_serialization.serialization.ipynb #1c85f142
+LOCAL_FAST_WRITE = True  # write local uncompressed trees' chunk files with `_write_local` (False: through TensorStore)
+_WRITE_THREADS = 16  # chunk files the local writer writes at once (a chunk's write is mostly a wait for its fsync)
+_FAST_DTYPES = frozenset("bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 bfloat16 float32 float64 complex64 "
+                         "complex128 float8_e4m3fn float8_e5m2 float8_e4m3b11fnuz float8_e4m3fnuz float8_e5m2fnuz float8_e3m4 "
+                         "float8_e8m0fnu".split())  # zarr3 types whose bytes are NumPy's/ml_dtypes' (sub-byte ones are not)
+
+
+def _local_chunks(tree_dir: ePath, rec: dict, chunks: list[int], owned: list[tuple[tuple, np.ndarray]],
+                  compression: str | None) -> list[tuple[str, np.ndarray, list[int]]] | None:
+    """The chunk files of `owned` (this process's shards of the leaf `rec`) as `(path, block, chunk shape)` for
+    `_write_local`: a local, uncompressed tree, a dtype whose bytes are NumPy's, every shard on the chunk grid (it starts
+    at a chunk boundary and ends at one or at the array's end). None: TensorStore writes them."""
+    shape = [int(n) for n in rec["shape"]]
+    if (not LOCAL_FAST_WRITE or compression is not None or is_remote_path(tree_dir) or not shape
+            or rec["stored_dtype"] not in _FAST_DTYPES):
+        return None
+    view = dtype_from_tag(rec["stored_dtype"])
+    base, files = os.path.join(os.fspath(tree_dir), rec["file"], "c"), []
+    for index, data in owned:
+        box = [s.indices(n)[:2] for s, n in zip(index, shape)] if index else [(0, n) for n in shape]
+        if (data.dtype.itemsize != view.itemsize or not data.dtype.isnative
+                or list(data.shape) != [h - a for a, h in box]
+                or any(a % c or (h % c and h != n) for (a, h), c, n in zip(box, chunks, shape))):
+            return None
+        data = data.view(view) if data.dtype != view else data
+        for g in itertools.product(*(range(a // c, -(-h // c)) for (a, h), c in zip(box, chunks))):
+            part = tuple(slice(i * c - a, min((i + 1) * c, h) - a) for i, (a, h), c in zip(g, box, chunks))
+            files.append((os.path.join(base, *map(str, g)), data[part], chunks))  # zarr3's default chunk key: c/i/j
+    return files
+
+
+def _chunk_file(path: str, block: np.ndarray, chunks: list[int]) -> None:
+    """Write one chunk file as zarr3's `bytes` and `crc32c` codecs lay it out (TensorStore's bytes exactly): the
+    chunk's little-endian bytes in C order, an edge chunk padded to the full chunk shape with zeros (the fill value),
+    then their crc32c; `fsync`ed. The file must not exist: a save writes into its own new directory."""
+    import google_crc32c
+
+    if list(block.shape) != list(chunks):
+        full = np.zeros(chunks, block.dtype)
+        full[tuple(slice(0, n) for n in block.shape)] = block
+        block = full
+    flat = np.ascontiguousarray(block).reshape(-1).view(np.uint8)
+    views = [memoryview(flat), memoryview(google_crc32c.value(flat).to_bytes(4, "little"))]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        while views:  # one writev writes it all; the loop is for a short write
+            n = os.writev(fd, views)
+            while views and n >= len(views[0]):
+                n -= len(views.pop(0))
+            if n:
+                views[0] = views[0][n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_local(tree_dir: ePath, files: list[tuple[str, np.ndarray, list[int]]], done: Callable[[], None]) -> None:
+    """Write the chunk files `files` (`_local_chunks`), `_WRITE_THREADS` at a time, calling `done()` after each; then
+    `fsync` every directory between them and `tree_dir` (the commit's fsync covers `tree_dir` itself). The first
+    failure cancels the writes not yet started and is raised once the running ones have ended."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    if not files:
+        return
+    top, dirs = os.path.abspath(os.fspath(tree_dir)), set()
+    for path, _, _ in files:
+        d = os.path.dirname(path)
+        os.makedirs(d, exist_ok=True)
+        while d.startswith(top + os.sep) and d not in dirs:
+            dirs.add(d)
+            d = os.path.dirname(d)
+    pool = ThreadPoolExecutor(min(_WRITE_THREADS, len(files)), thread_name_prefix="eformer-nb-write")
+    try:
+        for fut in as_completed([pool.submit(_chunk_file, *f) for f in files]):
+            fut.result()
+            done()
+        for fut in [pool.submit(_fsync_dir, d) for d in dirs]:
+            fut.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
 # %% ../../nbs/10a_serialization.serialization.ipynb #578238ad
 PROGRESS_BYTES = 256 << 20  # saves and restores of at least this many bytes show progress (process 0)
 _log = get_logger("eformer_nb.serialization")
@@ -508,16 +591,22 @@ def _write_context():
 
 
 def _write_arrays(tree_dir: ePath, plan: _SavePlan, compression: str | None) -> None:
-    "Write this process's chunks of every array leaf of `plan` (process 0 also writes each array's zarr.json)."
+    """Write this process's chunks of every array leaf of `plan` (process 0 also has TensorStore create each array, its
+    zarr.json): local uncompressed ones with `_write_local`, the others through TensorStore."""
     import tensorstore as ts
 
     from eformer_nb.serialization.fsspec_utils import kvstore_spec
 
     kv, first = kvstore_spec(tree_dir), process_info()[0] == 0
-    opened = []
+    opened, local = [], []
     for key, chunks, owned in plan.writes:
-        spec = _array_spec(kv, plan.records[key], chunks, compression)
-        ctx = _write_context()
+        spec, ctx = _array_spec(kv, plan.records[key], chunks, compression), _write_context()
+        files = _local_chunks(tree_dir, plan.records[key], chunks, owned, compression)
+        if files is not None:  # its chunk files are ours to write; process 0 still has TensorStore create the array
+            local += files
+            if first:
+                opened.append((key, ts.open(spec, create=True, context=ctx), []))
+            continue
         fut = ts.open(spec, create=True, context=ctx) if first else ts.open(spec, open=True, assume_metadata=True,
                                                                             context=ctx)
         opened.append((key, fut, owned))
@@ -530,8 +619,9 @@ def _write_arrays(tree_dir: ePath, plan: _SavePlan, compression: str | None) -> 
             target = arr[index] if index else arr
             src = data.view(view) if view is not None else data
             pending.append((target.write(src, can_reference_source_data_indefinitely=True), data.nbytes))
-    with ProgressLogger(total=len(pending), desc=f"save {tree_dir.name}", unit="chunk",
+    with ProgressLogger(total=len(pending) + len(local), desc=f"save {tree_dir.name}", unit="chunk",
                         enabled=None if plan.nbytes >= PROGRESS_BYTES else False) as bar:
+        _write_local(tree_dir, local, bar.update)
         for w, _ in pending:
             w.result()
             bar.update()
@@ -1040,9 +1130,6 @@ def _to_device(data: np.ndarray, device: tp.Any = None) -> tp.Any:
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #3a71bf74
 LOCAL_FAST_READ = True  # read local uncompressed trees with `_read_local` (False: every leaf through TensorStore)
-_FAST_DTYPES = frozenset("bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 bfloat16 float32 float64 complex64 "
-                         "complex128 float8_e4m3fn float8_e5m2 float8_e4m3b11fnuz float8_e4m3fnuz float8_e5m2fnuz float8_e3m4 "
-                         "float8_e8m0fnu".split())  # zarr3 types whose bytes are NumPy's/ml_dtypes' (sub-byte ones are not)
 
 
 def _local_layout(tree_dir: ePath, key: str, rec: dict) -> list[int] | None:
