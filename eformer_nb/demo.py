@@ -670,6 +670,22 @@ def _before(cfg: DemoConfig, run: ePath, start: int, state, mesh, tok, windows) 
         path.write_text(json.dumps(before))
     return before
 
+# %% ../nbs/90_demo.ipynb #7cb6a171
+def _attempt_facts(cfg: DemoConfig, run: ePath, ckpt, mesh, state, losses: list, seconds: float) -> dict:
+    "What one attempt's training loop leaves to report: throughput, parameter bytes, checkpoints, where it ran."
+    import jax
+    return {"tokens_per_s": (len(losses) - 1) * cfg.batch_size * cfg.seq_len / max(seconds, 1e-9),
+            "trainable_bytes": _tree_bytes(state.graphstate), "frozen_bytes": _tree_bytes(state.graphother),
+            "checkpoints": {s: _du(str(run / "checkpoints" / f"step-{s}")) for s in ckpt.manager.all_steps()},
+            "mesh": dict(mesh.shape), "devices": jax.device_count(), "pid": os.getpid(), "final_step": int(state.step)}
+
+
+def _reference_losses(cfg: DemoConfig, mesh, step_fn, tokens, stop: int) -> list:
+    "The losses of an uninterrupted run from a fresh state to `stop` (the `--verify` comparison)."
+    ref_state, ref_scale, _ = create_state(cfg, mesh)
+    return _run_steps(ref_state, ref_scale, step_fn, tokens, cfg, 0, stop, desc="reference")[2]
+
+
 # %% ../nbs/90_demo.ipynb #d24ce30a
 def train_job(cfg: DemoConfig | dict,  # the job's settings (or `dataclasses.asdict` of them)
               run_dir: str,  # run directory (local or gs://): checkpoints/, step logs, the merged model
@@ -719,18 +735,11 @@ def train_job(cfg: DemoConfig | dict,  # the job's settings (or `dataclasses.asd
         with phase("after"):
             ppl_after = heldout_perplexity(state, windows)
         out.update({"start_step": start, "stop_step": stop, "losses": history + losses, "skipped_steps": skipped,
-                    "tokens_per_s": (len(losses) - 1) * cfg.batch_size * cfg.seq_len / max(seconds, 1e-9),
-                    "setup_s": t_ready - t_start, "train_s": time.perf_counter() - t_ready,
-                    "trainable_bytes": _tree_bytes(state.graphstate), "frozen_bytes": _tree_bytes(state.graphother),
-                    "checkpoints": {s: _du(str(run / "checkpoints" / f"step-{s}")) for s in ckpt.manager.all_steps()},
-                    "mesh": dict(mesh.shape), "devices": jax.device_count(), "pid": os.getpid(),
-                    "final_step": int(state.step), "ppl_after": ppl_after, "step_log": log["path"]})
+                    "setup_s": t_ready - t_start, "train_s": time.perf_counter() - t_ready, "ppl_after": ppl_after,
+                    "step_log": log["path"], **_attempt_facts(cfg, run, ckpt, mesh, state, losses, seconds)})
         if start and cfg.verify:
             with phase("reference"):
-                ref_state, ref_scale, _ = create_state(cfg, mesh)
-                *_, ref_losses, _, _ = _run_steps(ref_state, ref_scale, step_fn, tokens, cfg, 0, stop,
-                                                  desc="reference")
-            out["reference_losses"] = ref_losses
+                out["reference_losses"] = _reference_losses(cfg, mesh, step_fn, tokens, stop)
     if stop == cfg.steps:
         with phase("sample"):
             out.update(sample_and_save(cfg, state, run, tok))
@@ -939,6 +948,7 @@ def format_report(
     return "\n".join(lines)
 
 
+# %% ../nbs/90_demo.ipynb #803fc837
 class DemoCheckError(RuntimeError):
     "The job finished, but its report fails a check the demo makes (perplexity, resume)."
 
