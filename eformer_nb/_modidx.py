@@ -113,6 +113,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                          'eformer_nb.benchmarking.compare': ('nbs/benchmarking.html#compare', 'eformer_nb/benchmarking.py'),
                                          'eformer_nb.benchmarking.disagreements': ( 'nbs/benchmarking.html#disagreements',
                                                                                     'eformer_nb/benchmarking.py'),
+                                         'eformer_nb.benchmarking.drop_page_cache': ( 'nbs/benchmarking.html#drop_page_cache',
+                                                                                      'eformer_nb/benchmarking.py'),
                                          'eformer_nb.benchmarking.format_machine': ( 'nbs/benchmarking.html#format_machine',
                                                                                      'eformer_nb/benchmarking.py'),
                                          'eformer_nb.benchmarking.format_threads': ( 'nbs/benchmarking.html#format_threads',

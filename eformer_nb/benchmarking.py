@@ -20,7 +20,7 @@ from fastcore.basics import patch
 # %% auto #0
 __all__ = ['MET', 'MISSED', 'NOISY', 'INFO', 'machine_info', 'format_machine', 'thread_budget', 'format_threads', 'pin_threads',
            'wait', 'interleaved_times', 'median_ci', 'Comparison', 'compare', 'Target', 'verdict', 'TargetMissed',
-           'judge', 'Bench', 'saved_rows', 'disagreements']
+           'judge', 'Bench', 'saved_rows', 'disagreements', 'drop_page_cache']
 
 # %% ../nbs/99b_benchmarking.ipynb #bde21714
 def _cpu_model() -> str:
@@ -536,3 +536,21 @@ def disagreements(
                 out.append(f"{label!r}: saved {row['verdict']!r}, a fresh run says {now!r} (ratio {fresh[label].ratio:.3f}x "
                            f"[{lo:.3f}, {hi:.3f}], {len(fresh[label].ours)} rounds, load {fresh[label].load[0]:.1f})")
     return out
+
+# %% ../nbs/99b_benchmarking.ipynb #990b8f65
+def drop_page_cache(
+    path: str | os.PathLike,  # a file, or a directory: every file under it
+) -> int:  # how many files
+    "Drop the page cache of `path`'s files (fsync'd first), so the next read of them comes from the disk."
+    p = os.fspath(path)
+    if not os.path.exists(p):
+        raise FileNotFoundError(f"drop_page_cache: {p!r} does not exist; expected a file or a directory of files")
+    files = [p] if not os.path.isdir(p) else [os.path.join(d, f) for d, _, fs in os.walk(p) for f in fs]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return len(files)

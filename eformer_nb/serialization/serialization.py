@@ -1213,6 +1213,7 @@ def _read_local(tree_dir: ePath, key: str, rec: dict, chunks: list[int], box: tu
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #e1e05c2c
 _READ_THREADS = 16  # at most this many leaves are read at once by the local reader (one per usable cpu below that)
+_READ_THREADS_MIN = 4  # and at least this many: while one leaf's crc32c is computed, others wait on the disk
 
 
 def _start_reads(tree_dir: ePath, arrays: list[tuple[str, dict, tp.Any]]) -> dict[str, tuple]:
@@ -1237,7 +1238,8 @@ def _start_reads(tree_dir: ePath, arrays: list[tuple[str, dict, tp.Any]]) -> dic
         else:
             local[key] = (rec, box, idx_map)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    with cf.ThreadPoolExecutor(max(1, min(_READ_THREADS, cpus, len(local)))) as pool:  # 1 cpu: one thread
+    threads = max(1, min(_READ_THREADS, max(cpus, _READ_THREADS_MIN), len(local)))
+    with cf.ThreadPoolExecutor(threads) as pool:
         futs = {key: pool.submit(_read_local, tree_dir, key, rec, layout[key], box) for key, (rec, box, _) in local.items()}
         for key, fut in futs.items():  # in leaf order: the first damaged leaf is the one reported
             reads[key] = (None, fut.result(), local[key][1], local[key][2])
