@@ -27,7 +27,7 @@ from eformer_nb.serialization import CheckpointManager
 from eformer_nb.serialization.serialization import CheckpointNotFoundError, CorruptCheckpointError, TornCheckpointError
 
 pytestmark = pytest.mark.timeout(900)
-CKPT_CASES, STATE_CASES = 200, 60
+CKPT_CASES, STATE_CASES = 200, 200
 CLEAR = (CorruptCheckpointError, TornCheckpointError, CheckpointNotFoundError)
 DAMAGES = ("flip", "truncate", "delete")
 
