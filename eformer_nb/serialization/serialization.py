@@ -554,8 +554,7 @@ def _write_local(tree_dir: ePath, files: list[tuple[str, np.ndarray, list[int]]]
     if not files:
         return
     top, dirs = os.path.abspath(os.fspath(tree_dir)), set()
-    for path, _, _ in files:
-        d = os.path.dirname(path)
+    for d in sorted({os.path.dirname(path) for path, _, _ in files}):  # each chunk directory once
         os.makedirs(d, exist_ok=True)
         while d.startswith(top + os.sep) and d not in dirs:
             dirs.add(d)
