@@ -38,7 +38,6 @@ TARGETS = {  # page -> {label: target}, as each page judges them
     "pytree_serialization": {"round trip 256 MiB, ours vs flax": Target("<=", 1.0, margin=0.10)},
     "state": {"train step: apply_gradients vs hand-written": Target("<=", 1.02),
               "save_state + load_state vs checkpoint layer": Target("<=", 1.1),
-              "save_state + load_state vs safetensors directly": Target("<=", 1.1),
               "save_state + load_state vs safetensors + fsync + sha256": Target("<=", 1.1)},
     "serialization": {"save 1 GiB, ours vs np": Target("<=", 1.1),
                       "restore from disk 1 GiB, ours vs np": Target("<=", 1.3)},
