@@ -112,9 +112,10 @@ def test_short_writes(tmp_path, monkeypatch):
     assert len(calls) == -(-(300 * 70 * 4 + 4) // 1000) and ours == _files(tmp_path / "theirs")
 
 
-def test_durable_before_the_commit(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["absolute", "relative"])
+def test_durable_before_the_commit(tmp_path, monkeypatch, where):
     """Before `index.json` is written, every chunk file was fsync'd after its last write, and so was every directory
-    the save created below the tree (the commit's own fsync covers the tree directory)."""
+    the save created below the tree (the commit's own fsync covers the tree directory); a relative path too."""
     synced, events = set(), []
     real_fsync, real_write_json = os.fsync, ser._write_json
 
@@ -132,9 +133,11 @@ def test_durable_before_the_commit(tmp_path, monkeypatch):
     monkeypatch.setattr(ser, "_write_json", write_json)
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
     root = tmp_path / "t"
-    tree_serialize_leaves(root, {"w": jax.device_put(np.ones((64, 64), np.float32), NamedSharding(mesh, P("a", "b"))),
-                                 "v": {"x": np.ones((40, 40))}})
-    commit = events.index(("commit", str(root / "index.json")))
+    monkeypatch.chdir(tmp_path)
+    tree_serialize_leaves(root if where == "absolute" else "t",
+                          {"w": jax.device_put(np.ones((64, 64), np.float32), NamedSharding(mesh, P("a", "b"))),
+                           "v": {"x": np.ones((40, 40))}})
+    commit = next(i for i, (kind, p) in enumerate(events) if kind == "commit" and p.endswith("index.json"))
     before = {p for kind, p in events[:commit] if kind == "fsync"}
     arrays = next(p for p in root.iterdir() if p.name.startswith("arrays."))
     chunk_files = {str(p) for p in arrays.rglob("*") if p.is_file() and "/c/" in str(p)}

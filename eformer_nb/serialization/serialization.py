@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import hashlib
 import itertools
 import json
@@ -536,6 +537,8 @@ def _chunk_file(path: str, block: np.ndarray, chunks: list[int]) -> None:
     try:
         while views:  # one writev writes it all; the loop is for a short write
             n = os.writev(fd, views)
+            if n == 0:
+                raise OSError(errno.EIO, f"writev wrote nothing ({sum(map(len, views))} bytes left)", path)
             while views and n >= len(views[0]):
                 n -= len(views.pop(0))
             if n:
@@ -554,7 +557,7 @@ def _write_local(tree_dir: ePath, files: list[tuple[str, np.ndarray, list[int]]]
     if not files:
         return
     top, dirs = os.path.abspath(os.fspath(tree_dir)), set()
-    for d in sorted({os.path.dirname(path) for path, _, _ in files}):  # each chunk directory once
+    for d in sorted({os.path.abspath(os.path.dirname(path)) for path, _, _ in files}):  # each chunk directory once
         os.makedirs(d, exist_ok=True)
         while d.startswith(top + os.sep) and d not in dirs:
             dirs.add(d)
