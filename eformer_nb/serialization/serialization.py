@@ -520,7 +520,7 @@ def _local_chunks(tree_dir: ePath, rec: dict, chunks: list[int], owned: list[tup
             files.append((os.path.join(base, *map(str, g)), data[part], chunks))  # zarr3's default chunk key: c/i/j
     return files
 
-
+# %% ../../nbs/10a_serialization.serialization.ipynb #11811bf7
 def _chunk_file(path: str, block: np.ndarray, chunks: list[int]) -> None:
     """Write one chunk file as zarr3's `bytes` and `crc32c` codecs lay it out (TensorStore's bytes exactly): the
     chunk's little-endian bytes in C order, an edge chunk padded to the full chunk shape with zeros (the fill value),
@@ -547,7 +547,7 @@ def _chunk_file(path: str, block: np.ndarray, chunks: list[int]) -> None:
     finally:
         os.close(fd)
 
-
+# %% ../../nbs/10a_serialization.serialization.ipynb #72845eb1
 def _write_local(tree_dir: ePath, files: list[tuple[str, np.ndarray, list[int]]], done: Callable[[], None]) -> None:
     """Write the chunk files `files` (`_local_chunks`), `_WRITE_THREADS` at a time, calling `done()` after each; then
     `fsync` every directory between them and `tree_dir` (the commit's fsync covers `tree_dir` itself). The first
