@@ -123,7 +123,7 @@ bench: install
 # extra, installed here only (never by `make install` or `make test`; without it the page skips its llama.cpp rows).
 bench-llamacpp: install
 	CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-2} $(BIN)/python -m pip install -q -e ".[llamacpp]"
-	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/nbdev-test nbs/benchmarks/llamacpp.ipynb --flags "bench" --save --timing; \
+	$(BIN)/nbdev-test nbs/benchmarks/llamacpp.ipynb --flags "bench" --save --timing; \
 	rc=$$?; $(BIN)/nbdev-clean; exit $$rc
 
 # Part of `make test` (CI). Fails when a saved benchmark verdict claims more than its own interval or a brief
