@@ -5,6 +5,7 @@
 # %% ../../../nbs/12c_modules.llama.generation.ipynb #4ab4c892
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -402,8 +403,11 @@ def _step_out(graphdef, treedef, g, processor, leaves, h, carry, i, t, eos, pad,
 
 
 _prefill_split_jit = jax.jit(_prefill_split, static_argnums=(0, 7, 8))
-_STEPS: dict = {}  # (step, its static arguments) -> the step compiled with them bound: hashed once per generate, not
-# per call (hashing a layer's GraphDef takes ~0.1 ms, as long as a SmolLM2 layer step at batch 1)
+_STEPS: collections.OrderedDict = collections.OrderedDict()  # (step, its static arguments) -> the step compiled with
+# them bound, looked up once per generate, not per call (hashing a layer's GraphDef takes ~0.1 ms, as long as a
+# SmolLM2 layer step at batch 1); the least recently used beyond _MAX_STEPS are dropped (a new logits processor per
+# call would otherwise keep every compiled step alive)
+_MAX_STEPS = 64
 
 
 def _compiled_step(fn, *static, donate=()):
@@ -411,6 +415,9 @@ def _compiled_step(fn, *static, donate=()):
     k = (fn, *static)
     if k not in _STEPS:
         _STEPS[k] = jax.jit(functools.partial(fn, *static), donate_argnums=donate)
+        while len(_STEPS) > _MAX_STEPS:
+            _STEPS.popitem(last=False)
+    _STEPS.move_to_end(k)
     return _STEPS[k]
 
 
