@@ -323,6 +323,7 @@ def _prefill_pick(model, input_ids, attention_mask, key, eos, pad, g: Generation
     return _pick(0, logits, carry, g, t, processor, eos, pad, stream_id), out.past_key_values
 
 
+# %% ../../../nbs/12c_modules.llama.generation.ipynb #8d53e9e1
 def _decode(model, input_ids, attention_mask, key, eos, pad, g: GenerationConfig, processor, stream_id):
     b, t = input_ids.shape
     n = g.max_new_tokens
@@ -402,6 +403,7 @@ def _step_out(graphdef, treedef, g, processor, leaves, h, carry, i, t, eos, pad,
     return _pick(i, _head(parts, parts.embed_tokens, h[:, -1]), carry, g, t, processor, eos, pad, stream_id)
 
 
+# %% ../../../nbs/12c_modules.llama.generation.ipynb #3eb55317
 _prefill_split_jit = jax.jit(_prefill_split, static_argnums=(0, 7, 8))
 _STEPS: collections.OrderedDict = collections.OrderedDict()  # (step, its static arguments) -> the step compiled with
 # them bound, looked up once per generate, not per call (hashing a layer's GraphDef takes ~0.1 ms, as long as a
