@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import typing as tp
 
 import jax
@@ -616,9 +617,44 @@ def _check_weights(directory, meta: dict) -> None:
             raise CorruptCheckpointError(f"{str(f)!r}: {kind or 'sha256'} digest {have!r}, saved as {want!r}: the "
                                          "model's file was modified or is damaged")
 
+# %% ../../nbs/13a_infra.base_state.ipynb #181921ce
+class _BackgroundSync:
+    """The fsync of one local file, run on its own thread: the disk writes the file back while the caller goes on
+    computing. `wait()` blocks until it is done and raises fsync's error, naming the file."""
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        self._fd = os.open(self.path, os.O_RDONLY)  # opened now: a later rename or hard link of the path is harmless
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"fsync {os.path.basename(self.path)}", daemon=True)
+        try:
+            self._thread.start()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _run(self) -> None:
+        try:
+            os.fsync(self._fd)
+        except BaseException as e:  # kept for wait(): an exception on a thread is otherwise only printed
+            self._error = e
+        finally:
+            os.close(self._fd)
+
+    def wait(self, raise_error: bool = True  # False: only wait (the caller is already failing for another reason)
+             ) -> None:
+        self._thread.join()
+        if raise_error and self._error is not None:
+            e = self._error
+            raise OSError(getattr(e, "errno", None), f"{self.path!r}: fsync failed ({e}): the file may not be on "
+                          "disk, so the save is not complete") from e
+
 # %% ../../nbs/13a_infra.base_state.ipynb #8e2f4a17
-def _write_optimizer_file(work, opt_state) -> dict:
-    "Write the optimizer state's arrays into one safetensors file in `work`, durably; its entry for the state file."
+def _write_optimizer_file(work, opt_state,
+                          syncs: list | None = None,  # a local file's fsync is started on a thread and added here
+                          ) -> dict:
+    """Write the optimizer state's arrays into one safetensors file in `work`, durably (with `syncs`: once the caller
+    has waited for the fsync added there); its entry for the state file."""
     import google_crc32c
     from eformer_nb.modules.llama.files import safetensors_parts
     from eformer_nb.paths import atomic_write_local, is_remote_path
@@ -630,7 +666,9 @@ def _write_optimizer_file(work, opt_state) -> dict:
     if is_remote_path(f):
         f.write_bytes(b"".join(bytes(p) for p in parts))  # one object, replaced whole
     else:
-        atomic_write_local(os.fspath(f), parts, fsync=True)
+        atomic_write_local(os.fspath(f), parts, fsync=syncs is None)
+        if syncs is not None:
+            syncs.append(_BackgroundSync(f))
     return {"file": OPTIMIZER_FILE, "bytes": sum(len(memoryview(p).cast("B")) for p in parts), "crc32c": crc}
 
 
@@ -676,15 +714,23 @@ def _write_state(state, work, float_dtype, save_optimizer: bool) -> tuple[int, d
     from eformer_nb.serialization.serialization import _write_json, tree_serialize_leaves
 
     step = int(jax.device_get(state.step))
-    state.model.save_pretrained(str(work), float_dtype=float_dtype)  # not step=: that would write into run-{step}/
-    optimizer = None
+    optimizer, syncs = None, []
     if save_optimizer and state.opt_state is not None:
         optimizer = {"tx": type(state.tx).__name__, "leaves": _leaf_specs(state.opt_state)}
-        if jax.process_count() == 1:  # one file: one write, one fsync, one crc32c pass
-            optimizer.update(_write_optimizer_file(work, state.opt_state))
-        else:  # each process writes its own shards
-            tree_serialize_leaves(work, state.opt_state, prefix=OPTIMIZER_PREFIX)
-            optimizer["prefix"] = OPTIMIZER_PREFIX
+    one_file = optimizer is not None and jax.process_count() == 1  # one write, one fsync, one crc32c pass
+    try:
+        if one_file:  # first: the disk writes it back (its fsync, on a thread) while the model is converted and hashed
+            optimizer.update(_write_optimizer_file(work, state.opt_state, syncs))
+        state.model.save_pretrained(str(work), float_dtype=float_dtype)  # not step=: that would write into run-{step}/
+    except BaseException:
+        for s in syncs:
+            s.wait(raise_error=False)  # the save fails with its own error
+        raise
+    for s in syncs:
+        s.wait()  # on disk before anything names it; a failed fsync fails the save
+    if optimizer is not None and not one_file:  # each process writes its own shards
+        tree_serialize_leaves(work, state.opt_state, prefix=OPTIMIZER_PREFIX)
+        optimizer["prefix"] = OPTIMIZER_PREFIX
     meta = None
     if jax.process_index() == 0:
         if not is_remote_path(work):
