@@ -216,7 +216,8 @@ def check(page: str, fresh: bool = True) -> list[str]:
             print(f"  MISS (saved, honest): {label}: {row['ratio']}x [{row['lo']}, {row['hi']}] against {target}")
             if label in measured and verdict(measured[label], target) == MET:
                 print(f"  NOTE: a fresh run meets it ({measured[label].ratio:.3f}x); re-run the page to claim it")
-    print(f"{page}: {len(rows)} saved rows, {len(measured)} re-run ({time.perf_counter() - t0:.1f} s): "
+    devices = f", {sys.modules['jax'].device_count()} XLA device(s)" if "jax" in sys.modules and measured else ""
+    print(f"{page}: {len(rows)} saved rows, {len(measured)} re-run ({time.perf_counter() - t0:.1f} s{devices}): "
           + ("holds up" if not problems else f"{len(problems)} disagreement(s)"))
     return [f"{page}: {p}" for p in problems]
 
