@@ -973,6 +973,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                              'eformer_nb/infra/base_state.py'),
                                              'eformer_nb.infra.base_state._drop_versions': ( 'nbs/infra.base_state.html#_drop_versions',
                                                                                              'eformer_nb/infra/base_state.py'),
+                                             'eformer_nb.infra.base_state._file_identity': ( 'nbs/infra.base_state.html#_file_identity',
+                                                                                             'eformer_nb/infra/base_state.py'),
                                              'eformer_nb.infra.base_state._follow_params': ( 'nbs/infra.base_state.html#_follow_params',
                                                                                              'eformer_nb/infra/base_state.py'),
                                              'eformer_nb.infra.base_state._gather_model': ( 'nbs/infra.base_state.html#_gather_model',

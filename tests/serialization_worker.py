@@ -308,13 +308,13 @@ def state_gcs_kill(url: str, root: str, point: str) -> None:
     kill = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
     real_files, real_opt, real_drop = files._write_files, bs._write_optimizer_file, bs._drop_replaced
 
-    def model(*a):  # the new version's model files are written (after its optimizer file): all but the state files
+    def model(*a):  # the new version's model files are written
         n = real_files(*a)
         if point == "model":
             kill()
         return n
 
-    def optimizer(*a):  # its optimizer file, written first
+    def optimizer(*a):  # and its optimizer file: all but the state files
         out = real_opt(*a)
         if point == "optimizer":
             kill()

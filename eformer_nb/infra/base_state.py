@@ -695,7 +695,7 @@ def _read_optimizer_file(folder, saved: dict, template):
 
     return map_leaves_with_path(put, template)
 
-# %% ../../nbs/13a_infra.base_state.ipynb #4e56de38
+# %% ../../nbs/13a_infra.base_state.ipynb #c7ca09a9
 def _sync_files(work) -> None:
     "fsync the model's files in local folder `work`: on disk before the state that names them is committed."
     for p in list(work.glob("model*.safetensors*")) + [work / "config.json"]:
@@ -707,6 +707,15 @@ def _sync_files(work) -> None:
                 os.close(fd)
 
 
+def _file_identity(p) -> tuple | None:
+    "Which file local path `p` is now (device, inode, size, mtime), or None when there is none."
+    try:
+        st = os.stat(os.fspath(p))
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+# %% ../../nbs/13a_infra.base_state.ipynb #4e56de38
 def _write_state(state, work, float_dtype, save_optimizer: bool) -> tuple[int, dict | None, dict | None]:
     """Write the model, the optimizer state and (process 0, last) the state file into `work`; the step, the optimizer
     entry and (process 0) the state file's contents."""
@@ -714,13 +723,14 @@ def _write_state(state, work, float_dtype, save_optimizer: bool) -> tuple[int, d
     from eformer_nb.serialization.serialization import _write_json, tree_serialize_leaves
 
     step = int(jax.device_get(state.step))
-    optimizer, syncs = None, []
+    optimizer, syncs, first = None, [], None
     if save_optimizer and state.opt_state is not None:
         optimizer = {"tx": type(state.tx).__name__, "leaves": _leaf_specs(state.opt_state)}
     one_file = optimizer is not None and jax.process_count() == 1  # one write, one fsync, one crc32c pass
     try:
-        if one_file:  # first: the disk writes it back (its fsync, on a thread) while the model is converted and hashed
+        if one_file and not is_remote_path(work):  # first: its fsync runs on a thread while the model is converted
             optimizer.update(_write_optimizer_file(work, state.opt_state, syncs))
+            first = _file_identity(work / OPTIMIZER_FILE)
         state.model.save_pretrained(str(work), float_dtype=float_dtype)  # not step=: that would write into run-{step}/
     except BaseException:
         for s in syncs:
@@ -728,7 +738,13 @@ def _write_state(state, work, float_dtype, save_optimizer: bool) -> tuple[int, d
         raise
     for s in syncs:
         s.wait()  # on disk before anything names it; a failed fsync fails the save
-    if optimizer is not None and not one_file:  # each process writes its own shards
+    if first is not None and _file_identity(work / OPTIMIZER_FILE) != first:
+        _logger.warning("save_state: %s's save_pretrained removed or replaced %s in %s; writing it again",
+                        type(state.model).__name__, OPTIMIZER_FILE, work)
+        first = None
+    if one_file and first is None:  # on gs:// (nothing to overlap there), or again
+        optimizer.update(_write_optimizer_file(work, state.opt_state))
+    elif optimizer is not None and not one_file:  # each process writes its own shards
         tree_serialize_leaves(work, state.opt_state, prefix=OPTIMIZER_PREFIX)
         optimizer["prefix"] = OPTIMIZER_PREFIX
     meta = None
