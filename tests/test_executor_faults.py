@@ -35,9 +35,17 @@ SLICES = ("slice-a", "slice-b")
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port for the dashboard, never one of Ray's own default ports (the kernel once handed out 52365,
+    the dashboard agent's: Ray then refused the node, two of its components on one port)."""
+    from ray._private import ray_constants as rc
+    reserved = {rc.DEFAULT_PORT, rc.DEFAULT_DASHBOARD_PORT, rc.DEFAULT_DASHBOARD_AGENT_LISTEN_PORT,
+                rc.DEFAULT_DASHBOARD_AGENT_LISTEN_PORT + 1, 10001}  # gcs, dashboard, agent http (+ grpc), client server
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in reserved:
+            return port
 
 
 def _slice_node_args(name: str, temp_dir: str) -> dict:
