@@ -12,7 +12,7 @@ NBDEV_TEST_FLAGS ?= multidevice
 NBDEV_WORKERS ?= 2
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: help install test lint check-sync check-notebooks check-readme nbtest pytest docs readme bench bench-llamacpp bench-check demo mutate clean client
+.PHONY: help install test bench-gpu gpu-wheels lint check-sync check-notebooks check-readme nbtest pytest docs readme bench bench-llamacpp bench-check demo mutate clean client
 
 help:
 	@echo "make install  - create $(VENV) and install eformer-nb with its dev extras"
@@ -23,6 +23,8 @@ help:
 	@echo "make readme   - regenerate README.md from nbs/index.ipynb"
 	@echo "make bench    - run the benchmark notebooks in nbs/benchmarks/ and save their outputs"
 	@echo "make bench-llamacpp - build llama-cpp-python (the [llamacpp] extra, compiles llama.cpp: minutes) and run the llama.cpp page"
+	@echo "make gpu-wheels - download (here, with a network) the wheels a CUDA host without network needs for make bench-gpu, into .gpu-wheels/"
+	@echo "make bench-gpu  - on a CUDA host with JAX, torch and transformers: run the GPU pages nbs/benchmarks/gpu_*.ipynb and save them"
 	@echo "make bench-check - re-judge the saved benchmark verdicts and re-run the cheap headline rows (BENCH_PAGES=all: every page)"
 	@echo "make mutate   - apply each mutation in tests/mutations/*.yaml in a scratch copy; fails if one survives (MUTATE_ARGS=\"-j 2 --only NAME\")"
 	@echo "make demo     - QLoRA fine-tuning of SmolLM2-135M through a local Ray cluster: held-out perplexity before/after, SIGKILL, bit-identical resume, chat sample (DEMO_ARGS=\"--model tiny\": a random byte model)"
@@ -150,3 +152,23 @@ demo: install
 
 clean:
 	rm -rf _proc _docs _mutate build dist *.egg-info .pytest_cache
+
+# The GPU pages (nbs/benchmarks/gpu_*.ipynb, their cells flagged `gpu`) run on a CUDA host that has JAX with CUDA,
+# torch and transformers but may have no network and no nbdev (../shared/GPU-HOST.md). `make gpu-wheels` (here) downloads
+# nbdev, fastcore, google-crc32c and their dependencies for that host's Python into .gpu-wheels/ (ignored; carry it);
+# `make bench-gpu` (there) installs them into $(GPU_SITE), never over the host's own JAX, and runs the pages with this
+# checkout first on PYTHONPATH (no pip install of the checkout: settings.ini's jax pin would try to replace the host's).
+GPU_PYTHON ?= python3
+GPU_PYVER ?= 3.12
+GPU_SITE ?= /tmp/eformer-gpu-site
+GPU_PAGES ?= gpu_*.ipynb
+gpu-wheels:
+	$(or $(wildcard $(BIN)/python),$(PYTHON)) -m pip download -q --only-binary=:all: --python-version $(GPU_PYVER) \
+	  --implementation cp --platform manylinux2014_x86_64 -d .gpu-wheels nbdev fastcore google-crc32c
+
+bench-gpu:
+	if [ -d .gpu-wheels ]; then $(GPU_PYTHON) -m pip install -q --no-index --find-links .gpu-wheels --target $(GPU_SITE) \
+	  nbdev fastcore google-crc32c; fi
+	PYTHONPATH=$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} XLA_PYTHON_CLIENT_MEM_FRACTION=$${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.45} \
+	  $(GPU_PYTHON) -c 'import sys; from nbdev.test import nbdev_test; sys.argv[0] = "nbdev-test"; nbdev_test()' \
+	  nbs/benchmarks --file-glob '$(GPU_PAGES)' --flags "bench gpu hf" --n-workers 0 --save --timing
