@@ -19,10 +19,10 @@ from .nf4 import NF4_CODEBOOK, nf4_decode, nf4_encode, nf4_pack, nf4_unpack
 logger = get_logger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'DEFAULT_BLOCK_SIZE', 'BACKENDS', 'BACKEND_ENV_VAR', 'GEMV_MAX_ROWS', 'VARIANTS', 'set_default_backend',
-           'default_backend', 'nf4_unpack_codes', 'nf4_dequantize', 'Tiles', 'default_tiles', 'nf4_matmul_pallas',
-           'nf4_matmul_t_pallas', 'int8_matmul_pallas', 'int8_matmul_t_pallas', 'nf4_matmul', 'nf4_matmul_t',
-           'int8_matmul', 'int8_matmul_t', 'NF4_CODEBOOK']
+__all__ = ['logger', 'DEFAULT_BLOCK_SIZE', 'BACKENDS', 'BACKEND_ENV_VAR', 'GEMV_MAX_ROWS', 'VARIANTS', 'GPU_SMS', 'GPU_PROGRAMS',
+           'REDUCE_ELEMS', 'TILE_OVERRIDES', 'set_default_backend', 'default_backend', 'nf4_unpack_codes',
+           'nf4_dequantize', 'Tiles', 'default_tiles', 'nf4_matmul_pallas', 'nf4_matmul_t_pallas', 'int8_matmul_pallas',
+           'int8_matmul_t_pallas', 'nf4_matmul', 'nf4_matmul_t', 'int8_matmul', 'int8_matmul_t', 'NF4_CODEBOOK']
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #80f76e04
 _all_ = ["NF4_CODEBOOK"]  # re-exported from `ops.quantization.nf4`, the one home of the NF4 codec
@@ -250,61 +250,139 @@ def _nf4_tile(p, scale_cols, hb: int, dtype):
     lo = _nf4_lookup(p & 0xF) * scale
     return hi.astype(dtype), lo.astype(dtype)
 
-# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #efe0b519
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #3e2c9b32
 VARIANTS = ("gpu", "tpu")
+GPU_SMS = 132  # streaming multiprocessors of an H100 SXM: the GPU schedule aims at GPU_PROGRAMS programs per call
+GPU_PROGRAMS = 4 * GPU_SMS  # programs the tile heuristic aims for (>= 2 per SM is the floor the occupancy table asserts)
+REDUCE_ELEMS = 8192  # a tiny-M program's broadcast product (bm, out tile, chunk) stays in registers: at most this many
+TILE_OVERRIDES: dict = {}  # (kind, m, K, cols, block_size, transposed) -> Tiles: the hook for a device-side autotuner
 
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    "Tile sizes of one kernel call: rows of `x`/`g` (bm), output columns (bn), contraction chunk (bk)."
+    """Tile sizes of one kernel call: rows of `x`/`g` (bm), output columns (bn), contraction chunk (bk); `split`: how
+    many programs share one contraction (split-K, GPU schedule; their float32 partial sums are added afterwards)."""
 
     bm: int
     bn: int
     bk: int
-
-
-def _default_variant() -> str:
-    return "tpu" if _platform() == "tpu" else "gpu" if _platform() in ("gpu", "cuda", "rocm") else "tpu"
-
-
-def default_tiles(
-    variant: str,  # 'gpu' or 'tpu'
-    m: int,  # rows of the activations
-    kind: str = "nf4",  # 'nf4' or 'int8'
-    block_size: int = DEFAULT_BLOCK_SIZE,  # NF4 values per scale
-) -> Tiles:
-    "Default tiles for `variant` ('gpu' or 'tpu'), `m` rows and weight `kind` ('nf4' or 'int8')."
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown kernel variant {variant!r}; expected one of {VARIANTS}")
-    if variant == "gpu":  # tl.dot needs every dim >= 16
-        return Tiles(bm=16 if m <= 16 else 64, bn=max(64, block_size) if kind == "nf4" else 64, bk=128)
-    bm = 16 if m <= 16 else 128  # bf16 sublane tile is 16 rows
-    bn = 256 if kind == "int8" else max(256, 2 * block_size)
-    return Tiles(bm=bm, bn=bn, bk=512)
+    split: int = 1
 
 
 def _pow2(v: int) -> bool:
     return v > 0 and v & (v - 1) == 0
 
 
-def _fits(variant: str, t: Tiles, K: int, cols: int, block_size: int | None, transposed: bool) -> bool:
-    ok = K % t.bk == 0 and cols % t.bn == 0 and t.bk <= K and t.bn <= cols
-    if block_size is not None:
-        ok = ok and t.bn % block_size == 0
+def _pow2_divisor(v: int, cap: int) -> int:
+    "The largest power of two <= cap that divides v."
+    d = 1
+    while d * 2 <= cap and v % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def _default_variant() -> str:
+    return "tpu" if _platform() == "tpu" else "gpu" if _platform() in ("gpu", "cuda", "rocm") else "tpu"
+
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #293b0178
+def _gpu_units(kind: str, bm: int, block_size: int, transposed: bool) -> tuple[int, int]:
+    """(output-tile unit, contraction-chunk unit) of the GPU schedule: NF4 tiles along the blocked axis hold whole
+    blocks; `tl.dot` (bm >= 16) needs every dimension >= 16, and NF4 splits its tiles into even/odd halves."""
+    dot = bm >= 16
+    if kind == "nf4" and transposed:
+        return (16 if dot else 1), max(block_size, 32 if dot else 2)
+    if kind == "nf4":
+        return max(block_size, 32 if dot else 2), (16 if dot else 1)
+    return (16 if dot else 1), (16 if dot else 1)
+
+
+def _gpu_reason(kind: str, K: int, cols: int, block_size: int | None, transposed: bool) -> str | None:
+    "Why a (K, cols) weight cannot use the GPU kernel (None: it can, for every M)."
+    if kind == "nf4" and not _pow2(block_size):
+        return f"NF4 block_size={block_size} is not a power of two (the GPU tiles hold whole blocks)"
+    out, con = (K, cols) if transposed else (cols, K)
+    uo, uc = _gpu_units(kind, 16, block_size or 1, transposed)
+    for what, v, u in (("output", out, uo), ("contracted", con, uc)):
+        if v % u:
+            return f"the {what} axis of the ({K}, {cols}) {kind} weight has {v} entries, not a multiple of {u}"
+    return None
+
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #e5f6fdf1
+@functools.lru_cache(maxsize=4096)
+def _gpu_tiles_heuristic(kind: str, m: int, K: int, cols: int, block_size: int, transposed: bool) -> Tiles:
+    bm = 1 << (m - 1).bit_length() if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
+    reduce, half = bm < 16, (2 if kind == "nf4" else 1)
+    out, con = (K, cols) if transposed else (cols, K)
+    uo, uc = _gpu_units(kind, bm, block_size, transposed)
+    bo = _pow2_divisor(out, max(uo, 32 if reduce else 64))
+    bc = _pow2_divisor(con, max(uc, 512 if reduce else 128))
+    while reduce and bm * bo * bc // half > REDUCE_ELEMS and (bc > uc or bo > uo):  # registers of the product
+        bc, bo = (bc // 2, bo) if bc > uc else (bc, bo // 2)
+    rows = -(-m // bm)
+    while rows * (out // bo) * (con // bc) < GPU_PROGRAMS and (bc > uc or bo > uo):  # enough programs to fill it
+        bc, bo = (bc // 2, bo) if bc > uc else (bc, bo // 2)
+    nch = con // bc
+    split = min(nch, -(-GPU_PROGRAMS // (rows * (out // bo))))
+    split = -(-nch // -(-nch // split))  # as many chunks per program as needed, and no program left without one
+    return Tiles(bm, bc, bo, split) if transposed else Tiles(bm, bo, bc, split)
+
+
+def _gpu_tiles(kind: str, m: int, K: int, cols: int, block_size: int | None, transposed: bool) -> Tiles:
+    "GPU tiles for an (m, ...) x (K, cols) product: `TILE_OVERRIDES` (an autotuner's choice) or the cached heuristic."
+    key = (kind, m, K, cols, block_size, transposed)
+    return TILE_OVERRIDES.get(key) or _gpu_tiles_heuristic(kind, m, K, cols, block_size or 1, transposed)
+
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #8d597460
+def default_tiles(
+    variant: str,  # 'gpu' or 'tpu'
+    m: int,  # rows of the activations
+    kind: str = "nf4",  # 'nf4' or 'int8'
+    block_size: int = DEFAULT_BLOCK_SIZE,  # NF4 values per scale
+    K: int | None = None,  # rows of the stored weight (the GPU tiles depend on the shape)
+    cols: int | None = None,  # columns of the stored weight (NF4: padded, Np)
+    transposed: bool = False,  # the `*_t` product (g @ Wᵀ)
+) -> Tiles:
+    "Default tiles for `variant` ('gpu' or 'tpu'), `m` rows and weight `kind` ('nf4' or 'int8')."
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown kernel variant {variant!r}; expected one of {VARIANTS}")
     if variant == "gpu":
-        whole = (cols // 2 if block_size is not None else cols) if transposed else K
-        ok = ok and _pow2(whole) and all(_pow2(v) for v in (t.bm, t.bn, t.bk))
-    return ok
+        if K is None or cols is None:
+            raise ValueError("the GPU tiles depend on the weight's shape: pass K and cols")
+        return _gpu_tiles(kind, m, K, cols, block_size if kind == "nf4" else None, transposed)
+    bm = 16 if m <= 16 else 128  # bf16 sublane tile is 16 rows
+    bn = 256 if kind == "int8" else max(256, 2 * block_size)
+    return Tiles(bm=bm, bn=bn, bk=512)
+
+
+def _fits(variant: str, t: Tiles, K: int, cols: int, block_size: int | None, transposed: bool) -> bool:
+    if variant == "gpu":
+        kind = "int8" if block_size is None else "nf4"
+        out, con = (K, cols) if transposed else (cols, K)
+        to, tc = (t.bk, t.bn) if transposed else (t.bn, t.bk)
+        uo, uc = _gpu_units(kind, t.bm, block_size or 1, transposed)
+        return (out % to == 0 and con % tc == 0 and to % uo == 0 and tc % uc == 0 and t.split >= 1
+                and all(_pow2(v) for v in (t.bm, to, tc)))
+    ok = K % t.bk == 0 and cols % t.bn == 0 and t.bk <= K and t.bn <= cols
+    return ok and (block_size is None or t.bn % block_size == 0)
+
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #864b79f8
+def _why_not(kind: str, m: int, K: int, cols: int, block_size: int | None, transposed: bool = False) -> str | None:
+    "Why this backend's kernel cannot take the product (None: it can): names the shape and the rule it breaks."
+    v = _default_variant()
+    if v == "gpu":
+        return _gpu_reason(kind, K, cols, block_size, transposed)
+    t = default_tiles(v, m, kind, block_size or DEFAULT_BLOCK_SIZE)
+    if not _fits(v, t, K, cols, block_size, transposed):
+        return f"the ({K}, {cols}) {kind} weight is not a multiple of the {v} tiles {t}"
+    return None
 
 
 def _nf4_fits(m: int, K: int, Np: int, block_size: int, transposed: bool = False) -> bool:
-    v = _default_variant()
-    return _fits(v, default_tiles(v, m, "nf4", block_size), K, Np, block_size, transposed)
+    return _why_not("nf4", m, K, Np, block_size, transposed) is None
 
 
 def _int8_fits(m: int, K: int, N: int, transposed: bool = False) -> bool:
-    v = _default_variant()
-    return _fits(v, default_tiles(v, m, "int8"), K, N, None, transposed)
+    return _why_not("int8", m, K, N, None, transposed) is None
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #3f29034a
 def _launch_opts(variant, interpret, semantics):
@@ -334,27 +412,56 @@ def _require(ok: bool, what: str, t: Tiles, shape):
         raise ValueError(f"{what}: tiles {t} do not fit weight shape {tuple(shape)} (see `Tiles and when a kernel "
                          f"fits`)")
 
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #c112d738
+def _split_range(pid, per: int, n: int):
+    "Chunks [lo, hi) of a contraction cut in `n` chunks that split-K program `pid` adds up, `per` per program."
+    lo = pid * per
+    return lo, jnp.minimum(lo + per, n)  # the last program's range ends at the edge: no chunk is read twice
+
+
+def _mm(a, w, reduce: bool):
+    "a (bm, c) @ w (c, o) in float32: a broadcast multiply-and-reduce for tiny bm (no padding to 16 rows), else a dot."
+    if reduce:
+        return jnp.sum(a.astype(jnp.float32)[:, :, None] * w.astype(jnp.float32)[None], axis=1)
+    return _dot(a, w)
+
+
+def _mm_nt(a, w, reduce: bool):
+    "a (bm, c) @ w (o, c)ᵀ in float32, as `_mm`."
+    if reduce:
+        return jnp.sum(a.astype(jnp.float32)[:, None, :] * w.astype(jnp.float32)[None], axis=2)
+    return _dot_nt(a, w)
+
+
+def _gpu_out(t: Tiles, rows: int, cols: int):
+    "The float32 partial sums of a GPU schedule: one (rows, cols) slab per split-K program."
+    return jax.ShapeDtypeStruct((t.split, rows, cols), jnp.float32)
+
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #f7a8b9c0
 def _nf4_mm_gpu(pl, t: Tiles, K: int, Np: int, Mp: int, B: int, absmax, dtype):
-    "`nf4_matmul_pallas`' GPU schedule: `(kernel, output dtype, grid, in_specs, out spec, absmax as passed)`."
+    "`nf4_matmul_pallas`' GPU schedule: `(kernel, grid, in_specs, out spec, absmax as passed)`; grid (M, N, split)."
     hn, hb, nb = t.bn // 2, B // 2, t.bn // B
+    nch, reduce = K // t.bk, t.bm < 16
+    per = -(-nch // t.split)
 
     def kernel(x_ref, p_ref, a_ref, oe_ref, oo_ref):
+        lo, hi = _split_range(pl.program_id(2), per, nch)
+
         def body(kk, acc):
             ks = pl.ds(pl.multiple_of(kk * t.bk, t.bk), t.bk)
             we, wo = _nf4_tile(p_ref[ks, :], [a_ref[ks, pl.ds(s, 1)] for s in range(nb)], hb, x_ref.dtype)
             xk = x_ref[:, ks]
-            return acc[0] + _dot(xk, we), acc[1] + _dot(xk, wo)
+            return acc[0] + _mm(xk, we, reduce), acc[1] + _mm(xk, wo, reduce)
 
         z = jnp.zeros((t.bm, hn), jnp.float32)
-        e, o = jax.lax.fori_loop(0, K // t.bk, body, (z, z))
-        oe_ref[...] = e.astype(oe_ref.dtype)
-        oo_ref[...] = o.astype(oo_ref.dtype)
+        e, o = jax.lax.fori_loop(lo, hi, body, (z, z))
+        oe_ref[...] = e
+        oo_ref[...] = o
 
-    in_specs = [pl.BlockSpec((t.bm, K), lambda i, j: (i, 0)), pl.BlockSpec((K, hn), lambda i, j: (0, j)),
-                pl.BlockSpec((K, nb), lambda i, j: (0, j))]
-    return kernel, dtype, (Mp // t.bm, Np // t.bn), in_specs, pl.BlockSpec((t.bm, hn), lambda i, j: (i, j)), absmax
-
+    in_specs = [pl.BlockSpec((t.bm, K), lambda i, j, s: (i, 0)), pl.BlockSpec((K, hn), lambda i, j, s: (0, j)),
+                pl.BlockSpec((K, nb), lambda i, j, s: (0, j))]
+    o_spec = pl.BlockSpec((None, t.bm, hn), lambda i, j, s: (s, i, j))
+    return kernel, (Mp // t.bm, Np // t.bn, t.split), in_specs, o_spec, absmax
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #b9c0d1e2
 def _nf4_mm_tpu(pl, t: Tiles, K: int, Np: int, Mp: int, B: int, absmax, dtype):
@@ -376,8 +483,7 @@ def _nf4_mm_tpu(pl, t: Tiles, K: int, Np: int, Mp: int, B: int, absmax, dtype):
                 pl.BlockSpec((None, t.bk, nb), lambda i, j, k: (j, k, 0))]
     a_in = absmax.reshape(K, Np // t.bn, nb).transpose(1, 0, 2)
     grid = (Mp // t.bm, Np // t.bn, K // t.bk)
-    return kernel, jnp.float32, grid, in_specs, pl.BlockSpec((t.bm, hn), lambda i, j, k: (i, j)), a_in
-
+    return kernel, grid, in_specs, pl.BlockSpec((t.bm, hn), lambda i, j, k: (i, j)), a_in
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #17433030
 def nf4_matmul_pallas(
@@ -396,20 +502,20 @@ def nf4_matmul_pallas(
     _check_nf4(x, packed, absmax, block_size, n, 0, "x")
     variant = variant or _default_variant()
     K, hn_all = packed.shape
-    Np, B = 2 * hn_all, block_size
-    t = tiles or default_tiles(variant, x.shape[0], "nf4", B)
+    Np, B, M = 2 * hn_all, block_size, x.shape[0]
+    t = tiles or default_tiles(variant, M, "nf4", B, K, Np)
     _require(_fits(variant, t, K, Np, B, False), "nf4_matmul_pallas", t, (K, Np))
     opts = _launch_opts(variant, interpret, ("parallel", "parallel", "arbitrary"))
-    M = x.shape[0]
     xp, Mp = _pad_rows(x, t.bm)
     schedule = _nf4_mm_gpu if variant == "gpu" else _nf4_mm_tpu
-    kernel, out_dtype, grid, in_specs, o_spec, a_in = schedule(pl, t, K, Np, Mp, B, absmax, x.dtype)
-    out = jax.ShapeDtypeStruct((Mp, Np // 2), out_dtype)
+    kernel, grid, in_specs, o_spec, a_in = schedule(pl, t, K, Np, Mp, B, absmax, x.dtype)
+    out = _gpu_out(t, Mp, hn_all) if variant == "gpu" else jax.ShapeDtypeStruct((Mp, hn_all), jnp.float32)
     even, odd = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=[o_spec, o_spec],
                                out_shape=[out, out], **opts)(xp, packed, a_in)
+    if variant == "gpu":
+        even, odd = even.sum(0), odd.sum(0)  # the split-K reduction (one slab when split == 1)
     y = jnp.stack([even, odd], axis=-1).reshape(Mp, Np)
     return y[:M, :n].astype(x.dtype)
-
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #cc82c1b0
 def _nf4_rand(K: int, n: int, seed: int = 0, block_size: int = DEFAULT_BLOCK_SIZE):
@@ -420,23 +526,26 @@ def _nf4_rand(K: int, n: int, seed: int = 0, block_size: int = DEFAULT_BLOCK_SIZ
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #a8b9c0d1
 def _nf4_mmt_gpu(pl, t: Tiles, K: int, Np: int, Mp: int, B: int, absmax, dtype):
-    "`nf4_matmul_t_pallas`' GPU schedule: `(kernel, output dtype, grid, in_specs, out spec, absmax as passed)`."
+    "`nf4_matmul_t_pallas`' GPU schedule: `(kernel, grid, in_specs, out spec, absmax as passed)`; grid (M, K, split)."
     hn, hb, nb = t.bn // 2, B // 2, t.bn // B
+    nch, reduce = Np // t.bn, t.bm < 16
+    per = -(-nch // t.split)
 
     def kernel(ge_ref, go_ref, p_ref, a_ref, o_ref):
+        lo, hi = _split_range(pl.program_id(2), per, nch)
+
         def body(jj, acc):
             cs = pl.ds(pl.multiple_of(jj * hn, hn), hn)
             we, wo = _nf4_tile(p_ref[:, cs], [a_ref[:, pl.ds(jj * nb + s, 1)] for s in range(nb)], hb, ge_ref.dtype)
-            return acc + _dot_nt(ge_ref[:, cs], we) + _dot_nt(go_ref[:, cs], wo)
+            return acc + _mm_nt(ge_ref[:, cs], we, reduce) + _mm_nt(go_ref[:, cs], wo, reduce)
 
-        acc = jax.lax.fori_loop(0, Np // t.bn, body, jnp.zeros((t.bm, t.bk), jnp.float32))
-        o_ref[...] = acc.astype(o_ref.dtype)
+        o_ref[...] = jax.lax.fori_loop(lo, hi, body, jnp.zeros((t.bm, t.bk), jnp.float32))
 
-    g_spec = pl.BlockSpec((t.bm, Np // 2), lambda i, kb: (i, 0))
-    in_specs = [g_spec, g_spec, pl.BlockSpec((t.bk, Np // 2), lambda i, kb: (kb, 0)),
-                pl.BlockSpec((t.bk, Np // B), lambda i, kb: (kb, 0))]
-    return kernel, dtype, (Mp // t.bm, K // t.bk), in_specs, pl.BlockSpec((t.bm, t.bk), lambda i, kb: (i, kb)), absmax
-
+    g_spec = pl.BlockSpec((t.bm, Np // 2), lambda i, kb, s: (i, 0))
+    in_specs = [g_spec, g_spec, pl.BlockSpec((t.bk, Np // 2), lambda i, kb, s: (kb, 0)),
+                pl.BlockSpec((t.bk, Np // B), lambda i, kb, s: (kb, 0))]
+    o_spec = pl.BlockSpec((None, t.bm, t.bk), lambda i, kb, s: (s, i, kb))
+    return kernel, (Mp // t.bm, K // t.bk, t.split), in_specs, o_spec, absmax
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #c0d1e2f3
 def _nf4_mmt_tpu(pl, t: Tiles, K: int, Np: int, Mp: int, B: int, absmax, dtype):
@@ -456,8 +565,7 @@ def _nf4_mmt_tpu(pl, t: Tiles, K: int, Np: int, Mp: int, B: int, absmax, dtype):
                 pl.BlockSpec((None, t.bk, nb), lambda i, kb, j: (j, kb, 0))]
     a_in = absmax.reshape(K, Np // t.bn, nb).transpose(1, 0, 2)
     grid = (Mp // t.bm, K // t.bk, Np // t.bn)
-    return kernel, jnp.float32, grid, in_specs, pl.BlockSpec((t.bm, t.bk), lambda i, kb, j: (i, kb)), a_in
-
+    return kernel, grid, in_specs, pl.BlockSpec((t.bm, t.bk), lambda i, kb, j: (i, kb)), a_in
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #82148d31
 def nf4_matmul_t_pallas(
@@ -477,23 +585,63 @@ def nf4_matmul_t_pallas(
     _check_nf4(g, packed, absmax, block_size, n, 1, "g")
     variant = variant or _default_variant()
     K, hn_all = packed.shape
-    Np, B = 2 * hn_all, block_size
-    t = tiles or default_tiles(variant, g.shape[0], "nf4", B)
+    Np, B, M = 2 * hn_all, block_size, g.shape[0]
+    t = tiles or default_tiles(variant, M, "nf4", B, K, Np, transposed=True)
     _require(_fits(variant, t, K, Np, B, True), "nf4_matmul_t_pallas", t, (K, Np))
     opts = _launch_opts(variant, interpret, ("parallel", "parallel", "arbitrary"))
-    M = g.shape[0]
     gp, Mp = _pad_rows(g, t.bm)
     if n < Np:
         gp = jnp.pad(gp, ((0, 0), (0, Np - n)))
     g_even, g_odd = gp[:, 0::2], gp[:, 1::2]
     schedule = _nf4_mmt_gpu if variant == "gpu" else _nf4_mmt_tpu
-    kernel, out_dtype, grid, in_specs, o_spec, a_in = schedule(pl, t, K, Np, Mp, B, absmax, g.dtype)
-    y = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=o_spec,
-                       out_shape=jax.ShapeDtypeStruct((Mp, K), out_dtype), **opts)(g_even, g_odd, packed, a_in)
-    return y[:M].astype(g.dtype)
+    kernel, grid, in_specs, o_spec, a_in = schedule(pl, t, K, Np, Mp, B, absmax, g.dtype)
+    out = _gpu_out(t, Mp, K) if variant == "gpu" else jax.ShapeDtypeStruct((Mp, K), jnp.float32)
+    y = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=o_spec, out_shape=out, **opts)(
+        g_even, g_odd, packed, a_in)
+    return (y.sum(0) if variant == "gpu" else y)[:M].astype(g.dtype)
+
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #f18ca92c
+def _int8_mm_gpu(pl, t: Tiles, K: int, N: int, Mp: int):
+    "`int8_matmul_pallas`' GPU schedule: `(kernel, grid, in_specs, out spec)`; grid (M, N, split)."
+    nch, reduce = K // t.bk, t.bm < 16
+    per = -(-nch // t.split)
+
+    def kernel(x_ref, q_ref, s_ref, o_ref):
+        lo, hi = _split_range(pl.program_id(2), per, nch)
+
+        def body(kk, acc):
+            ks = pl.ds(pl.multiple_of(kk * t.bk, t.bk), t.bk)
+            return acc + _mm(x_ref[:, ks], q_ref[ks, :].astype(x_ref.dtype), reduce)
+
+        o_ref[...] = jax.lax.fori_loop(lo, hi, body, jnp.zeros((t.bm, t.bn), jnp.float32)) * s_ref[...]
+
+    in_specs = [pl.BlockSpec((t.bm, K), lambda i, j, s: (i, 0)), pl.BlockSpec((K, t.bn), lambda i, j, s: (0, j)),
+                pl.BlockSpec((1, t.bn), lambda i, j, s: (0, j))]
+    return kernel, (Mp // t.bm, N // t.bn, t.split), in_specs, pl.BlockSpec((None, t.bm, t.bn), lambda i, j, s: (s, i, j))
 
 
-# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #edd18465
+def _int8_mm_tpu(pl, t: Tiles, K: int, N: int, Mp: int):
+    "`int8_matmul_pallas`' TPU schedule (a float32 output block resident across the contraction), as `_int8_mm_gpu`."
+    nk = K // t.bk
+
+    def kernel(x_ref, q_ref, s_ref, o_ref):
+        k = pl.program_id(2)
+
+        @pl.when(k == 0)
+        def _():
+            o_ref[...] = jnp.zeros_like(o_ref)
+
+        o_ref[...] += _dot(x_ref[...], q_ref[...].astype(x_ref.dtype))
+
+        @pl.when(k == nk - 1)
+        def _():
+            o_ref[...] = o_ref[...] * s_ref[...]
+
+    in_specs = [pl.BlockSpec((t.bm, t.bk), lambda i, j, k: (i, k)), pl.BlockSpec((t.bk, t.bn), lambda i, j, k: (k, j)),
+                pl.BlockSpec((1, t.bn), lambda i, j, k: (0, j))]
+    return kernel, (Mp // t.bm, N // t.bn, nk), in_specs, pl.BlockSpec((t.bm, t.bn), lambda i, j, k: (i, j))
+
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #eb9d9833
 def int8_matmul_pallas(
     x,  # activations (M, K)
     q,  # the int8 weight (K, N)
@@ -507,52 +655,55 @@ def int8_matmul_pallas(
     pl = _pallas()
     _check_int8(x, q, scale, 0, "x")
     variant = variant or _default_variant()
-    K, N = q.shape
-    t = tiles or default_tiles(variant, x.shape[0], "int8")
+    (K, N), M = q.shape, x.shape[0]
+    t = tiles or default_tiles(variant, M, "int8", K=K, cols=N)
     _require(_fits(variant, t, K, N, None, False), "int8_matmul_pallas", t, (K, N))
     opts = _launch_opts(variant, interpret, ("parallel", "parallel", "arbitrary"))
-    M = x.shape[0]
     xp, Mp = _pad_rows(x, t.bm)
-    s2 = scale.astype(jnp.float32).reshape(1, N)
-    if variant == "gpu":
-        def kernel(x_ref, q_ref, s_ref, o_ref):
-            def body(kk, acc):
-                ks = pl.ds(pl.multiple_of(kk * t.bk, t.bk), t.bk)
-                return acc + _dot(x_ref[:, ks], q_ref[ks, :].astype(x_ref.dtype))
+    kernel, grid, in_specs, o_spec = (_int8_mm_gpu if variant == "gpu" else _int8_mm_tpu)(pl, t, K, N, Mp)
+    out = _gpu_out(t, Mp, N) if variant == "gpu" else jax.ShapeDtypeStruct((Mp, N), jnp.float32)
+    y = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=o_spec, out_shape=out, **opts)(
+        xp, q, scale.astype(jnp.float32).reshape(1, N))
+    return (y.sum(0) if variant == "gpu" else y)[:M].astype(x.dtype)
 
-            acc = jax.lax.fori_loop(0, K // t.bk, body, jnp.zeros((t.bm, t.bn), jnp.float32))
-            o_ref[...] = (acc * s_ref[...]).astype(o_ref.dtype)
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #f8067cc6
+def _int8_scaled(g_blk, s_blk):
+    return (g_blk.astype(jnp.float32) * s_blk).astype(g_blk.dtype)
 
-        out_dtype, grid = x.dtype, (Mp // t.bm, N // t.bn)
-        in_specs = [pl.BlockSpec((t.bm, K), lambda i, j: (i, 0)), pl.BlockSpec((K, t.bn), lambda i, j: (0, j)),
-                    pl.BlockSpec((1, t.bn), lambda i, j: (0, j))]
-        o_spec = pl.BlockSpec((t.bm, t.bn), lambda i, j: (i, j))
-    else:
-        nk = K // t.bk
 
-        def kernel(x_ref, q_ref, s_ref, o_ref):
-            k = pl.program_id(2)
+def _int8_mmt_gpu(pl, t: Tiles, K: int, N: int, Mp: int):
+    "`int8_matmul_t_pallas`' GPU schedule: `(kernel, grid, in_specs, out spec)`; grid (M, K, split)."
+    nch, reduce = N // t.bn, t.bm < 16
+    per = -(-nch // t.split)
 
-            @pl.when(k == 0)
-            def _():
-                o_ref[...] = jnp.zeros_like(o_ref)
+    def kernel(g_ref, q_ref, s_ref, o_ref):
+        lo, hi = _split_range(pl.program_id(2), per, nch)
 
-            o_ref[...] += _dot(x_ref[...], q_ref[...].astype(x_ref.dtype))
+        def body(jj, acc):
+            cs = pl.ds(pl.multiple_of(jj * t.bn, t.bn), t.bn)
+            return acc + _mm_nt(_int8_scaled(g_ref[:, cs], s_ref[:, cs]), q_ref[:, cs].astype(g_ref.dtype), reduce)
 
-            @pl.when(k == nk - 1)
-            def _():
-                o_ref[...] = o_ref[...] * s_ref[...]
+        o_ref[...] = jax.lax.fori_loop(lo, hi, body, jnp.zeros((t.bm, t.bk), jnp.float32))
 
-        out_dtype, grid = jnp.float32, (Mp // t.bm, N // t.bn, nk)
-        in_specs = [pl.BlockSpec((t.bm, t.bk), lambda i, j, k: (i, k)),
-                    pl.BlockSpec((t.bk, t.bn), lambda i, j, k: (k, j)),
-                    pl.BlockSpec((1, t.bn), lambda i, j, k: (0, j))]
-        o_spec = pl.BlockSpec((t.bm, t.bn), lambda i, j, k: (i, j))
-    y = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=o_spec,
-                       out_shape=jax.ShapeDtypeStruct((Mp, N), out_dtype), **opts)(xp, q, s2)
-    return y[:M].astype(x.dtype)
+    in_specs = [pl.BlockSpec((t.bm, N), lambda i, kb, s: (i, 0)), pl.BlockSpec((t.bk, N), lambda i, kb, s: (kb, 0)),
+                pl.BlockSpec((1, N), lambda i, kb, s: (0, 0))]
+    return kernel, (Mp // t.bm, K // t.bk, t.split), in_specs, pl.BlockSpec((None, t.bm, t.bk), lambda i, kb, s: (s, i, kb))
 
-# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #f3a8a9b3
+
+def _int8_mmt_tpu(pl, t: Tiles, K: int, N: int, Mp: int):
+    "`int8_matmul_t_pallas`' TPU schedule (the chunks of N contracted last), as `_int8_mmt_gpu`."
+    def kernel(g_ref, q_ref, s_ref, o_ref):
+        @pl.when(pl.program_id(2) == 0)
+        def _():
+            o_ref[...] = jnp.zeros_like(o_ref)
+
+        o_ref[...] += _dot_nt(_int8_scaled(g_ref[...], s_ref[...]), q_ref[...].astype(g_ref.dtype))
+
+    in_specs = [pl.BlockSpec((t.bm, t.bn), lambda i, kb, j: (i, j)), pl.BlockSpec((t.bk, t.bn), lambda i, kb, j: (kb, j)),
+                pl.BlockSpec((1, t.bn), lambda i, kb, j: (0, j))]
+    return kernel, (Mp // t.bm, K // t.bk, N // t.bn), in_specs, pl.BlockSpec((t.bm, t.bk), lambda i, kb, j: (i, kb))
+
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #40f6d65d
 def int8_matmul_t_pallas(
     g,  # output gradients (M, N)
     q,  # the int8 weight (K, N)
@@ -567,62 +718,35 @@ def int8_matmul_t_pallas(
     pl = _pallas()
     _check_int8(g, q, scale, 1, "g")
     variant = variant or _default_variant()
-    K, N = q.shape
-    t = tiles or default_tiles(variant, g.shape[0], "int8")
+    (K, N), M = q.shape, g.shape[0]
+    t = tiles or default_tiles(variant, M, "int8", K=K, cols=N, transposed=True)
     _require(_fits(variant, t, K, N, None, True), "int8_matmul_t_pallas", t, (K, N))
     opts = _launch_opts(variant, interpret, ("parallel", "parallel", "arbitrary"))
-    M = g.shape[0]
     gp, Mp = _pad_rows(g, t.bm)
-    s2 = scale.astype(jnp.float32).reshape(1, N)
-
-    def scaled(g_blk, s_blk):
-        return (g_blk.astype(jnp.float32) * s_blk).astype(g_blk.dtype)
-
-    if variant == "gpu":
-        def kernel(g_ref, q_ref, s_ref, o_ref):
-            def body(jj, acc):
-                cs = pl.ds(pl.multiple_of(jj * t.bn, t.bn), t.bn)
-                return acc + _dot_nt(scaled(g_ref[:, cs], s_ref[:, cs]), q_ref[:, cs].astype(g_ref.dtype))
-
-            acc = jax.lax.fori_loop(0, N // t.bn, body, jnp.zeros((t.bm, t.bk), jnp.float32))
-            o_ref[...] = acc.astype(o_ref.dtype)
-
-        out_dtype, grid = g.dtype, (Mp // t.bm, K // t.bk)
-        in_specs = [pl.BlockSpec((t.bm, N), lambda i, kb: (i, 0)), pl.BlockSpec((t.bk, N), lambda i, kb: (kb, 0)),
-                    pl.BlockSpec((1, N), lambda i, kb: (0, 0))]
-        o_spec = pl.BlockSpec((t.bm, t.bk), lambda i, kb: (i, kb))
-    else:
-        def kernel(g_ref, q_ref, s_ref, o_ref):
-            @pl.when(pl.program_id(2) == 0)
-            def _():
-                o_ref[...] = jnp.zeros_like(o_ref)
-
-            o_ref[...] += _dot_nt(scaled(g_ref[...], s_ref[...]), q_ref[...].astype(g_ref.dtype))
-
-        out_dtype, grid = jnp.float32, (Mp // t.bm, K // t.bk, N // t.bn)
-        in_specs = [pl.BlockSpec((t.bm, t.bn), lambda i, kb, j: (i, j)),
-                    pl.BlockSpec((t.bk, t.bn), lambda i, kb, j: (kb, j)),
-                    pl.BlockSpec((1, t.bn), lambda i, kb, j: (0, j))]
-        o_spec = pl.BlockSpec((t.bm, t.bk), lambda i, kb, j: (i, kb))
-    y = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=o_spec,
-                       out_shape=jax.ShapeDtypeStruct((Mp, K), out_dtype), **opts)(gp, q, s2)
-    return y[:M].astype(g.dtype)
+    kernel, grid, in_specs, o_spec = (_int8_mmt_gpu if variant == "gpu" else _int8_mmt_tpu)(pl, t, K, N, Mp)
+    out = _gpu_out(t, Mp, K) if variant == "gpu" else jax.ShapeDtypeStruct((Mp, K), jnp.float32)
+    y = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=o_spec, out_shape=out, **opts)(
+        gp, q, scale.astype(jnp.float32).reshape(1, N))
+    return (y.sum(0) if variant == "gpu" else y)[:M].astype(g.dtype)
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #a57d1f7d
 def _platform() -> str:
     return jax.default_backend()
 
 
-def _resolve(backend: str, fits: bool) -> str:
+def _resolve(
+    backend: str,  # 'auto', 'pallas' or 'xla'
+    reason: str | None = None,  # why the kernel cannot take this product (`_why_not`); None: it can
+) -> str:
     "The concrete backend ('pallas' or 'xla') for a call."
     _check_backend(backend)
     if backend == "auto":
         backend = default_backend()
     if backend == "auto":
         accel = _platform() in ("gpu", "cuda", "rocm", "tpu")
-        if accel and not fits:
-            logger.info_once("quantized matmul: shapes do not fit the Pallas tiles; using the XLA path (see `Tiles`)")
-        return "pallas" if fits and accel else "xla"
+        if accel and reason is not None:
+            logger.info_once(f"quantized matmul: {reason}; using the XLA path")
+        return "pallas" if reason is None and accel else "xla"
     return backend
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #8580d42b
@@ -637,7 +761,7 @@ def nf4_matmul(
 ) -> jax.Array:  # x @ W, (M, n) in x's dtype
     "`x @ W` for `x` (M, K) and an NF4 weight `W` (K, n) given as `packed` (K, Np//2) and `absmax` (K, Np//block_size)."
     _check_nf4(x, packed, absmax, block_size, n, 0, "x")
-    be = _resolve(backend, _nf4_fits(x.shape[0], packed.shape[0], packed.shape[1] * 2, block_size))
+    be = _resolve(backend, _why_not("nf4", x.shape[0], packed.shape[0], packed.shape[1] * 2, block_size))
     if be == "xla":
         return _nf4_matmul_xla(x, packed, absmax, block_size, n)
     return nf4_matmul_pallas(x, packed, absmax, block_size=block_size, n=n)
@@ -654,7 +778,7 @@ def nf4_matmul_t(
 ) -> jax.Array:  # g @ Wᵀ, (M, K) in g's dtype
     "`g @ Wᵀ` for `g` (M, n) and an NF4 weight `W` (K, n): the input gradient of `x @ W`."
     _check_nf4(g, packed, absmax, block_size, n, 1, "g")
-    be = _resolve(backend, _nf4_fits(g.shape[0], packed.shape[0], packed.shape[1] * 2, block_size, transposed=True))
+    be = _resolve(backend, _why_not("nf4", g.shape[0], packed.shape[0], packed.shape[1] * 2, block_size, True))
     if be == "xla":
         return _nf4_matmul_t_xla(g, packed, absmax, block_size, n)
     return nf4_matmul_t_pallas(g, packed, absmax, block_size=block_size, n=n)
@@ -668,7 +792,7 @@ def int8_matmul(
 ) -> jax.Array:  # x @ (q * scale), (M, N) in x's dtype
     "`x @ W` for `x` (M, K) and a per-channel INT8 weight `W = q * scale` (`q` int8 (K, N), `scale` (N,))."
     _check_int8(x, q, scale, 0, "x")
-    be = _resolve(backend, _int8_fits(x.shape[0], *q.shape))
+    be = _resolve(backend, _why_not("int8", x.shape[0], *q.shape, None))
     if be == "xla":
         return _int8_matmul_xla(x, q, scale)
     return int8_matmul_pallas(x, q, scale)
@@ -682,7 +806,7 @@ def int8_matmul_t(
 ) -> jax.Array:  # g @ (q * scale)ᵀ, (M, K) in g's dtype
     "`g @ Wᵀ` for `g` (M, N) and a per-channel INT8 weight `W = q * scale`."
     _check_int8(g, q, scale, 1, "g")
-    be = _resolve(backend, _int8_fits(g.shape[0], *q.shape, transposed=True))
+    be = _resolve(backend, _why_not("int8", g.shape[0], *q.shape, None, True))
     if be == "xla":
         return _int8_matmul_t_xla(g, q, scale)
     return int8_matmul_t_pallas(g, q, scale)
