@@ -22,7 +22,8 @@ logger = get_logger(__name__)
 __all__ = ['logger', 'DEFAULT_BLOCK_SIZE', 'BACKENDS', 'BACKEND_ENV_VAR', 'GEMV_MAX_ROWS', 'VARIANTS', 'GPU_SMS', 'GPU_PROGRAMS',
            'REDUCE_ELEMS', 'TILE_OVERRIDES', 'set_default_backend', 'default_backend', 'nf4_unpack_codes',
            'nf4_dequantize', 'Tiles', 'default_tiles', 'nf4_matmul_pallas', 'nf4_matmul_t_pallas', 'int8_matmul_pallas',
-           'int8_matmul_t_pallas', 'nf4_matmul', 'nf4_matmul_t', 'int8_matmul', 'int8_matmul_t', 'NF4_CODEBOOK']
+           'int8_matmul_t_pallas', 'occupancy', 'grid_picture', 'nf4_matmul', 'nf4_matmul_t', 'int8_matmul',
+           'int8_matmul_t', 'NF4_CODEBOOK']
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #80f76e04
 _all_ = ["NF4_CODEBOOK"]  # re-exported from `ops.quantization.nf4`, the one home of the NF4 codec
@@ -279,6 +280,10 @@ def _pow2_divisor(v: int, cap: int) -> int:
     while d * 2 <= cap and v % (d * 2) == 0:
         d *= 2
     return d
+
+
+def _platform() -> str:
+    return jax.default_backend()
 
 
 def _default_variant() -> str:
@@ -729,11 +734,53 @@ def int8_matmul_t_pallas(
         gp, q, scale.astype(jnp.float32).reshape(1, N))
     return (y.sum(0) if variant == "gpu" else y)[:M].astype(g.dtype)
 
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #03375f56
+def occupancy(
+    kind: str,  # 'nf4' or 'int8'
+    m: int,  # rows of the activations
+    K: int,  # rows of the stored weight
+    cols: int,  # columns of the stored weight (NF4: padded to whole blocks)
+    transposed: bool = False,  # the `*_t` product, g @ Wᵀ
+    block_size: int = DEFAULT_BLOCK_SIZE,  # NF4 values per scale
+    tiles: Tiles | None = None,  # None: the GPU schedule's own choice
+) -> dict:
+    "The GPU schedule of one product: its tiles, how many programs it launches, and the bytes each program reads."
+    t = tiles or _gpu_tiles(kind, m, K, cols, block_size if kind == "nf4" else None, transposed)
+    out, con = (K, cols) if transposed else (cols, K)
+    to, tc = (t.bk, t.bn) if transposed else (t.bn, t.bk)
+    span = -(-(con // tc) // t.split) * tc  # contracted entries one program covers (the last one may cover fewer)
+    per_weight = 0.5 + 4 / block_size if kind == "nf4" else 1.0  # NF4: a nibble and its share of a float32 scale
+    w_bytes = to * span * per_weight + (4 * (span if transposed else to) if kind == "int8" else 0)
+    programs = -(-m // t.bm) * (out // to) * t.split
+    return dict(kind=kind, product="g @ Wᵀ" if transposed else "x @ W", m=m, weight=(K, cols), tiles=t,
+                programs=programs, per_sm=programs / GPU_SMS, weight_bytes=int(w_bytes),
+                act_bytes=t.bm * span * 2, out_bytes=t.bm * to * 4)  # bf16 activations in, float32 partial sums out
+
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #cbb21708
+def grid_picture(
+    kind: str,  # 'nf4' or 'int8'
+    m: int,  # rows of the activations
+    K: int,  # rows of the stored weight
+    cols: int,  # columns of the stored weight
+    transposed: bool = False,  # the `*_t` product
+    block_size: int = DEFAULT_BLOCK_SIZE,  # NF4 values per scale
+    width: int = 64,  # characters across the contraction
+    height: int = 16,  # lines down the output axis
+) -> str:
+    "ASCII picture of the GPU grid over the weight: output axis down, contraction across; a character per program."
+    t = _gpu_tiles(kind, m, K, cols, block_size if kind == "nf4" else None, transposed)
+    out, con = (K, cols) if transposed else (cols, K)
+    to, tc = (t.bk, t.bn) if transposed else (t.bn, t.bk)
+    per = -(-(con // tc) // t.split)
+    lines = []
+    for r in range(min(height, out // to)):
+        tile = r * (out // to) // min(height, out // to)
+        chars = "0123456789" if tile % 2 == 0 else "abcdefghij"
+        lines.append("".join(chars[(c * con // width // tc // per) % 10] for c in range(width)))
+    head = f"{kind} {'g @ Wᵀ' if transposed else 'x @ W'} M={m}, stored {K}x{cols}: {t}, {out // to} output tiles"
+    return "\n".join([head, *lines])
+
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #a57d1f7d
-def _platform() -> str:
-    return jax.default_backend()
-
-
 def _resolve(
     backend: str,  # 'auto', 'pallas' or 'xla'
     reason: str | None = None,  # why the kernel cannot take this product (`_why_not`); None: it can

@@ -1,0 +1,118 @@
+"""Every real model shape through the quantized matmul kernels, on CPU: NF4 and INT8, the forward product and the
+transposed one (QLoRA's backward), M in {1, 3, 16, 64, 200}, against the float32 product of the dequantized weight.
+
+* XLA path: the full weights of SmolLM2-135M, TinyLlama-1.1B, Llama-3-8B and Llama-2-7B.
+* Pallas GPU schedule in interpret mode: with the tiles the heuristic picks for the *full* shape (split-K count,
+  chunk, output tile), run on a slice of the weight that keeps the whole contraction and two output tiles. Output
+  tiles are independent programs, so the slice runs exactly the programs of the full call that differ (every
+  split-K range, the last one cut at the edge); interpret mode on the full 4096 x 14336 weights would take minutes.
+* Gradients of `x @ W` through the implicit arrays (which call the transposed kernels) against the dense ones.
+
+The whole matrix (every shape x M x product x path: 28 tests, 11.5 min at load 6 on the 2-core box) runs with
+EFORMER_NB_QUANT_FULL=1. By default (for `make test`) it keeps what differs between shapes and rows at a fraction
+of the cost: every shape's GEMV (M = 1) on the XLA path and through the GPU schedule's forward kernels, M = 200 on
+the XLA path (its materializing strategy) and every M through all four kernels on the shapes whose split-K ranges
+end short of the edge (SmolLM2's 576 and TinyLlama's 5632 contractions; M = 64 is the same 64-row tile as 200).
+The notebook `06k_ops.quantization.kernels` runs the small shapes end to end; this file is the wide matrix.
+"""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eformer_nb.ops.quantization import kernels as K
+
+SHAPES = {  # (in, out) of each distinct projection
+    "SmolLM2-135M": [(576, 576), (576, 192), (576, 1536), (1536, 576)],
+    "TinyLlama-1.1B": [(2048, 2048), (2048, 256), (2048, 5632), (5632, 2048)],
+    "Llama-3-8B": [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)],
+    "Llama-2-7B": [(4096, 11008), (11008, 4096)],
+}
+CASES = [(name, s) for name, v in SHAPES.items() for s in v]
+MS = (1, 3, 16, 64, 200)
+FULL = os.environ.get("EFORMER_NB_QUANT_FULL") == "1"
+EDGE = {(576, 1536), (5632, 2048)}  # contractions of 9 and 11 chunks: the last split-K program covers fewer
+
+
+def _nf4_operands(rows: int, cols: int, seed: int):
+    "Random NF4 leaves of a stored (rows, cols) weight (codes and scales: the products do not care how they came)."
+    rng = np.random.default_rng(seed)
+    packed = jnp.asarray(rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8))
+    absmax = jnp.asarray(rng.uniform(0.01, 0.05, (rows, cols // 64)).astype(np.float32))
+    return packed, absmax
+
+
+def _int8_operands(rows: int, cols: int, seed: int):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.integers(-127, 128, (rows, cols), dtype=np.int8)),
+            jnp.asarray(rng.uniform(1e-4, 4e-4, (cols,)).astype(np.float32)))
+
+
+def _close(got, lhs, w):
+    "got == lhs @ w to float32 summation accuracy: |error| <= 1e-5 * (|lhs| @ |w|) (a wrong chunk is O(1) off)."
+    lhs, w = np.asarray(lhs, np.float32), np.asarray(w, np.float32)
+    ref = lhs @ w
+    bound = np.abs(lhs).sum(axis=1, keepdims=True) * np.abs(w).max()  # >= |lhs| @ |w|, and O(MK) to compute
+    err = np.abs(np.asarray(got, np.float32) - ref)
+    assert got.shape == ref.shape and np.all(err <= 1e-5 * bound + 1e-6), float((err / (bound + 1e-30)).max())
+
+
+def _x(m: int, k: int, seed: int = 0):
+    return jax.random.normal(jax.random.key(seed), (m, k), jnp.float32)
+
+
+@pytest.mark.parametrize("name,shape", CASES, ids=[f"{n}-{a}x{b}" for n, (a, b) in CASES])
+def test_xla_path_every_shape(name, shape):
+    k_in, n_out = shape
+    p, a = _nf4_operands(n_out, k_in, 1)  # NF4 as the model stores it: Wᵀ (out, in), blocks of input features
+    wt = np.asarray(K.nf4_dequantize(p, a, n=k_in))  # (out, in)
+    q, s = _int8_operands(k_in, n_out, 2)  # INT8: W (in, out), a scale per output feature
+    w8 = np.asarray(q, np.float32) * np.asarray(s)
+    for m in MS if FULL else (1, 200) if shape in EDGE else (1,):
+        x, g = _x(m, k_in), _x(m, n_out, 1)
+        _close(K.nf4_matmul_t(x, p, a, n=k_in, backend="xla"), x, wt.T)  # forward: x @ W
+        _close(K.nf4_matmul(g, p, a, n=k_in, backend="xla"), g, wt)  # backward: g @ Wᵀ
+        _close(K.int8_matmul(x, q, s, backend="xla"), x, w8)
+        _close(K.int8_matmul_t(g, q, s, backend="xla"), g, w8.T)
+
+
+def _slice(rows: int, tile: int) -> int:
+    return min(rows, 2 * tile)
+
+
+@pytest.mark.parametrize("name,shape", CASES, ids=[f"{n}-{a}x{b}" for n, (a, b) in CASES])
+def test_gpu_schedule_interpret_every_shape(name, shape):
+    k_in, n_out = shape
+    wide = FULL or shape in EDGE
+    for m in (MS if FULL else (1, 3, 16, 200)) if wide else (1,):
+        x, g = _x(m, k_in), _x(m, n_out, 1)
+        # NF4 forward, x @ W = nf4_matmul_t of the stored Wᵀ (n_out, k_in): output rows sliced
+        t = K.default_tiles("gpu", m, "nf4", 64, n_out, k_in, transposed=True)
+        assert K._fits("gpu", t, n_out, k_in, 64, True)
+        r = _slice(n_out, t.bk)
+        p, a = _nf4_operands(r, k_in, 3)
+        wt = np.asarray(K.nf4_dequantize(p, a, n=k_in))
+        _close(K.nf4_matmul_t_pallas(x, p, a, n=k_in, variant="gpu", tiles=t, interpret=True), x, wt.T)
+        if not wide:
+            t = K.default_tiles("gpu", m, "int8", K=k_in, cols=n_out)
+            q, s = _int8_operands(k_in, _slice(n_out, t.bn), 5)
+            y = K.int8_matmul_pallas(x, q, s, variant="gpu", tiles=t, interpret=True)
+            _close(y, x, np.asarray(q, np.float32) * s)
+            continue
+        # NF4 backward, g @ Wᵀ = nf4_matmul of the stored Wᵀ: contraction over its n_out rows, columns sliced
+        t = K.default_tiles("gpu", m, "nf4", 64, n_out, k_in)
+        assert K._fits("gpu", t, n_out, k_in, 64, False)
+        c = _slice(k_in, t.bn)
+        p, a = _nf4_operands(n_out, c, 4)
+        w = np.asarray(K.nf4_dequantize(p, a, n=c))
+        _close(K.nf4_matmul_pallas(g, p, a, n=c, variant="gpu", tiles=t, interpret=True), g, w)
+        # INT8 forward x @ W (k_in, n_out): columns sliced; backward g @ Wᵀ: output rows sliced
+        t = K.default_tiles("gpu", m, "int8", K=k_in, cols=n_out)
+        q, s = _int8_operands(k_in, _slice(n_out, t.bn), 5)
+        _close(K.int8_matmul_pallas(x, q, s, variant="gpu", tiles=t, interpret=True), x, np.asarray(q, np.float32) * s)
+        t = K.default_tiles("gpu", m, "int8", K=k_in, cols=n_out, transposed=True)
+        q, s = _int8_operands(_slice(k_in, t.bk), n_out, 6)
+        w8 = np.asarray(q, np.float32) * np.asarray(s)
+        _close(K.int8_matmul_t_pallas(g, q, s, variant="gpu", tiles=t, interpret=True), g, w8.T)
