@@ -6,13 +6,16 @@ transposed one (QLoRA's backward), M in {1, 3, 16, 64, 200}, against the float32
   chunk, output tile), run on a slice of the weight that keeps the whole contraction and two output tiles. Output
   tiles are independent programs, so the slice runs exactly the programs of the full call that differ (every
   split-K range, the last one cut at the edge); interpret mode on the full 4096 x 14336 weights would take minutes.
-* Gradients of `x @ W` through the implicit arrays (which call the transposed kernels) against the dense ones.
+* Gradients of `x @ W` through the implicit arrays as the model holds them (their `custom_vjp` calls the transposed
+  kernel) against the dense ones, on the XLA path.
 
 The whole matrix (every shape x M x product x path: 28 tests, 11.5 min at load 6 on the 2-core box) runs with
 EFORMER_NB_QUANT_FULL=1. By default (for `make test`) it keeps what differs between shapes and rows at a fraction
-of the cost: every shape's GEMV (M = 1) on the XLA path and through the GPU schedule's forward kernels, M = 200 on
-the XLA path (its materializing strategy) and every M through all four kernels on the shapes whose split-K ranges
-end short of the edge (SmolLM2's 576 and TinyLlama's 5632 contractions; M = 64 is the same 64-row tile as 200).
+of the cost: every shape's GEMV (M = 1) through the GPU schedule's forward kernels; every M through all four
+kernels on the shapes whose split-K ranges end short of the edge; the XLA path on those two and on the two largest
+shapes, at M = 1 (streamed) and, on the first two, M = 200 (materialized); M = 64 is the same 64-row tile as 200.
+Every shape's GEMV on the XLA path, with the rest, runs with EFORMER_NB_QUANT_FULL=1 (the XLA path depends on the
+shape only through its chunking).
 The notebook `06k_ops.quantization.kernels` runs the small shapes end to end; this file is the wide matrix.
 """
 import os
@@ -22,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from eformer_nb.jaximus import implicit
+from eformer_nb.ops.quantization import Array8B, ArrayNF4
 from eformer_nb.ops.quantization import kernels as K
 
 SHAPES = {  # (in, out) of each distinct projection
@@ -34,6 +39,7 @@ CASES = [(name, s) for name, v in SHAPES.items() for s in v]
 MS = (1, 3, 16, 64, 200)
 FULL = os.environ.get("EFORMER_NB_QUANT_FULL") == "1"
 EDGE = {(576, 1536), (5632, 2048)}  # contractions of 9 and 11 chunks: the last split-K program covers fewer
+XLA_DEFAULT = EDGE | {(4096, 14336), (11008, 4096)}  # the XLA path does not depend on the shape beyond its chunking
 
 
 def _nf4_operands(rows: int, cols: int, seed: int):
@@ -65,6 +71,8 @@ def _x(m: int, k: int, seed: int = 0):
 
 @pytest.mark.parametrize("name,shape", CASES, ids=[f"{n}-{a}x{b}" for n, (a, b) in CASES])
 def test_xla_path_every_shape(name, shape):
+    if not (FULL or shape in XLA_DEFAULT):
+        pytest.skip("EFORMER_NB_QUANT_FULL=1 runs every shape on the XLA path")
     k_in, n_out = shape
     p, a = _nf4_operands(n_out, k_in, 1)  # NF4 as the model stores it: Wᵀ (out, in), blocks of input features
     wt = np.asarray(K.nf4_dequantize(p, a, n=k_in))  # (out, in)
@@ -116,3 +124,17 @@ def test_gpu_schedule_interpret_every_shape(name, shape):
         q, s = _int8_operands(_slice(k_in, t.bk), n_out, 6)
         w8 = np.asarray(q, np.float32) * np.asarray(s)
         _close(K.int8_matmul_t_pallas(g, q, s, variant="gpu", tiles=t, interpret=True), g, w8.T)
+
+
+@pytest.mark.parametrize("shape", sorted(EDGE))
+def test_gradients_through_the_transposed_kernels(shape):
+    k_in, n_out = shape
+    p, a = _nf4_operands(n_out, k_in, 7)
+    w_nf4 = ArrayNF4(p, a, 64, n=k_in, dtype=jnp.float32, transposed=True)  # the model's layout: Wᵀ stored
+    q, s = _int8_operands(k_in, n_out, 8)
+    w_int8 = Array8B(q, s, block_size=None, dtype=jnp.float32)
+    c = _x(3, n_out, 9)
+    for w in (w_nf4, w_int8):
+        dense = np.asarray(w.materialize())
+        dx = jax.jit(jax.grad(implicit(lambda x, w: jnp.sum((x @ w) * c))))(_x(3, k_in), w)
+        _close(dx, c, dense.T)  # d/dx sum((x @ W) * c) = c @ Wᵀ
