@@ -772,12 +772,12 @@ def grid_picture(
     out, con = (K, cols) if transposed else (cols, K)
     to, tc = (t.bk, t.bn) if transposed else (t.bn, t.bk)
     per = -(-(con // tc) // t.split)
-    lines = []
-    for r in range(min(height, out // to)):
-        tile = r * (out // to) // min(height, out // to)
-        chars = "0123456789" if tile % 2 == 0 else "abcdefghij"
+    lines, step = [], -(-(out // to) // height)  # one line per `step` output tiles
+    for r in range(-(-(out // to) // step)):
+        chars = "0123456789" if r % 2 == 0 else "abcdefghij"
         lines.append("".join(chars[(c * con // width // tc // per) % 10] for c in range(width)))
-    head = f"{kind} {'g @ Wᵀ' if transposed else 'x @ W'} M={m}, stored {K}x{cols}: {t}, {out // to} output tiles"
+    head = (f"{kind} {'g @ Wᵀ' if transposed else 'x @ W'} M={m}, stored {K}x{cols}: {t}, {out // to} output tiles "
+            f"(a line per {step})")
     return "\n".join([head, *lines])
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #a57d1f7d
