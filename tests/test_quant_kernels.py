@@ -9,7 +9,7 @@ transposed one (QLoRA's backward), M in {1, 3, 16, 64, 200}, against the float32
 * Gradients of `x @ W` through the implicit arrays as the model holds them (their `custom_vjp` calls the transposed
   kernel) against the dense ones, on the XLA path.
 
-The whole matrix (every shape x M x product x path: 28 tests, 11.5 min at load 6 on the 2-core box) runs with
+The whole matrix (every shape x M x product x path: 30 tests, 10 min at load ~7 on the 2-core box) runs with
 EFORMER_NB_QUANT_FULL=1. By default (for `make test`) it keeps what differs between shapes and rows at a fraction
 of the cost: every shape's GEMV (M = 1) through the GPU schedule's forward kernels; every M through all four
 kernels on the shapes whose split-K ranges end short of the edge; the XLA path on those two and on the two largest
