@@ -250,8 +250,33 @@ def __repr__(self: LazyLogger) -> str:
 LazyLogger.warn = LazyLogger.warning
 
 # %% ../nbs/01_loggings.ipynb #16656655
+class _Level(int):
+    "A `logging` level number that, read from a logger, also logs at its level: `logger.INFO('x')` (eformer's form)."
+
+    def __new__(cls, value: int, owner: LazyLogger | None = None):
+        self = super().__new__(cls, value)
+        self._owner = owner
+        return self
+
+    def __call__(self, msg, *args, **kw):
+        if self._owner is None:
+            raise TypeError(f"LazyLogger.{logging.getLevelName(int(self))} is the number {int(self)}; call it on a "
+                            "logger to log at that level: logger.INFO('...')")
+        self._owner.logger.log(int(self), msg, *args, stacklevel=2, **kw)
+
+
+class _LevelAttr:
+    "`LazyLogger.INFO`: the `logging` number; `logger.INFO`: that number, callable to log at that level."
+
+    def __init__(self, value: int):
+        self.value = value
+
+    def __get__(self, obj, cls=None) -> _Level:
+        return _Level(self.value, obj)
+
+
 for _level in ("NOTSET", "DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", "FATAL"):
-    setattr(LazyLogger, _level, getattr(logging, _level))  # eformer's `logger.INFO`: the `logging` numbers
+    setattr(LazyLogger, _level, _LevelAttr(getattr(logging, _level)))
 
 # %% ../nbs/01_loggings.ipynb #14acd22d
 @patch
