@@ -183,6 +183,6 @@ PEER_ARGS ?=
 PEER_TESTS ?=
 peer-suite: install
 	@test -n "$(EFORMER_SRC)" && test -d "$(EFORMER_SRC)/tests" || { echo "EFORMER_SRC=<path of an eformer source tree> is required"; exit 2; }
-	PYTHONPATH="$(CURDIR):$(CURDIR)/.ci:$(CURDIR)/tests$${PYTHONPATH:+:$$PYTHONPATH}" PEER_SUMMARY="$(CURDIR)/_peer/summary.md" \
+	PYTHONPATH="$(CURDIR):$(CURDIR)/.ci:$(CURDIR)/.ci/peer_site:$(CURDIR)/tests$${PYTHONPATH:+:$$PYTHONPATH}" PEER_SUMMARY="$(CURDIR)/_peer/summary.md" \
 	  XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python -m pytest -q -p peer_suite -p no:cacheprovider --rootdir "$(EFORMER_SRC)" \
 	  --continue-on-collection-errors $(or $(PEER_TESTS),"$(EFORMER_SRC)/tests") $(PEER_ARGS)

@@ -35,10 +35,12 @@ class PeerAlias(eformer_alias.EformerAlias):
 
     @staticmethod
     def _real(fullname):
-        "The eformer_nb module `fullname` (an `eformer...` name) resolves to: itself, or its nearest public parent."
+        """The eformer_nb module `fullname` (an `eformer...` name) resolves to: itself; else, when a private part of
+        it (`_aparser`, `_tx`) does not exist under eformer_nb, the public parent of the first such part."""
         parts = fullname.split(".")[1:]
-        while parts and parts[-1].startswith("_") and not _exists(".".join([eformer_alias.TARGET, *parts])):
-            parts.pop()
+        for i, part in enumerate(parts):
+            if part.startswith("_") and not _exists(".".join([eformer_alias.TARGET, *parts[:i + 1]])):
+                return ".".join([eformer_alias.TARGET, *parts[:i]])
         return ".".join([eformer_alias.TARGET, *parts])
 
     def find_spec(self, fullname, path=None, target=None):
@@ -61,7 +63,7 @@ def _seed_private_modules(src: pathlib.Path) -> None:
     """Python looks a submodule up only under a package: `eformer.aparser._aparser` cannot be found through a finder
     when `eformer.aparser` resolves to the plain module `eformer_nb.aparser`. Each such private module of the eformer
     tree at `src` is put in `sys.modules` as the parent it falls back to."""
-    for path in sorted((src / "eformer").rglob("_*.py")):
+    for path in sorted((src / "eformer").rglob("*.py")):
         parts = path.relative_to(src).with_suffix("").parts
         if parts[-1] == "__init__":
             continue
@@ -73,10 +75,18 @@ def _seed_private_modules(src: pathlib.Path) -> None:
                 sys.modules.setdefault(name, module)
 
 
-def pytest_configure(config):
+def install(src: pathlib.Path) -> None:
+    "The alias first on `sys.meta_path` (once), and the private modules of the eformer tree at `src` seeded."
     if not any(isinstance(f, PeerAlias) for f in sys.meta_path):
         sys.meta_path.insert(0, PeerAlias(EFORMER_VERSION))
-    _seed_private_modules(pathlib.Path(str(config.rootpath)))
+    _seed_private_modules(src)
+
+
+def pytest_configure(config):
+    # subprocesses a test starts (tests/imports/test_import_xla.py imports every eformer module in a fresh python)
+    # get the alias too: .ci/peer_site/sitecustomize.py installs it where EFORMER_NB_PEER_SRC is set
+    os.environ["EFORMER_NB_PEER_SRC"] = str(config.rootpath)
+    install(pathlib.Path(str(config.rootpath)))
     config._peer_counts = collections.defaultdict(collections.Counter)
 
 
