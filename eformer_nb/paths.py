@@ -98,6 +98,13 @@ def make_gcs_filesystem(
 
     endpoint_url = endpoint_url or os.environ.get("STORAGE_EMULATOR_HOST") or None
     storage_options.setdefault("use_listings_cache", False)
+    if token is None and endpoint_url is None:  # eformer's EASYDEL_GCS_CLIENT: a service-account key file
+        from eformer_nb.loggings import env_setting
+
+        token = env_setting("EASYDEL_GCS_CLIENT")
+        if token is not None and not os.path.isfile(token):
+            raise FileNotFoundError(f"environment variable EASYDEL_GCS_CLIENT={token!r} is invalid: expected the "
+                                    "path of a Google service-account key file (JSON), and there is no such file")
     if endpoint_url is not None:
         if not re.match(r"^https?://", endpoint_url):
             raise ValueError(f"make_gcs_filesystem: endpoint_url {endpoint_url!r} must start with http:// or https://")

@@ -699,6 +699,25 @@ def _deserialize_config(
     return cls.make_config(optimizer_type, data)
 
 
+def _convert_dtypes(
+    cls,
+    config,  # an optimizer config (changed in place)
+):
+    """eformer's `_convert_dtypes`: each `*dtype` field of `config` that holds a dtype name becomes that dtype, in
+    place (a name no dtype has raises, naming the field and the valid names); returns `config`."""
+    from eformer_nb.mpric.dtypes import STRING_TO_DTYPE_MAP
+
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.name.endswith("dtype") and isinstance(value, str):
+            if value not in STRING_TO_DTYPE_MAP:
+                raise ValueError(f"Invalid dtype specified: {type(config).__name__}.{f.name}={value!r}; expected one "
+                                 f"of {sorted(STRING_TO_DTYPE_MAP)}")
+            setattr(config, f.name, STRING_TO_DTYPE_MAP[value])
+    return config
+
+
+OptimizerFactory._convert_dtypes = classmethod(_convert_dtypes)
 OptimizerFactory.serialize_config = classmethod(_serialize_config)
 OptimizerFactory.deserialize_config = classmethod(_deserialize_config)
 
@@ -789,7 +808,12 @@ def make_stage_local_gradient_transformation(
     kernel `apply_fn(*, params, grads, opt_state, learning_rate_fn, delete_grads) -> (params, opt_state)`."""
     if not isinstance(tx, optax.GradientTransformation):
         raise TypeError(f"expected an optax.GradientTransformation, got {tx!r}")
-    return StageLocalGradientTransformation(tx.init, tx.update, metadata, apply_fn)
+
+    def update(*args, **kwargs):  # tx.update itself: its own function, so the metadata rides on it as in eformer
+        return tx.update(*args, **kwargs)
+
+    update._eformer_stage_local_metadata = metadata  # eformer's place for it (`tx.update._eformer_...`)
+    return StageLocalGradientTransformation(tx.init, update, metadata, apply_fn)
 
 # %% ../../nbs/08e_optimizers.factory.ipynb #23d560df
 def _no_stage_local(name: str, cls: type):

@@ -31,11 +31,11 @@ from ..pytree.tree_util import tree_path_to_string
 # %% auto #0
 __all__ = ['INLINE_BYTES', 'MAX_CHUNK_BYTES', 'FORMAT_NAME', 'FORMAT_VERSION', 'READ_VERSIONS', 'INDEX_FILE', 'ARRAYS_DIR',
            'BARRIER_TIMEOUT_S', 'LOCAL_FAST_WRITE', 'PROGRESS_BYTES', 'WRITE_IO_CONCURRENCY', 'LOCAL_FAST_READ',
-           'is_array_like', 'join_key', 'leaf_key_paths', 'process_info', 'sync_processes', 'broadcast_from_first',
-           'static_fields', 'CheckpointNotFoundError', 'TornCheckpointError', 'CorruptCheckpointError',
-           'CheckpointLockedError', 'read_index', 'refuse_destination', 'exclusive_writer', 'tree_serialize_leaves',
-           'tree_deserialize_leaves', 'derive_base_prefix_from_path', 'shard_filename', 'index_filename',
-           'group_keys_by_shard_size']
+           'is_array_like', 'join_key', 'leaf_key_paths', 'barrier_timeout_s', 'process_info', 'sync_processes',
+           'broadcast_from_first', 'static_fields', 'CheckpointNotFoundError', 'TornCheckpointError',
+           'CorruptCheckpointError', 'CheckpointLockedError', 'read_index', 'refuse_destination', 'exclusive_writer',
+           'tree_serialize_leaves', 'tree_deserialize_leaves', 'derive_base_prefix_from_path', 'shard_filename',
+           'index_filename', 'group_keys_by_shard_size']
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #f6e2ad16
 def is_array_like(
@@ -191,6 +191,16 @@ _barrier_seq: dict[str, int] = {}  # per thread name: each thread's sequence of 
 BARRIER_TIMEOUT_S = 600.0  # how long a process waits for the others at a checkpoint barrier
 
 
+def barrier_timeout_s() -> float:
+    "Seconds a process waits at a checkpoint barrier: eformer's `GLOBAL_CHECKPOINT_TIMEOUT` when set, else 600."
+    from ..loggings import env_setting
+
+    t = env_setting("GLOBAL_CHECKPOINT_TIMEOUT", float, BARRIER_TIMEOUT_S)
+    if not t > 0:
+        raise ValueError(f"environment variable GLOBAL_CHECKPOINT_TIMEOUT={t!r} is invalid: expected seconds > 0")
+    return t
+
+
 def _next_name(tag: str) -> str:
     "A barrier/key name that every process derives identically: the calling thread's name and its call count."
     thread = threading.current_thread().name
@@ -208,11 +218,12 @@ def process_info() -> tuple[int, int]:
 
 def sync_processes(
     tag: str,  # the barrier's name (unique per call site and call)
-    timeout_s: float = BARRIER_TIMEOUT_S,  # how long to wait for the other processes
+    timeout_s: float | None = None,  # how long to wait for the others (None: `barrier_timeout_s()`)
 ) -> None:
     "Block until every JAX process reached this barrier (a no-op with one process); `tag` names it in errors."
     if process_info()[1] == 1:
         return
+    timeout_s = barrier_timeout_s() if timeout_s is None else timeout_s
     from jax._src import distributed  # the runtime client of jax.distributed.initialize
 
     client = distributed.global_state.client
@@ -225,11 +236,12 @@ def sync_processes(
 def broadcast_from_first(
     value: str,  # process 0's value (others' is ignored)
     tag: str,  # the broadcast's name
-    timeout_s: float = BARRIER_TIMEOUT_S,  # how long to wait for process 0
+    timeout_s: float | None = None,  # how long to wait for process 0 (None: `barrier_timeout_s()`)
 ) -> str:
     "Process 0's `value` on every process (decisions that depend on a clock must agree); one process: `value`."
     if process_info()[1] == 1:
         return value
+    timeout_s = barrier_timeout_s() if timeout_s is None else timeout_s
     from jax._src import distributed
 
     client = distributed.global_state.client
