@@ -83,8 +83,11 @@ def _fit_entry(shape, dim: int, entry, sizes: dict, manual: set, spec, auto_corr
         key = (name, sizes.get(name), shape[dim])
         if key not in _DIVISIBILITY_WARNED:
             _DIVISIBILITY_WARNED.add(key)
-            logger.warning(f"sharding corrected: {problem}; {name!r} is dropped from that dimension (warned once "
-                           f"per axis and dimension size)")
+            from ...loggings import env_setting  # eformer's LOG_SHARDING_MOVE=false: a debug line instead of a warning
+
+            say = logger.warning if env_setting("LOG_SHARDING_MOVE", bool, True) else logger.debug
+            say(f"sharding corrected: {problem}; {name!r} is dropped from that dimension (logged once per axis and "
+                "dimension size)")
     new = kept[0] if len(kept) == 1 and isinstance(entry, str) else (tuple(kept) if kept else None)
     if len(kept) == len(_entry_names(entry)):
         new = entry  # untouched: keep the caller's spelling so the HLO matches a hand-written spec
