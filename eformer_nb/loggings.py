@@ -142,7 +142,8 @@ class LazyLogger:
 # %% ../nbs/01_loggings.ipynb #5eb644ed
 @patch
 def _default_level(self: LazyLogger) -> int:
-    "The level asked for, else `EFORMER_NB_LOG_LEVEL` (or eformer's `LOGGING_LEVEL_ED`), else INFO on process 0 and WARNING elsewhere."
+    """The level asked for, else `EFORMER_NB_LOG_LEVEL` (or eformer's `LOGGING_LEVEL_ED`), else INFO on process 0 and
+    WARNING elsewhere."""
     if self._level is not None:
         return self._level
     env = os.environ.get(LOG_LEVEL_ENV) or os.environ.get("LOGGING_LEVEL_ED")  # ours first, then eformer's name

@@ -463,7 +463,8 @@ class OptimizerFactory:
         "The config class of a registered optimizer (case-insensitive); unknown names raise with the valid choices."
         if not isinstance(optimizer_type, str) or optimizer_type.lower() not in _OPTIMIZERS:
             close = difflib.get_close_matches(str(optimizer_type).lower(), _OPTIMIZERS, n=1)
-            raise ValueError(f"Unsupported optimizer: unknown optimizer_type={optimizer_type!r}: expected one of {available_optimizers()}"
+            raise ValueError(f"Unsupported optimizer: unknown optimizer_type={optimizer_type!r}: expected one of "
+                             f"{available_optimizers()}"
                              + (f" (did you mean {close[0]!r}?)" if close else ""))
         return _OPTIMIZERS[optimizer_type.lower()].config_cls
 
@@ -485,7 +486,8 @@ class OptimizerFactory:
         elif isinstance(optimizer_config, config_cls):
             data = {f.name: getattr(optimizer_config, f.name) for f in dataclasses.fields(optimizer_config)}
         else:
-            raise TypeError(f"Invalid config type: optimizer_config={optimizer_config!r} is invalid for optimizer_type={optimizer_type!r}: "
+            raise TypeError(f"Invalid config type: optimizer_config={optimizer_config!r} is invalid for "
+                            f"optimizer_type={optimizer_type!r}: "
                             f"expected a {config_cls.__name__}, a dict of its fields, or None")
         data.update(overrides)
         for k, v in entry.fixed.items():

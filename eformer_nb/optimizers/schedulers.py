@@ -138,7 +138,8 @@ class SchedulerFactory:
                 raise TypeError(f"custom_scheduler={custom_scheduler!r} is invalid: expected a callable steps -> "
                                 "optax.Schedule")
             if config.steps is None:
-                raise ValueError("Custom schedulers require steps configuration: SchedulerConfig.steps=None is invalid with a custom_scheduler: expected the total "
+                raise ValueError("Custom schedulers require steps configuration: SchedulerConfig.steps=None is invalid "
+                                 "with a custom_scheduler: expected the total "
                                  "number of steps, which is passed to custom_scheduler(steps)")
             schedule = custom_scheduler(config.steps)
             if not callable(schedule):
@@ -148,7 +149,8 @@ class SchedulerFactory:
         name = config.scheduler_type
         if name not in _SCHEDULERS:
             close = difflib.get_close_matches(name, _SCHEDULERS, n=1)
-            raise ValueError(f"Unsupported scheduler type: unknown scheduler_type={name!r}: expected one of {available_schedulers()}"
+            raise ValueError(f"Unsupported scheduler type: unknown scheduler_type={name!r}: expected one of "
+                             f"{available_schedulers()}"
                              + (f" (did you mean {close[0]!r}?)" if close else ""))
         return _SCHEDULERS[name](config)
 

@@ -250,7 +250,8 @@ def _expand(paxis: PartitionAxis, rule, generation: bool, visiting: tuple[str, .
 
 def _resolve_name(paxis: PartitionAxis, name, generation: bool, visiting: tuple[str, ...]) -> tuple[str, ...]:
     if name in visiting:
-        raise ValueError(f"Cyclic semantic axis registration: semantic axis {name!r} is defined in terms of itself: {' -> '.join(visiting + (name,))}")
+        raise ValueError(f"Cyclic semantic axis registration: semantic axis {name!r} is defined in terms of itself: "
+                         f"{' -> '.join(visiting + (name,))}")
     rule = _lookup_rule(name, generation) if isinstance(name, str) else NOT_GIVEN
     if rule is NOT_GIVEN:
         raise _unknown_axis(name)
@@ -450,7 +451,8 @@ class PartitionManager:
 
     def __post_init__(self):
         if not isinstance(self.paxis, PartitionAxis):
-            raise TypeError(f"Expected PartitionAxis: paxis must be a PartitionAxis, got {self.paxis!r} ({type(self.paxis).__name__})")
+            raise TypeError(f"Expected PartitionAxis: paxis must be a PartitionAxis, got {self.paxis!r} "
+                            f"({type(self.paxis).__name__})")
         with _LAST_LOCK:
             _LAST_CREATED[0] = self
 
@@ -582,7 +584,8 @@ def apply_logical_sharding(
     pm = partition_manager if partition_manager not in (NOT_GIVEN, None) else (
         get_current_partition_manager() or get_partition_manager())
     if pm is None:
-        raise ValueError("No PartitionManager is available: apply_logical_sharding found no PartitionManager: pass partition_manager=..., or create "
+        raise ValueError("No PartitionManager is available: apply_logical_sharding found no PartitionManager: "
+                         "pass partition_manager=..., or create "
                          "one (`with PartitionManager(PartitionAxis()):`)")
     return pm.shard(x, axes=axes, mode=mode, dynamic_axes=dynamic_axes, auto_correct=auto_correct)
 
