@@ -80,7 +80,7 @@ def parse_gcs_path(
     "The bucket and the object name of a GCS path; a `ValueError` naming it for any other path."
     if path_protocol(path) != "gs":  # (path_protocol raises a TypeError for what is not a path at all)
         raise ValueError(f"parse_gcs_path: {str(path)!r} is not a GCS path (expected 'gs://bucket/blob')")
-    s = str(path) if isinstance(path, ePath) else os.fspath(path)
+    s = os.fspath(path) if isinstance(path, (str, os.PathLike)) else str(path)  # (an ePath: its URL)
     bucket, _, blob = s[_PROTOCOL_RE.match(s).end():].partition("/")
     return bucket, blob
 

@@ -30,8 +30,8 @@ from .transforms import blockwise, optax_add_scheduled_weight_decay, scale_by_ma
 __all__ = ['MAX_CONSECUTIVE_NONFINITE', 'AdamWOptimizer', 'AdafactorOptimizer', 'LionOptimizer', 'RMSPropOptimizer',
            'MuonOptimizer', 'MarsOptimizer', 'QuadOptimizer', 'SkewOptimizer', 'register_optimizer',
            'available_optimizers', 'kron_update_probability', 'skip_nonfinite_updates', 'nonfinite_skips',
-           'OptimizerFactory', 'OptimizerBuilder', 'get_base_optimizer', 'StageLocalOptimizerMetadata',
-           'StageLocalGradientTransformation', 'make_stage_local_gradient_transformation']
+           'OptimizerFactory', 'StageLocalOptimizerMetadata', 'StageLocalGradientTransformation',
+           'make_stage_local_gradient_transformation', 'OptimizerBuilder', 'get_base_optimizer']
 
 # %% ../../nbs/08e_optimizers.factory.ipynb #459748b7
 class _Entry(tp.NamedTuple):
@@ -504,6 +504,97 @@ class OptimizerFactory:
             raise ValueError(f"{config_cls.__name__} got unknown field(s) {unknown}; valid fields: {valid}")
         return config_cls(**data)
 
+# %% ../../nbs/08e_optimizers.factory.ipynb #0a157e7e
+@dataclasses.dataclass(frozen=True)
+class StageLocalOptimizerMetadata:
+    "What a pipeline stage needs to rebuild its optimizer: the schedule and the factory's options."
+    scheduler: optax.Schedule
+    weight_decay: float = 0.0
+    weight_decay_mask: tp.Any | None = None
+    gradient_accumulation_steps: int = 1
+    clip_grad: float | None = None
+    adamw_b1: float | None = None
+    adamw_b2: float | None = None
+    adamw_eps: float | None = None
+    adamw_eps_root: float | None = None
+    adamw_mu_dtype: tp.Any | None = None
+    optimizer_config: tp.Any | None = None
+    extra_kwargs: tp.Mapping[str, tp.Any] = dataclasses.field(default_factory=dict)
+
+
+_META_FIELDS = {f.name for f in dataclasses.fields(StageLocalOptimizerMetadata)} - {"scheduler", "optimizer_config"}
+
+# %% ../../nbs/08e_optimizers.factory.ipynb #c3e5a7b9
+class StageLocalGradientTransformation(optax.GradientTransformation):
+    "An optax transformation for one pipeline stage: `init`/`update` as usual, plus `apply_gradients_stage_local`."
+
+    def __new__(cls, init, update, metadata: StageLocalOptimizerMetadata | None = None, apply_fn=None):
+        self = super().__new__(cls, init, update)
+        self.metadata, self.apply_fn = metadata, apply_fn
+        return self
+
+    def apply_gradients_stage_local(
+        self,
+        *,
+        params,  # this stage's parameters
+        grads,  # this stage's gradients
+        opt_state,  # this stage's optimizer state
+        learning_rate_fn=None,  # the schedule this transformation was built with (eformer's argument), or None
+        delete_grads: bool = False,  # delete the gradient buffers once applied
+    ):
+        """`(new_params, new_opt_state)` for this stage; `delete_grads=True` frees the gradient buffers once used (not
+        inside `jit`). The rate comes from the transformation's own schedule: a `learning_rate_fn` other than it
+        (`metadata.scheduler`) raises instead of being silently ignored."""
+        if learning_rate_fn is not None and learning_rate_fn is not getattr(self.metadata, "scheduler", None):
+            raise ValueError(f"learning_rate_fn={learning_rate_fn!r} is not the schedule this optimizer was built with "
+                             f"({getattr(self.metadata, 'scheduler', None)!r}); pass that one or None")
+        if self.apply_fn is not None and "grads" in inspect.signature(self.apply_fn).parameters:  # eformer's kernel
+            return self.apply_fn(params=params, grads=grads, opt_state=opt_state, learning_rate_fn=learning_rate_fn,
+                                 delete_grads=delete_grads)
+        updates, new_state = self.update(grads, opt_state, params)
+        new_params = (self.apply_fn or optax.apply_updates)(params, updates)
+        if delete_grads:
+            for g in jax.tree.leaves(grads):
+                if isinstance(g, jax.Array) and not isinstance(g, jax.core.Tracer):
+                    g.delete()
+        return new_params, new_state
+
+# %% ../../nbs/08e_optimizers.factory.ipynb #c3e5a7ba
+def make_stage_local_gradient_transformation(
+    tx: optax.GradientTransformation,  # the optimizer of the stage
+    metadata: StageLocalOptimizerMetadata | None = None,  # the stage's description (None: one stage)
+    apply_fn=None,  # `apply_fn(params, updates)` (None: `optax.apply_updates`), or eformer's keyword kernel
+) -> StageLocalGradientTransformation:
+    """Wrap `tx` for one pipeline stage: `apply_fn(params, updates)` (default `optax.apply_updates`), or eformer's
+    kernel `apply_fn(*, params, grads, opt_state, learning_rate_fn, delete_grads) -> (params, opt_state)`."""
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(f"expected an optax.GradientTransformation, got {tx!r}")
+
+    def update(*args, **kwargs):  # tx.update itself: its own function, so the metadata rides on it as in eformer
+        return tx.update(*args, **kwargs)
+
+    update._eformer_stage_local_metadata = metadata  # eformer's place for it (`tx.update._eformer_...`)
+    return StageLocalGradientTransformation(tx.init, update, metadata, apply_fn)
+
+# %% ../../nbs/08e_optimizers.factory.ipynb #23d560df
+def _no_stage_local(name: str, cls: type):
+    def apply(*, params, grads, opt_state, learning_rate_fn=None, delete_grads=False):
+        raise NotImplementedError(f"optimizer {name!r} ({cls.__name__}) has no stage-local update: override "
+                                  "OptimizerBuilder.build_mpmd(scheduler, *, optimizer, **tx_kwargs) to provide one")
+    return apply
+
+
+def _stage_local(name: str, config, tx, schedule, **options) -> StageLocalGradientTransformation:
+    "The factory's `tx` made stage-local: a user builder's own `build_mpmd` hook, else the generic update-then-apply."
+    if name in _USER_BUILDERS:
+        cls = _OPTIMIZER_CLASSES[name]
+        if cls.build_mpmd is not OptimizerBuilder.build_mpmd:
+            return cls(config).build_mpmd(schedule, optimizer=tx, **options)
+        return make_stage_local_gradient_transformation(tx, StageLocalOptimizerMetadata(schedule, **options),
+                                                        _no_stage_local(name, cls))
+    return make_stage_local_gradient_transformation(
+        tx, StageLocalOptimizerMetadata(schedule, optimizer_config=config, **options))
+
 # %% ../../nbs/08e_optimizers.factory.ipynb #ab89e6cb
 @patch(cls_method=True)
 def create(
@@ -744,94 +835,3 @@ def get_base_optimizer(
                                     gradient_accumulation_steps=gradient_accumulation_steps, clip_grad=clip_grad,
                                     custom_scheduler=lambda _: scheduler, **kwargs)
     return tx
-
-# %% ../../nbs/08e_optimizers.factory.ipynb #0a157e7e
-@dataclasses.dataclass(frozen=True)
-class StageLocalOptimizerMetadata:
-    "What a pipeline stage needs to rebuild its optimizer: the schedule and the factory's options."
-    scheduler: optax.Schedule
-    weight_decay: float = 0.0
-    weight_decay_mask: tp.Any | None = None
-    gradient_accumulation_steps: int = 1
-    clip_grad: float | None = None
-    adamw_b1: float | None = None
-    adamw_b2: float | None = None
-    adamw_eps: float | None = None
-    adamw_eps_root: float | None = None
-    adamw_mu_dtype: tp.Any | None = None
-    optimizer_config: tp.Any | None = None
-    extra_kwargs: tp.Mapping[str, tp.Any] = dataclasses.field(default_factory=dict)
-
-
-_META_FIELDS = {f.name for f in dataclasses.fields(StageLocalOptimizerMetadata)} - {"scheduler", "optimizer_config"}
-
-# %% ../../nbs/08e_optimizers.factory.ipynb #c3e5a7b9
-class StageLocalGradientTransformation(optax.GradientTransformation):
-    "An optax transformation for one pipeline stage: `init`/`update` as usual, plus `apply_gradients_stage_local`."
-
-    def __new__(cls, init, update, metadata: StageLocalOptimizerMetadata | None = None, apply_fn=None):
-        self = super().__new__(cls, init, update)
-        self.metadata, self.apply_fn = metadata, apply_fn
-        return self
-
-    def apply_gradients_stage_local(
-        self,
-        *,
-        params,  # this stage's parameters
-        grads,  # this stage's gradients
-        opt_state,  # this stage's optimizer state
-        learning_rate_fn=None,  # the schedule this transformation was built with (eformer's argument), or None
-        delete_grads: bool = False,  # delete the gradient buffers once applied
-    ):
-        """`(new_params, new_opt_state)` for this stage; `delete_grads=True` frees the gradient buffers once used (not
-        inside `jit`). The rate comes from the transformation's own schedule: a `learning_rate_fn` other than it
-        (`metadata.scheduler`) raises instead of being silently ignored."""
-        if learning_rate_fn is not None and learning_rate_fn is not getattr(self.metadata, "scheduler", None):
-            raise ValueError(f"learning_rate_fn={learning_rate_fn!r} is not the schedule this optimizer was built with "
-                             f"({getattr(self.metadata, 'scheduler', None)!r}); pass that one or None")
-        if self.apply_fn is not None and "grads" in inspect.signature(self.apply_fn).parameters:  # eformer's kernel
-            return self.apply_fn(params=params, grads=grads, opt_state=opt_state, learning_rate_fn=learning_rate_fn,
-                                 delete_grads=delete_grads)
-        updates, new_state = self.update(grads, opt_state, params)
-        new_params = (self.apply_fn or optax.apply_updates)(params, updates)
-        if delete_grads:
-            for g in jax.tree.leaves(grads):
-                if isinstance(g, jax.Array) and not isinstance(g, jax.core.Tracer):
-                    g.delete()
-        return new_params, new_state
-
-# %% ../../nbs/08e_optimizers.factory.ipynb #c3e5a7ba
-def make_stage_local_gradient_transformation(
-    tx: optax.GradientTransformation,  # the optimizer of the stage
-    metadata: StageLocalOptimizerMetadata | None = None,  # the stage's description (None: one stage)
-    apply_fn=None,  # `apply_fn(params, updates)` (None: `optax.apply_updates`), or eformer's keyword kernel
-) -> StageLocalGradientTransformation:
-    """Wrap `tx` for one pipeline stage: `apply_fn(params, updates)` (default `optax.apply_updates`), or eformer's
-    kernel `apply_fn(*, params, grads, opt_state, learning_rate_fn, delete_grads) -> (params, opt_state)`."""
-    if not isinstance(tx, optax.GradientTransformation):
-        raise TypeError(f"expected an optax.GradientTransformation, got {tx!r}")
-
-    def update(*args, **kwargs):  # tx.update itself: its own function, so the metadata rides on it as in eformer
-        return tx.update(*args, **kwargs)
-
-    update._eformer_stage_local_metadata = metadata  # eformer's place for it (`tx.update._eformer_...`)
-    return StageLocalGradientTransformation(tx.init, update, metadata, apply_fn)
-
-# %% ../../nbs/08e_optimizers.factory.ipynb #23d560df
-def _no_stage_local(name: str, cls: type):
-    def apply(*, params, grads, opt_state, learning_rate_fn=None, delete_grads=False):
-        raise NotImplementedError(f"optimizer {name!r} ({cls.__name__}) has no stage-local update: override "
-                                  "OptimizerBuilder.build_mpmd(scheduler, *, optimizer, **tx_kwargs) to provide one")
-    return apply
-
-
-def _stage_local(name: str, config, tx, schedule, **options) -> StageLocalGradientTransformation:
-    "The factory's `tx` made stage-local: a user builder's own `build_mpmd` hook, else the generic update-then-apply."
-    if name in _USER_BUILDERS:
-        cls = _OPTIMIZER_CLASSES[name]
-        if cls.build_mpmd is not OptimizerBuilder.build_mpmd:
-            return cls(config).build_mpmd(schedule, optimizer=tx, **options)
-        return make_stage_local_gradient_transformation(tx, StageLocalOptimizerMetadata(schedule, **options),
-                                                        _no_stage_local(name, cls))
-    return make_stage_local_gradient_transformation(
-        tx, StageLocalOptimizerMetadata(schedule, optimizer_config=config, **options))

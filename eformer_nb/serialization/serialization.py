@@ -193,7 +193,7 @@ BARRIER_TIMEOUT_S = 600.0  # how long a process waits for the others at a checkp
 
 def barrier_timeout_s() -> float:
     "Seconds a process waits at a checkpoint barrier: eformer's `GLOBAL_CHECKPOINT_TIMEOUT` when set, else 600."
-    from ..loggings import env_setting
+    from eformer_nb.loggings import env_setting
 
     t = env_setting("GLOBAL_CHECKPOINT_TIMEOUT", float, BARRIER_TIMEOUT_S)
     if not t > 0:

@@ -83,7 +83,7 @@ def _fit_entry(shape, dim: int, entry, sizes: dict, manual: set, spec, auto_corr
         key = (name, sizes.get(name), shape[dim])
         if key not in _DIVISIBILITY_WARNED:
             _DIVISIBILITY_WARNED.add(key)
-            from ...loggings import env_setting  # eformer's LOG_SHARDING_MOVE=false: a debug line instead of a warning
+            from eformer_nb.loggings import env_setting  # eformer's LOG_SHARDING_MOVE=false: a debug line instead of a warning
 
             say = logger.warning if env_setting("LOG_SHARDING_MOVE", bool, True) else logger.debug
             say(f"sharding corrected: {problem}; {name!r} is dropped from that dimension (logged once per axis and "
@@ -267,7 +267,7 @@ def match_partition_rules(
         raise TypeError(f"match_partition_rules: strict={strict!r} is invalid: expected None, True or False")
     check_unused = check_unused or strict is True
     if min_size is None:  # eformer's MIN_SHARDING_SIZE, read now (a bad value names the variable)
-        from ...loggings import env_setting
+        from eformer_nb.loggings import env_setting
 
         min_size = env_setting("MIN_SHARDING_SIZE", int, 0)
     compiled = _compile_rules(rules)
