@@ -52,8 +52,14 @@ def _config_class_of(builder_cls: type) -> type | None:
         return builder_cls.config_class
     if dataclasses.is_dataclass(builder_cls):
         field = {f.name: f for f in dataclasses.fields(builder_cls)}.get("config")
-        if field is not None and isinstance(field.type, type):
-            return field.type
+        kind = None if field is None else field.type
+        if isinstance(kind, str):  # a postponed annotation (`from __future__ import annotations`): resolve it
+            try:
+                kind = tp.get_type_hints(builder_cls).get("config")
+            except NameError:  # a name only a function's locals knew: no config class to find
+                kind = None
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):  # (typing.Any is a class too in 3.11+)
+            return kind
     return None
 
 
