@@ -27,7 +27,7 @@ help:
 	@echo "make bench-gpu  - on a CUDA host with JAX, torch and transformers: run the GPU pages nbs/benchmarks/gpu_*.ipynb and save them"
 	@echo "make bench-check - re-judge the saved benchmark verdicts and re-run the cheap headline rows (BENCH_PAGES=all: every page)"
 	@echo "make mutate   - apply each mutation in tests/mutations/*.yaml in a scratch copy; fails if one survives (MUTATE_ARGS=\"-j 2 --only NAME\")"
-	@echo "make peer-suite EFORMER_SRC=<eformer tree> - eformer's own tests/ against eformer_nb (alias in .ci/peer_suite.py; not in CI: CI has no copy of eformer)"
+	@echo "make peer-suite EFORMER_SRC=<eformer tree> - eformer's own tests/ against eformer_nb (.ci/peer_suite.py); fails under PEER_MIN_PASS=0.90 passing or a file that cannot be collected; summary in _peer/; not in CI (CI has no copy of eformer)"
 	@echo "make demo     - QLoRA fine-tuning of SmolLM2-135M through a local Ray cluster: held-out perplexity before/after, SIGKILL, bit-identical resume, chat sample (DEMO_ARGS=\"--model tiny\": a random byte model)"
 
 install: $(STAMP)
@@ -181,8 +181,9 @@ bench-gpu:
 EFORMER_SRC ?=
 PEER_ARGS ?=
 PEER_TESTS ?=
+PEER_MIN_PASS ?= 0.90
 peer-suite: install
 	@test -n "$(EFORMER_SRC)" && test -d "$(EFORMER_SRC)/tests" || { echo "EFORMER_SRC=<path of an eformer source tree> is required"; exit 2; }
-	PYTHONPATH="$(CURDIR):$(CURDIR)/.ci:$(CURDIR)/.ci/peer_site:$(CURDIR)/tests$${PYTHONPATH:+:$$PYTHONPATH}" PEER_SUMMARY="$(CURDIR)/_peer/summary.md" \
+	PYTHONPATH="$(CURDIR):$(CURDIR)/.ci:$(CURDIR)/.ci/peer_site:$(CURDIR)/tests$${PYTHONPATH:+:$$PYTHONPATH}" PEER_SUMMARY="$(CURDIR)/_peer/summary.md" PEER_MIN_PASS=$(PEER_MIN_PASS) \
 	  XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python -m pytest -q -p peer_suite -p no:cacheprovider --rootdir "$(EFORMER_SRC)" \
 	  --continue-on-collection-errors $(or $(PEER_TESTS),"$(EFORMER_SRC)/tests") $(PEER_ARGS)

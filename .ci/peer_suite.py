@@ -136,3 +136,8 @@ def pytest_sessionfinish(session, exitstatus):
     out.write_text("\n".join(rows) + "\n")
     out.with_suffix(".json").write_text(json.dumps({f: dict(c) for f, c in counts.items()}, indent=1))
     print("\n" + "\n".join(rows))
+    floor = os.environ.get("PEER_MIN_PASS")  # the gate: this share of the collected tests passes, every file collects
+    if floor:
+        ok = total["passed"] >= float(floor) * ran and not total["uncollectable"]
+        print(f"peer-suite gate (PEER_MIN_PASS={floor}, no uncollectable file): {'met' if ok else 'MISSED'}")
+        session.exitstatus = 0 if ok else 1
