@@ -12,7 +12,7 @@ NBDEV_TEST_FLAGS ?= multidevice
 NBDEV_WORKERS ?= 2
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: help install test bench-gpu gpu-wheels lint check-sync check-notebooks check-readme nbtest pytest docs readme bench bench-llamacpp bench-check demo mutate clean client
+.PHONY: help install test bench-gpu gpu-wheels lint check-sync check-notebooks check-readme nbtest pytest docs readme bench bench-llamacpp bench-check demo mutate clean client peer-suite
 
 help:
 	@echo "make install  - create $(VENV) and install eformer-nb with its dev extras"
@@ -27,6 +27,7 @@ help:
 	@echo "make bench-gpu  - on a CUDA host with JAX, torch and transformers: run the GPU pages nbs/benchmarks/gpu_*.ipynb and save them"
 	@echo "make bench-check - re-judge the saved benchmark verdicts and re-run the cheap headline rows (BENCH_PAGES=all: every page)"
 	@echo "make mutate   - apply each mutation in tests/mutations/*.yaml in a scratch copy; fails if one survives (MUTATE_ARGS=\"-j 2 --only NAME\")"
+	@echo "make peer-suite EFORMER_SRC=<eformer tree> - eformer's own tests/ against eformer_nb (.ci/peer_suite.py); fails under PEER_MIN_PASS=0.90 passing or a file that cannot be collected; summary in _peer/; not in CI (CI has no copy of eformer)"
 	@echo "make demo     - QLoRA fine-tuning of SmolLM2-135M through a local Ray cluster: held-out perplexity before/after, SIGKILL, bit-identical resume, chat sample (DEMO_ARGS=\"--model tiny\": a random byte model)"
 
 install: $(STAMP)
@@ -172,3 +173,17 @@ bench-gpu:
 	PYTHONPATH=$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} XLA_PYTHON_CLIENT_MEM_FRACTION=$${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.45} \
 	  $(GPU_PYTHON) -c 'import sys; from nbdev.test import nbdev_test; sys.argv[0] = "nbdev-test"; nbdev_test()' \
 	  nbs/benchmarks --file-glob '$(GPU_PAGES)' --flags "bench gpu hf" --n-workers 0 --save --timing
+
+# eformer's own test suite (tests/ of an eformer source tree, e.g. erfanzar/eformer at 4b17881 = 0.1.0) against
+# eformer_nb through the test-only alias (.ci/peer_suite.py: `eformer.X` is `eformer_nb.X`, a missing private module
+# falls back to its public parent). Not part of `make test`: CI has no copy of eformer. Per-file summary: _peer/summary.md;
+# the tests that do not pass on us, and why, are on the compat page (nbs/98_eformer_compat.ipynb).
+EFORMER_SRC ?=
+PEER_ARGS ?=
+PEER_TESTS ?=
+PEER_MIN_PASS ?= 0.90
+peer-suite: install
+	@test -n "$(EFORMER_SRC)" && test -d "$(EFORMER_SRC)/tests" || { echo "EFORMER_SRC=<path of an eformer source tree> is required"; exit 2; }
+	PYTHONPATH="$(CURDIR):$(CURDIR)/.ci:$(CURDIR)/.ci/peer_site:$(CURDIR)/tests$${PYTHONPATH:+:$$PYTHONPATH}" PEER_SUMMARY="$(CURDIR)/_peer/summary.md" PEER_MIN_PASS=$(PEER_MIN_PASS) \
+	  XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python -m pytest -q -p peer_suite -p no:cacheprovider --rootdir "$(EFORMER_SRC)" \
+	  --continue-on-collection-errors $(or $(PEER_TESTS),"$(EFORMER_SRC)/tests") $(PEER_ARGS)

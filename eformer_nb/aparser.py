@@ -26,8 +26,8 @@ logger = get_logger(__name__)
 
 # %% auto #0
 __all__ = ['logger', 'MAX_CONFIG_DEPTH', 'MAX_CONFIG_NODES', 'DataClass', 'DataClassType', 'Argu', 'ArgumentTypeError',
-           'check_config_value', 'convert_value', 'DataClassArgumentParser', 'load_config_file',
-           'ArgumentDefaultsHelpFormatter']
+           'UnknownKeyError', 'check_config_value', 'convert_value', 'string_to_bool', 'DataClassArgumentParser',
+           'load_config_file', 'ArgumentDefaultsHelpFormatter']
 
 # %% ../nbs/02_aparser.ipynb #0323810f
 _MISSING = dataclasses.MISSING
@@ -65,6 +65,10 @@ def Argu(
 # %% ../nbs/02_aparser.ipynb #cbb53abc
 class ArgumentTypeError(argparse.ArgumentTypeError, TypeError, ValueError):
     "A value that does not fit its field: raised with the field path, the value and what was expected."
+
+
+class UnknownKeyError(KeyError, ValueError):
+    "A config key that no dataclass field has: a `KeyError` (a missing name) and a `ValueError` (bad input), as eformer raises."
 
 
 MAX_CONFIG_DEPTH = 64  # nesting depth of a config value (lists/dicts inside each other)
@@ -271,6 +275,13 @@ def _convert_float(value, where: str, from_string: bool) -> float:
     _fail(where, _short(value), _number_expected("float", value) if out is None
           else "a finite float (not nan/inf or beyond float range)")
 
+# %% ../nbs/02_aparser.ipynb #b2232c59
+def string_to_bool(
+    v: str | bool,  # a command-line word ('yes', 'Off', '1', ...) or a bool
+) -> bool:
+    "`v` as a bool: the words `_convert_bool` reads from a command line; anything else raises `ArgumentTypeError`."
+    return _convert_bool(v, "string_to_bool", from_string=True)
+
 # %% ../nbs/02_aparser.ipynb #817317ef
 def _convert_union(value, args: tuple, where: str, from_string: bool):
     "`None` for an Optional given None (or 'none' from a CLI); else the first arm that `value` fits."
@@ -365,7 +376,7 @@ def _build_dataclass(cls, data: Mapping, where: str, *, allow_extra_keys: bool, 
     for key, value in data.items():
         if key not in fields:
             if not allow_extra_keys:
-                raise KeyError(_unknown_key_message(cls, key, list(fields), where))
+                raise UnknownKeyError(_unknown_key_message(cls, key, list(fields), where))
             if extra is not None:
                 extra[f"{where}.{key}"] = value
             continue
@@ -589,7 +600,7 @@ def parse_dict(
             close = difflib.get_close_matches(key, sorted(all_keys), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             owners = ", ".join(d.__name__ for d in self.dataclass_types)
-            raise KeyError(f"unknown key(s) {sorted(remaining)}{hint}; valid keys of {owners} are {sorted(all_keys)}; "
+            raise UnknownKeyError(f"unknown key(s) {sorted(remaining)}{hint}; valid keys of {owners} are {sorted(all_keys)}; "
                            "pass allow_extra_keys=True to accept and report them")
         self._report_extra(remaining)
     return tuple(outputs)

@@ -25,6 +25,11 @@ def _names(**homes: str) -> dict[str, str]:
     return out
 
 
+def _refused(reason: str, names: str) -> dict[str, str]:
+    "{eformer name: '!reason'}: names of eformer's that eformer_nb refuses, reading one raises `ImportError(reason)`."
+    return {name: "!" + reason for name in names.split()}
+
+
 _Q = "ops__quantization"
 _IMPLICIT = {"jaximus": "ImplicitArray register ste aux_field", "common_types": "Array"}  # what they build on
 EFORMER_PATHS: dict[str, dict[str, str]] = {
@@ -57,7 +62,27 @@ EFORMER_PATHS: dict[str, dict[str, str]] = {
                                                          "single_quantize_and_pack_nf4 sl sr u4toi4 unpack_weights_1bit"}),
     "serialization.utils": _names(mpric__dtypes="STRING_TO_DTYPE_MAP put_dtype", escale__mesh="create_cpu_mesh",
                                   pytree__tree_util="flatten_dict is_flatten",
-                                  escale__partition__constraints="with_sharding_constraint"),
+                                  escale__partition__constraints="with_sharding_constraint",
+                                  paths="is_gcs_path parse_gcs_path",
+                                  serialization__serialization="derive_base_prefix_from_path shard_filename "
+                                  "index_filename group_keys_by_shard_size"),
+    # modules of eformer's that import here but refuse their names, each with the reason (`_refused`)
+    "executor.docker_tpu": _refused(
+        "TPU-VM image tooling (builds and pushes docker images with the docker and gcloud CLIs to Artifact Registry or "
+        "GitHub): it needs docker, gcloud and a network, none of which a library call should drive; run containers "
+        "with executor.ray.docker_executor", "GCP_CLEANUP_POLICY build_docker_image configure_gcp_artifact_registry "
+        "copy_path create_docker_run_command manage_extra_context parse_image_name_and_tag push_image_to_gcp "
+        "push_image_to_github remove_path run_command"),
+    "executor.patch_tpus_ray": _refused(
+        "a TPU-pod command-line tool (SSHes into every TPU-VM host to restart Ray there): TPU-only operations tooling "
+        "that cannot run or be tested without TPU VMs; start Ray with `ray start` and find the cluster with "
+        "executor.cluster_util", "ArgumentParser COLORS ClusterManager ColorFormatter EXTERNAL_IPS INTERNAL_IPS "
+        "IPManager LEVEL_COLORS LazyLogger RayManager SSH_USER TPU_CORES_PER_HOST TPU_SLICE_SIZE TPU_VERSION "
+        "get_logger main"),
+    "serialization.sharding_utils": {**_names(paths="ePath", loggings="get_logger"), **_refused(
+        "it reads and reshards eformer's tensorstore_index.json layout; ours restores straight onto a template or "
+        "partition rules (serialization.tree_deserialize_leaves(..., mesh=, partition_rules=))",
+        "apply_sharding_tree create_sharding_tree_from_index make_itsharded validate_sharding_tree")},
 }
 
 # %% ../nbs/97_eformer_paths.ipynb #03e66456
@@ -69,11 +94,13 @@ def thin_module(
         raise KeyError(f"{path!r} is not an eformer module path we re-export; the paths are {sorted(EFORMER_PATHS)}")
     names = EFORMER_PATHS[path]
     module = types.ModuleType(f"eformer_nb.{path}", f"eformer's `{path}`: re-exports from eformer_nb (eformer_paths).")
-    module.__all__ = sorted(names)
+    module.__all__ = sorted(n for n, where in names.items() if not where.startswith("!"))
 
     def __getattr__(name: str):
         if name not in names:
             raise AttributeError(f"module 'eformer_nb.{path}' has no attribute {name!r}; it holds {sorted(names)}")
+        if names[name].startswith("!"):  # refused: ImportError, so `from m import name` shows the reason
+            raise ImportError(f"eformer's {path}.{name} is not provided by eformer_nb: {names[name][1:]}")
         home, _, attr = names[name].partition(":")
         value = getattr(importlib.import_module(home), attr)
         setattr(module, name, value)

@@ -17,7 +17,7 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['LOG_LEVEL_ENV', 'process_index', 'ColorFormatter', 'LazyLogger', 'get_logger', 'ProgressLogger', 'progress',
-           'ignite_profiler', 'extinguish_profiler', 'create_step_profiler']
+           'ignite_profiler', 'extinguish_profiler', 'create_step_profiler', 'env_setting']
 
 # %% ../nbs/01_loggings.ipynb #48948b48
 _PROCESS_ENV_VARS = ("JAX_PROCESS_ID", "SLURM_PROCID", "RANK", "TPU_WORKER_ID", "CLOUD_TPU_TASK_ID",
@@ -142,10 +142,11 @@ class LazyLogger:
 # %% ../nbs/01_loggings.ipynb #5eb644ed
 @patch
 def _default_level(self: LazyLogger) -> int:
-    "The level asked for, else `EFORMER_NB_LOG_LEVEL`, else INFO on process 0 and WARNING elsewhere."
+    """The level asked for, else `EFORMER_NB_LOG_LEVEL` (or eformer's `LOGGING_LEVEL_ED`), else INFO on process 0 and
+    WARNING elsewhere."""
     if self._level is not None:
         return self._level
-    env = os.environ.get(LOG_LEVEL_ENV)
+    env = os.environ.get(LOG_LEVEL_ENV) or os.environ.get("LOGGING_LEVEL_ED")  # ours first, then eformer's name
     if env:
         return _parse_level(env)
     return logging.INFO if process_index() == 0 else logging.WARNING
@@ -250,8 +251,33 @@ def __repr__(self: LazyLogger) -> str:
 LazyLogger.warn = LazyLogger.warning
 
 # %% ../nbs/01_loggings.ipynb #16656655
+class _Level(int):
+    "A `logging` level number that, read from a logger, also logs at its level: `logger.INFO('x')` (eformer's form)."
+
+    def __new__(cls, value: int, owner: LazyLogger | None = None):
+        self = super().__new__(cls, value)
+        self._owner = owner
+        return self
+
+    def __call__(self, msg, *args, **kw):
+        if self._owner is None:
+            raise TypeError(f"LazyLogger.{logging.getLevelName(int(self))} is the number {int(self)}; call it on a "
+                            "logger to log at that level: logger.INFO('...')")
+        self._owner.logger.log(int(self), msg, *args, stacklevel=2, **kw)
+
+
+class _LevelAttr:
+    "`LazyLogger.INFO`: the `logging` number; `logger.INFO`: that number, callable to log at that level."
+
+    def __init__(self, value: int):
+        self.value = value
+
+    def __get__(self, obj, cls=None) -> _Level:
+        return _Level(self.value, obj)
+
+
 for _level in ("NOTSET", "DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", "FATAL"):
-    setattr(LazyLogger, _level, getattr(logging, _level))  # eformer's `logger.INFO`: the `logging` numbers
+    setattr(LazyLogger, _level, _LevelAttr(getattr(logging, _level)))
 
 # %% ../nbs/01_loggings.ipynb #14acd22d
 @patch
@@ -522,3 +548,31 @@ def create_step_profiler(
         elif state["on"] and step >= start_step + duration_steps:
             extinguish_profiler(enable_perfetto); state["on"] = False
     return on_step
+
+# %% ../nbs/01_loggings.ipynb #f19f6231
+_TRUE_WORDS, _FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_setting(
+    name: str,  # the environment variable
+    kind: type = str,  # what it holds: str, int, float or bool
+    default: tp.Any = None,  # the value when it is unset or empty
+) -> tp.Any:
+    "The environment variable `name` read as `kind` (`default` when unset or empty); a bad value raises, naming it."
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if kind is bool:
+        if raw.lower() in _TRUE_WORDS + _FALSE_WORDS:
+            return raw.lower() in _TRUE_WORDS
+        expected = f"one of {list(_TRUE_WORDS + _FALSE_WORDS)}"
+    elif kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            expected = f"a{'n' if kind is int else ''} {kind.__name__}"
+    elif kind is str:
+        return raw
+    else:
+        raise TypeError(f"env_setting: kind={kind!r} is invalid: expected str, int, float or bool")
+    raise ValueError(f"environment variable {name}={raw!r} is invalid: expected {expected}")

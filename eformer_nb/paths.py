@@ -24,9 +24,9 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['LOCAL_PROTOCOLS', 'GCS_PROTOCOLS', 'UniversalPath', 'ePathLike', 'path_protocol', 'is_remote_path', 'is_local_path',
-           'make_gcs_filesystem', 'set_gcs_filesystem', 'get_gcs_filesystem', 'PathStat', 'ePath', 'LocalPath',
-           'atomic_write_local', 'FsspecPath', 'GCSPath', 'gcs_client_for', 'save_jax_array', 'load_jax_array',
-           'save_dict', 'load_dict', 'PathManager', 'MLUtilPath']
+           'is_gcs_path', 'parse_gcs_path', 'make_gcs_filesystem', 'set_gcs_filesystem', 'get_gcs_filesystem',
+           'PathStat', 'ePath', 'LocalPath', 'RelativePath', 'atomic_write_local', 'FsspecPath', 'GCSPath',
+           'gcs_client_for', 'save_jax_array', 'load_jax_array', 'save_dict', 'load_dict', 'PathManager', 'MLUtilPath']
 
 # %% ../nbs/04_paths.ipynb #e5afb84b
 _PROTOCOL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
@@ -66,6 +66,24 @@ def is_local_path(
     "True for a path on the local filesystem: `not is_remote_path(path)`."
     return not is_remote_path(path)
 
+
+def is_gcs_path(
+    path: str | os.PathLike | "ePath",  # any path `path_protocol` accepts
+) -> bool:  # True for `gs://...` and `gcs://...`
+    "True for a Google Cloud Storage path."
+    return path_protocol(path) == "gs"
+
+
+def parse_gcs_path(
+    path: str | os.PathLike | "ePath",  # a `gs://bucket[/blob]` path
+) -> tuple[str, str]:  # `(bucket, blob)`; blob is '' for the bucket itself
+    "The bucket and the object name of a GCS path; a `ValueError` naming it for any other path."
+    if path_protocol(path) != "gs":  # (path_protocol raises a TypeError for what is not a path at all)
+        raise ValueError(f"parse_gcs_path: {str(path)!r} is not a GCS path (expected 'gs://bucket/blob')")
+    s = os.fspath(path) if isinstance(path, (str, os.PathLike)) else str(path)  # (an ePath: its URL)
+    bucket, _, blob = s[_PROTOCOL_RE.match(s).end():].partition("/")
+    return bucket, blob
+
 # %% ../nbs/04_paths.ipynb #f5c78d55
 _GCS_FS: tp.Any = None  # set by `set_gcs_filesystem`
 
@@ -80,6 +98,13 @@ def make_gcs_filesystem(
 
     endpoint_url = endpoint_url or os.environ.get("STORAGE_EMULATOR_HOST") or None
     storage_options.setdefault("use_listings_cache", False)
+    if token is None and endpoint_url is None:  # eformer's EASYDEL_GCS_CLIENT: a service-account key file
+        from eformer_nb.loggings import env_setting
+
+        token = env_setting("EASYDEL_GCS_CLIENT")
+        if token is not None and not os.path.isfile(token):
+            raise FileNotFoundError(f"environment variable EASYDEL_GCS_CLIENT={token!r} is invalid: expected the "
+                                    "path of a Google service-account key file (JSON), and there is no such file")
     if endpoint_url is not None:
         if not re.match(r"^https?://", endpoint_url):
             raise ValueError(f"make_gcs_filesystem: endpoint_url {endpoint_url!r} must start with http:// or https://")
@@ -131,9 +156,17 @@ def _glob_match(parts: list[str], segs: list[str]) -> bool:
 
 # %% ../nbs/04_paths.ipynb #08b47813
 class PathStat(tp.NamedTuple):
-    "What `ePath.stat()` returns."
+    "What `ePath.stat()` returns: `s.st_size`, or eformer's dict form `s['size']` / `s['mtime']`."
     st_size: int  # the size in bytes
     st_mtime: float | None  # the modification time in seconds since the epoch; `None` where the store has none
+
+    def __getitem__(self, key):
+        if not isinstance(key, str):
+            return tuple.__getitem__(self, key)
+        field = {"size": "st_size", "mtime": "st_mtime"}.get(key, key)
+        if field not in self._fields:
+            raise KeyError(f"PathStat has no {key!r}; keys are ['size', 'mtime'] (or {list(self._fields)})")
+        return getattr(self, field)
 
 
 class ePath:
@@ -382,6 +415,14 @@ class _CallableTuple(tuple):
 _CALLABLE = {str: _CallableStr, list: _CallableList, tuple: _CallableTuple}
 
 
+class RelativePath(PurePosixPath):
+    "What `relative_to` returns: a `PurePosixPath` whose `parts` eformer may also call (`rel.parts()`)."
+
+    @property
+    def parts(self) -> _CallableTuple:  # the components, a tuple that returns itself when called
+        return _CallableTuple(super().parts)
+
+
 class _PathAttr:
     "pathlib's property that eformer calls as a method: `p.x` is the value, `p.x()` too, `Cls.x(p)` the function."
 
@@ -468,7 +509,7 @@ def relative_to(self: ePath,
     a, b = str(self).rstrip("/"), str(other).rstrip("/")
     if type(other) is not type(self) or not (a == b or a.startswith(b + "/") or (b.endswith("/") and a.startswith(b))):
         raise ValueError(f"relative_to: {a!r} is not under {str(other)!r}")
-    return PurePosixPath(a[len(b):].lstrip("/") or ".")
+    return RelativePath(a[len(b):].lstrip("/") or ".")
 
 
 @patch
@@ -492,7 +533,7 @@ def relative_to(self: LocalPath,
     if not isinstance(other, LocalPath):
         raise ValueError(f"relative_to: {str(self)!r} is not under {str(other)!r}")
     try:
-        return PurePosixPath(self._p.relative_to(other._p).as_posix())
+        return RelativePath(self._p.relative_to(other._p).as_posix())
     except ValueError:
         raise ValueError(f"relative_to: {str(self)!r} is not under {str(other)!r}") from None
 
@@ -617,7 +658,7 @@ def rmtree(self: LocalPath,
 # %% ../nbs/04_paths.ipynb #729374fc
 _TMP_TAG = ".enb-tmp"  # our temporaries: .{name}.{host}.{pid}.{random}.enb-tmp
 _TMP_RE = re.compile(r"^\..+\.(?P<host>[^.]+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+" + re.escape(_TMP_TAG) + "$")
-_SWEPT: set[str] = set()  # directories whose stale temporaries this process already removed
+_SWEPT: dict[str, int] = {}  # directory -> its mtime (ns) when this process last swept it
 
 
 def _host() -> str:
@@ -640,10 +681,15 @@ def _pid_alive(pid: int) -> bool:
 
 # %% ../nbs/04_paths.ipynb #97812fad
 def _sweep_stale_temporaries(directory: str) -> list[str]:
-    "Remove our temporaries in `directory` whose writer (on this host) is dead; once per directory per process."
-    if directory in _SWEPT:
+    """Remove our temporaries in `directory` whose writer (on this host) is dead. Only names of our own pattern
+    (`.{name}.{host}.{pid}.{random}.enb-tmp`) are touched. The directory is scanned again only when it changed since
+    this process last swept it (its mtime): a writer killed after that sweep created its temporary, so it is found."""
+    try:
+        mtime = os.stat(directory).st_mtime_ns
+    except FileNotFoundError:
         return []
-    _SWEPT.add(directory)
+    if _SWEPT.get(directory) == mtime:
+        return []
     removed, host = [], _host()
     with os.scandir(directory) as it:
         for e in it:
@@ -654,6 +700,7 @@ def _sweep_stale_temporaries(directory: str) -> list[str]:
                     removed.append(e.name)
                 except FileNotFoundError:
                     pass  # another process swept it first: the temporary is gone either way
+    _SWEPT[directory] = os.stat(directory).st_mtime_ns
     return removed
 
 

@@ -517,3 +517,48 @@ def test_gcs_unlink_missing_ok_survives_a_concurrent_removal(gcs_root, monkeypat
     f.write_bytes(b"x")
     with pytest.raises(FileNotFoundError, match="gone.bin"):
         f.unlink()
+
+
+# --- save_jax_array SIGKILLed with its temporary written in full, before the rename ---
+
+# The child blocks in place of `os.replace` (the rename that would publish the file): the SIGKILL lands when the whole
+# new array sits in the temporary, the largest leftover a kill can make. The parent process has saved into the
+# directory (and so swept it) before: its next save must still find and remove the dead writer's temporary.
+KILLED_SAVE = textwrap.dedent("""
+    import os, sys, time
+    import numpy as np
+    from eformer_nb.paths import save_jax_array
+    path, ready = sys.argv[1], sys.argv[2]
+
+    def blocked(src, dst):
+        open(ready, "w").write(src)
+        time.sleep(600)  # SIGKILLed here
+
+    os.replace = blocked
+    save_jax_array(path, np.arange(4 << 20, dtype=np.float32))  # 16 MiB
+    sys.exit("the save was not killed")
+""")
+
+
+@pytest.mark.timeout(60)
+def test_sigkilled_save_jax_array_temporary_is_removed_by_the_next_save(tmp_path):
+    path, ready = tmp_path / "w.npy", tmp_path / "ready"
+    save_jax_array(path, np.arange(4, dtype=np.float32))  # this process sweeps the directory now, before the kill
+    bystander = tmp_path / ".w.npy.someone-else.tmp"  # not our pattern: never touched
+    bystander.write_bytes(b"x")
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, str(path), str(ready)])
+    try:
+        deadline = time.monotonic() + 45
+        while not ready.exists() or not ready.read_text():
+            assert proc.poll() is None, f"the writer exited ({proc.returncode}) before it was ready"
+            assert time.monotonic() < deadline, "the writer was not ready in 45 s"
+            time.sleep(0.01)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    tmp = ready.read_text()
+    assert os.path.basename(tmp).endswith(".enb-tmp") and os.path.getsize(tmp) > 16 << 20  # the whole new array
+    np.testing.assert_array_equal(np.asarray(load_jax_array(path)), np.arange(4, dtype=np.float32))  # old one intact
+    save_jax_array(path, np.ones(2, dtype=np.float32))  # the next save removes the dead writer's temporary
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, bystander.name, "ready"])

@@ -122,7 +122,12 @@ def cast_floating(
     return jax.tree_util.tree_map(cast, tree)
 
 # %% ../../nbs/07a_mpric.dtypes.ipynb #dd64964c
-STRING_TO_DTYPE_MAP: dict[str, np.dtype] = dict(DTYPE_ALIASES)
+# eformer's map also spells the floats `fp32`, `fp16`, `fp64`, `fp8` (E5M2), `fp8_e4m3fn`, ...: accepted here, by put_dtype
+# and the map; a policy string keeps jmp's grammar (`p=fp32` stays an error there, as in jmp)
+_FP_SPELLINGS = {"fp32": np.float32, "fp16": np.float16, "fp64": np.float64, "fp8": jnp.float8_e5m2,
+                 **{f"fp8_{n}": getattr(jnp, f"float8_{n}") for n in ("e4m3fn", "e4m3fnuz", "e4m3b11fnuz", "e5m2",
+                                                                      "e5m2fnuz")}}
+STRING_TO_DTYPE_MAP: dict[str, np.dtype] = {**DTYPE_ALIASES, **{k: np.dtype(v) for k, v in _FP_SPELLINGS.items()}}
 DTYPE_MAPPING = STRING_TO_DTYPE_MAP  # eformer's older name
 DTYPE_TO_STRING_MAP: dict[np.dtype, str] = dict(CANONICAL_NAMES)
 
@@ -134,4 +139,6 @@ def put_dtype(
     "`array` cast to `dtype` when it is floating (integers and bools keep theirs); `dtype=None` leaves it as is."
     if dtype is None:
         return array
+    if isinstance(dtype, str) and dtype in _FP_SPELLINGS:
+        dtype = STRING_TO_DTYPE_MAP[dtype]
     return cast_floating(array, dtype)

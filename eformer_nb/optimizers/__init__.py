@@ -70,6 +70,8 @@ _LAZY.update({
     **dict.fromkeys(["ConstantSchedulerBuilder", "CosineSchedulerBuilder", "LinearSchedulerBuilder", "SchedulerBuilder",
                      "create_cosine_scheduler", "create_linear_scheduler"], "schedulers"),
     **dict.fromkeys(["OptaxScheduledWeightDecayState", "scale_by_scion", "scion"], "transforms"),
+    "_OPTIMIZER_BUILDER_REGISTRY": "factory",  # eformer's registry dicts (tests and EasyDeL reach them): views of ours
+    "_SCHEDULER_BUILDER_REGISTRY": "schedulers",
 })
 
 _all_ = [  # eformer's names (see the compatibility page)

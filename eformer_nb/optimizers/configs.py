@@ -20,8 +20,9 @@ __all__ = ['BUILTIN_SCHEDULERS', 'KRON_MEMORY_SAVE_MODES', 'KRON_PRECISIONS', 'W
            'WhiteKronConfig', 'ScionConfig']
 
 # %% ../../nbs/08a_optimizers.configs.ipynb #05378f6d
-def _fail(owner: str, name: str, value, expected: str) -> tp.NoReturn:
-    raise ValueError(f"{owner}.{name}={value!r} is invalid: expected {expected}.")
+def _fail(owner: str, name: str, value, expected: str, headline: str = "") -> tp.NoReturn:
+    "Raise the one config error: `headline` (eformer's wording, where it has one), the field, its value, what fits."
+    raise ValueError(f"{headline + ': ' if headline else ''}{owner}.{name}={value!r} is invalid: expected {expected}.")
 
 
 def check_range(
@@ -170,16 +171,20 @@ def _check_schedule(self, o: str) -> None:
     if self.warmup_init_value and not self.warmup_steps:
         _fail(o, "warmup_init_value", self.warmup_init_value, "0.0 without warmup_steps (it is the warmup's start)")
     if t != "constant" and t in BUILTIN_SCHEDULERS and self.steps is None:
-        _fail(o, "steps", None, f"the total number of steps (an integer >= 1) for scheduler_type={t!r}")
+        _fail(o, "steps", None, f"the total number of steps (an integer >= 1) for scheduler_type={t!r}",
+              "Steps must be specified for non-constant schedulers")
     if t == "linear" and self.learning_rate_end is None:
-        _fail(o, "learning_rate_end", None, "a final learning rate for scheduler_type='linear'")
+        _fail(o, "learning_rate_end", None, "a final learning rate for scheduler_type='linear'",
+              "Linear scheduler requires learning_rate_end")
     if t == "warmup_cosine" and not self.warmup_steps:
         _fail(o, "warmup_steps", self.warmup_steps, "an integer >= 1 for scheduler_type='warmup_cosine'")
     if t == "constant" and self.warmup_steps:
         _fail(o, "warmup_steps", self.warmup_steps,
-              "None or 0 for scheduler_type='constant' (a warmup needs a decaying schedule: 'linear', ...)")
+              "None or 0 for scheduler_type='constant' (a warmup needs a decaying schedule: 'linear', ...)",
+              "Steps required when using warmup" if self.steps is None else "")
     if self.warmup_steps and self.steps is not None and self.warmup_steps >= self.steps:
-        _fail(o, "warmup_steps", self.warmup_steps, f"fewer warmup steps than steps={self.steps}")
+        _fail(o, "warmup_steps", self.warmup_steps, f"fewer warmup steps than steps={self.steps}",
+              "Warmup steps must be less than total steps")
     if t == "warmup_stable_decay" and self.steps is not None:
         if self.decay_steps is None: self.decay_steps = max(1, self.steps // 10)
         if (self.warmup_steps or 0) + self.decay_steps > self.steps:
@@ -470,7 +475,7 @@ class WhiteKronConfig(ConfigMixin):
     noise_scale: float = 1e-9  # tiny noise added to the gradient before fitting
     weight_decay: float = 0.1  # decoupled weight decay (used when `OptimizerFactory.create` gets no weight_decay)
     weight_decay_mask: tp.Any | None = None  # which parameters decay (a pytree of bools or params -> pytree); None: all
-    update_style: str = "quad"  # "quad" or "skew"
+    update_style: str | None = None  # "quad" or "skew"; None: the optimizer name's (whitekron/quad: quad, skew: skew)
     beta_lipschitz: float = 0.9  # EMA rate of the per-factor Lipschitz estimate that normalises the step
     max_skew_dense: float = 1.0  # a dim of size d gets a dense factor only if d**2 <= max_skew_dense * numel
     mu_dtype: str | None = None  # dtype of the momentum
@@ -490,7 +495,7 @@ class WhiteKronConfig(ConfigMixin):
                 raise NotImplementedError(f"{o}.{n}={getattr(self, n)!r}: eformer's distributed WhiteKron options are "
                                           "not "
                                           f"implemented here; leave it at {default!r}")
-        check_choice(o, "update_style", self.update_style, WHITE_KRON_STYLES)
+        check_choice(o, "update_style", self.update_style, (*WHITE_KRON_STYLES, None))
         check_choice(o, "lr_style", self.lr_style, ("adam", None))
         for n in ("b1", "beta_lipschitz"):
             check_range(o, n, getattr(self, n), 0, 1, hi_inclusive=False)

@@ -23,15 +23,15 @@ from eformer_nb.optimizers.configs import (
     SchedulerConfig, SoapConfig, WhiteKronConfig,
 )
 from .kron import precond_update_prob_schedule, scale_by_kron, scale_by_white_kron
-from .schedulers import SchedulerFactory
+from .schedulers import SchedulerFactory, _RegistryView
 from .transforms import blockwise, optax_add_scheduled_weight_decay, scale_by_mars, scale_by_soap
 
 # %% auto #0
 __all__ = ['MAX_CONSECUTIVE_NONFINITE', 'AdamWOptimizer', 'AdafactorOptimizer', 'LionOptimizer', 'RMSPropOptimizer',
            'MuonOptimizer', 'MarsOptimizer', 'QuadOptimizer', 'SkewOptimizer', 'register_optimizer',
            'available_optimizers', 'kron_update_probability', 'skip_nonfinite_updates', 'nonfinite_skips',
-           'OptimizerFactory', 'OptimizerBuilder', 'get_base_optimizer', 'StageLocalOptimizerMetadata',
-           'StageLocalGradientTransformation', 'make_stage_local_gradient_transformation']
+           'OptimizerFactory', 'StageLocalOptimizerMetadata', 'StageLocalGradientTransformation',
+           'make_stage_local_gradient_transformation', 'OptimizerBuilder', 'get_base_optimizer']
 
 # %% ../../nbs/08e_optimizers.factory.ipynb #459748b7
 class _Entry(tp.NamedTuple):
@@ -42,6 +42,25 @@ class _Entry(tp.NamedTuple):
 
 
 _OPTIMIZERS: dict[str, _Entry] = {}
+_OPTIMIZER_CLASSES: dict[str, type] = {}  # names registered as an `OptimizerBuilder` class (eformer's form)
+_USER_BUILDERS: set[str] = set()  # of those, the ones registered by `register_optimizer(name)` on a class
+
+
+def _config_class_of(builder_cls: type) -> type | None:
+    "A builder class's config class: its `config_class`, else the type of its dataclass field `config`."
+    if isinstance(getattr(builder_cls, "config_class", None), type):
+        return builder_cls.config_class
+    if dataclasses.is_dataclass(builder_cls):
+        field = {f.name: f for f in dataclasses.fields(builder_cls)}.get("config")
+        kind = None if field is None else field.type
+        if isinstance(kind, str):  # a postponed annotation (`from __future__ import annotations`): resolve it
+            try:
+                kind = tp.get_type_hints(builder_cls).get("config")
+            except NameError:  # a name only a function's locals knew: no config class to find
+                kind = None
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):  # (typing.Any is a class too in 3.11+)
+            return kind
+    return None
 
 
 def register_optimizer(
@@ -57,14 +76,16 @@ def register_optimizer(
         raise ValueError(f"register_optimizer: name={name!r} is invalid: expected a non-empty string.")
     if config_cls is None:
         def deco_class(builder_cls):
-            if not (isinstance(builder_cls, type) and hasattr(builder_cls, "build") and hasattr(builder_cls,
-                                                                                                "config_class")):
+            config_class = _config_class_of(builder_cls) if isinstance(builder_cls, type) else None
+            if not (hasattr(builder_cls, "build") and config_class is not None):
                 raise TypeError(f"register_optimizer({name!r}) without config_cls decorates an OptimizerBuilder "
-                                "subclass "
-                                f"with a config_class; got {builder_cls!r}")
-            builder_cls.optimizer_type = name.lower()
-            register_optimizer(name, builder_cls.config_class, overwrite=overwrite, fixed=fixed)(
+                                "subclass with a config_class (or a dataclass field `config: SomeConfig`); got "
+                                f"{builder_cls!r}")
+            register_optimizer(name, config_class, overwrite=overwrite, fixed=fixed)(
                 lambda c, schedule: builder_cls(c).build(schedule))
+            builder_cls.optimizer_type, builder_cls.config_class = name.lower(), config_class
+            _OPTIMIZER_CLASSES[name.lower()] = builder_cls
+            _USER_BUILDERS.add(name.lower())
             return builder_cls
         return deco_class
     if not (isinstance(config_cls, type) and dataclasses.is_dataclass(config_cls)):
@@ -268,7 +289,7 @@ def _kron(c: KronConfig, schedule, weight_decay=None, weight_decay_mask=None):
 
 def _white_kron(c: WhiteKronConfig, schedule, weight_decay=None, weight_decay_mask=None):
     d = blockwise(lambda flags: scale_by_white_kron(
-        update_style=c.update_style, b1=c.b1, preconditioner_lr=c.preconditioner_lr,
+        update_style=c.update_style or "quad", b1=c.b1, preconditioner_lr=c.preconditioner_lr,
         preconditioner_init_scale=c.preconditioner_init_scale, beta_lipschitz=c.beta_lipschitz, damping=c.noise_scale,
         max_size_dense=c.max_size_dense, max_skew_dense=c.max_skew_dense, lr_style=c.lr_style,
         normalize_grads=c.normalize_grads, mu_dtype=_dt(c.mu_dtype), precond_dtype=_dt(c.dtype), seed=c.seed),
@@ -448,7 +469,8 @@ class OptimizerFactory:
         "The config class of a registered optimizer (case-insensitive); unknown names raise with the valid choices."
         if not isinstance(optimizer_type, str) or optimizer_type.lower() not in _OPTIMIZERS:
             close = difflib.get_close_matches(str(optimizer_type).lower(), _OPTIMIZERS, n=1)
-            raise ValueError(f"unknown optimizer_type={optimizer_type!r}: expected one of {available_optimizers()}"
+            raise ValueError(f"Unsupported optimizer: unknown optimizer_type={optimizer_type!r}: expected one of "
+                             f"{available_optimizers()}"
                              + (f" (did you mean {close[0]!r}?)" if close else ""))
         return _OPTIMIZERS[optimizer_type.lower()].config_cls
 
@@ -470,11 +492,12 @@ class OptimizerFactory:
         elif isinstance(optimizer_config, config_cls):
             data = {f.name: getattr(optimizer_config, f.name) for f in dataclasses.fields(optimizer_config)}
         else:
-            raise TypeError(f"optimizer_config={optimizer_config!r} is invalid for optimizer_type={optimizer_type!r}: "
+            raise TypeError(f"Invalid config type: optimizer_config={optimizer_config!r} is invalid for "
+                            f"optimizer_type={optimizer_type!r}: "
                             f"expected a {config_cls.__name__}, a dict of its fields, or None")
         data.update(overrides)
         for k, v in entry.fixed.items():
-            if k in data and data[k] != v:
+            if data.get(k) is not None and data[k] != v:  # None: not chosen, the name's value
                 raise ValueError(f"optimizer_type={optimizer_type!r} fixes {k}={v!r}, but the config has "
                                  f"{k}={data[k]!r}; "
                                  f"use optimizer_type='whitekron' to choose {k} freely")
@@ -486,6 +509,97 @@ class OptimizerFactory:
         if unknown:
             raise ValueError(f"{config_cls.__name__} got unknown field(s) {unknown}; valid fields: {valid}")
         return config_cls(**data)
+
+# %% ../../nbs/08e_optimizers.factory.ipynb #0a157e7e
+@dataclasses.dataclass(frozen=True)
+class StageLocalOptimizerMetadata:
+    "What a pipeline stage needs to rebuild its optimizer: the schedule and the factory's options."
+    scheduler: optax.Schedule
+    weight_decay: float = 0.0
+    weight_decay_mask: tp.Any | None = None
+    gradient_accumulation_steps: int = 1
+    clip_grad: float | None = None
+    adamw_b1: float | None = None
+    adamw_b2: float | None = None
+    adamw_eps: float | None = None
+    adamw_eps_root: float | None = None
+    adamw_mu_dtype: tp.Any | None = None
+    optimizer_config: tp.Any | None = None
+    extra_kwargs: tp.Mapping[str, tp.Any] = dataclasses.field(default_factory=dict)
+
+
+_META_FIELDS = {f.name for f in dataclasses.fields(StageLocalOptimizerMetadata)} - {"scheduler", "optimizer_config"}
+
+# %% ../../nbs/08e_optimizers.factory.ipynb #c3e5a7b9
+class StageLocalGradientTransformation(optax.GradientTransformation):
+    "An optax transformation for one pipeline stage: `init`/`update` as usual, plus `apply_gradients_stage_local`."
+
+    def __new__(cls, init, update, metadata: StageLocalOptimizerMetadata | None = None, apply_fn=None):
+        self = super().__new__(cls, init, update)
+        self.metadata, self.apply_fn = metadata, apply_fn
+        return self
+
+    def apply_gradients_stage_local(
+        self,
+        *,
+        params,  # this stage's parameters
+        grads,  # this stage's gradients
+        opt_state,  # this stage's optimizer state
+        learning_rate_fn=None,  # the schedule this transformation was built with (eformer's argument), or None
+        delete_grads: bool = False,  # delete the gradient buffers once applied
+    ):
+        """`(new_params, new_opt_state)` for this stage; `delete_grads=True` frees the gradient buffers once used (not
+        inside `jit`). The rate comes from the transformation's own schedule: a `learning_rate_fn` other than it
+        (`metadata.scheduler`) raises instead of being silently ignored."""
+        if learning_rate_fn is not None and learning_rate_fn is not getattr(self.metadata, "scheduler", None):
+            raise ValueError(f"learning_rate_fn={learning_rate_fn!r} is not the schedule this optimizer was built with "
+                             f"({getattr(self.metadata, 'scheduler', None)!r}); pass that one or None")
+        if self.apply_fn is not None and "grads" in inspect.signature(self.apply_fn).parameters:  # eformer's kernel
+            return self.apply_fn(params=params, grads=grads, opt_state=opt_state, learning_rate_fn=learning_rate_fn,
+                                 delete_grads=delete_grads)
+        updates, new_state = self.update(grads, opt_state, params)
+        new_params = (self.apply_fn or optax.apply_updates)(params, updates)
+        if delete_grads:
+            for g in jax.tree.leaves(grads):
+                if isinstance(g, jax.Array) and not isinstance(g, jax.core.Tracer):
+                    g.delete()
+        return new_params, new_state
+
+# %% ../../nbs/08e_optimizers.factory.ipynb #c3e5a7ba
+def make_stage_local_gradient_transformation(
+    tx: optax.GradientTransformation,  # the optimizer of the stage
+    metadata: StageLocalOptimizerMetadata | None = None,  # the stage's description (None: one stage)
+    apply_fn=None,  # `apply_fn(params, updates)` (None: `optax.apply_updates`), or eformer's keyword kernel
+) -> StageLocalGradientTransformation:
+    """Wrap `tx` for one pipeline stage: `apply_fn(params, updates)` (default `optax.apply_updates`), or eformer's
+    kernel `apply_fn(*, params, grads, opt_state, learning_rate_fn, delete_grads) -> (params, opt_state)`."""
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(f"expected an optax.GradientTransformation, got {tx!r}")
+
+    def update(*args, **kwargs):  # tx.update itself: its own function, so the metadata rides on it as in eformer
+        return tx.update(*args, **kwargs)
+
+    update._eformer_stage_local_metadata = metadata  # eformer's place for it (`tx.update._eformer_...`)
+    return StageLocalGradientTransformation(tx.init, update, metadata, apply_fn)
+
+# %% ../../nbs/08e_optimizers.factory.ipynb #23d560df
+def _no_stage_local(name: str, cls: type):
+    def apply(*, params, grads, opt_state, learning_rate_fn=None, delete_grads=False):
+        raise NotImplementedError(f"optimizer {name!r} ({cls.__name__}) has no stage-local update: override "
+                                  "OptimizerBuilder.build_mpmd(scheduler, *, optimizer, **tx_kwargs) to provide one")
+    return apply
+
+
+def _stage_local(name: str, config, tx, schedule, **options) -> StageLocalGradientTransformation:
+    "The factory's `tx` made stage-local: a user builder's own `build_mpmd` hook, else the generic update-then-apply."
+    if name in _USER_BUILDERS:
+        cls = _OPTIMIZER_CLASSES[name]
+        if cls.build_mpmd is not OptimizerBuilder.build_mpmd:
+            return cls(config).build_mpmd(schedule, optimizer=tx, **options)
+        return make_stage_local_gradient_transformation(tx, StageLocalOptimizerMetadata(schedule, **options),
+                                                        _no_stage_local(name, cls))
+    return make_stage_local_gradient_transformation(
+        tx, StageLocalOptimizerMetadata(schedule, optimizer_config=config, **options))
 
 # %% ../../nbs/08e_optimizers.factory.ipynb #ab89e6cb
 @patch(cls_method=True)
@@ -539,7 +653,9 @@ def create(
         clipped = clip_grad or (optimizer_type.lower() != "mars" and getattr(config, "max_grad_norm", None))
         check = "norm" if clipped and gradient_accumulation_steps == 1 else "leaves"  # norm: the clip's, shared
         tx = skip_nonfinite_updates(tx, max_consecutive_errors=max_nonfinite, check=check)
-    return tx, schedule
+    return _stage_local(optimizer_type.lower(), config, tx, schedule, weight_decay=weight_decay,
+                        weight_decay_mask=weight_decay_mask, gradient_accumulation_steps=gradient_accumulation_steps,
+                        clip_grad=clip_grad), schedule
 
 # %% ../../nbs/08e_optimizers.factory.ipynb #23c2a9ad
 @patch(cls_method=True)
@@ -599,11 +715,17 @@ class OptimizerBuilder(abc.ABC):
         self,
         scheduler: optax.Schedule,  # the learning-rate schedule
         *,
-        optimizer: str,  # a registered optimizer name
+        optimizer: str | optax.GradientTransformation,  # this builder's name, or (eformer's form) the built chain
         **tx_kwargs,  # the optimizer's config fields
     ) -> "StageLocalGradientTransformation":
         """A stage-local optimizer for one pipeline stage: `optimizer` names this builder's type, `tx_kwargs` are the
-        factory's options (weight_decay, clip_grad, ...)."""
+        factory's options (weight_decay, clip_grad, ...). eformer's form passes the built chain as `optimizer`: it is
+        wrapped as is, the options recorded in its metadata (unknown ones in `extra_kwargs`)."""
+        if isinstance(optimizer, optax.GradientTransformation):
+            known = {k: v for k, v in tx_kwargs.items() if k in _META_FIELDS and k != "extra_kwargs"}
+            meta = StageLocalOptimizerMetadata(scheduler=scheduler, optimizer_config=self.config, **known,
+                                               extra_kwargs={k: v for k, v in tx_kwargs.items() if k not in known})
+            return make_stage_local_gradient_transformation(optimizer, meta)
         if not isinstance(optimizer, str) or optimizer.lower() != self.optimizer_type:
             raise ValueError(f"{type(self).__name__}.build_mpmd: optimizer={optimizer!r} does not match this builder's "
                              f"type {self.optimizer_type!r}")
@@ -629,6 +751,12 @@ MuonOptimizer = _builder("muon", MuonConfig, "Muon (`optax.contrib.muon`).")
 MarsOptimizer = _builder("mars", MarsConfig, "MARS-AdamW (`optimizers.transforms.scale_by_mars`).")
 QuadOptimizer = _builder("quad", WhiteKronConfig, "WhiteKron in the `quad` style.")
 SkewOptimizer = _builder("skew", WhiteKronConfig, "WhiteKron in the `skew` style.")
+_OPTIMIZER_CLASSES.update({c.optimizer_type: c for c in (AdamWOptimizer, AdafactorOptimizer, LionOptimizer,
+                           RMSPropOptimizer, MuonOptimizer, MarsOptimizer, QuadOptimizer, SkewOptimizer)})
+# eformer's registry dict: a live view of `_OPTIMIZERS` (name -> OptimizerBuilder class; `del` unregisters)
+_OPTIMIZER_BUILDER_REGISTRY = _RegistryView(
+    _OPTIMIZERS, _OPTIMIZER_CLASSES, lambda n: _builder(n, _OPTIMIZERS[n].config_cls, f"The registered {n!r}."),
+    "optimizer")
 
 # %% ../../nbs/08e_optimizers.factory.ipynb #19baa5d2
 def _serialize_config(
@@ -638,7 +766,7 @@ def _serialize_config(
 ):
     "`config` as a dict, or JSON / YAML text (`format` in 'dict', 'json', 'yaml')."
     if format not in ("dict", "json", "yaml"):
-        raise ValueError(f"format={format!r} is invalid: expected one of ['dict', 'json', 'yaml']")
+        raise ValueError(f"format={format!r} is invalid: expected one of ['dict', 'json', 'yaml'] (Supported formats)")
     if not dataclasses.is_dataclass(config) or isinstance(config, type):
         raise TypeError(f"expected an optimizer config instance, got {config!r}")
     data = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
@@ -658,15 +786,37 @@ def _deserialize_config(
 ):
     "The validated config of `optimizer_type` from a dict, or JSON / YAML text."
     if format not in ("dict", "json", "yaml"):
-        raise ValueError(f"format={format!r} is invalid: expected one of ['dict', 'json', 'yaml']")
+        raise ValueError(f"Unsupported format: format={format!r} is invalid: expected one of ['dict', 'json', 'yaml']")
     if format != "dict":
         if not isinstance(data, str):
-            raise TypeError(f"format={format!r} expects text, got {type(data).__name__}")
+            raise TypeError(f"Expected string input for {format.upper()} format: format={format!r} expects text, "
+                            f"got {type(data).__name__}")
         import yaml
         data = json.loads(data) if format == "json" else yaml.safe_load(data)
+    elif not isinstance(data, tp.Mapping):
+        raise TypeError(f"Expected dictionary input for dict format: got {type(data).__name__} {data!r}")
     return cls.make_config(optimizer_type, data)
 
 
+def _convert_dtypes(
+    cls,
+    config,  # an optimizer config (changed in place)
+):
+    """eformer's `_convert_dtypes`: each `*dtype` field of `config` that holds a dtype name becomes that dtype, in
+    place (a name no dtype has raises, naming the field and the valid names); returns `config`."""
+    from eformer_nb.mpric.dtypes import STRING_TO_DTYPE_MAP
+
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.name.endswith("dtype") and isinstance(value, str):
+            if value not in STRING_TO_DTYPE_MAP:
+                raise ValueError(f"Invalid dtype specified: {type(config).__name__}.{f.name}={value!r}; expected one "
+                                 f"of {sorted(STRING_TO_DTYPE_MAP)}")
+            setattr(config, f.name, STRING_TO_DTYPE_MAP[value])
+    return config
+
+
+OptimizerFactory._convert_dtypes = classmethod(_convert_dtypes)
 OptimizerFactory.serialize_config = classmethod(_serialize_config)
 OptimizerFactory.deserialize_config = classmethod(_deserialize_config)
 
@@ -691,65 +841,3 @@ def get_base_optimizer(
                                     gradient_accumulation_steps=gradient_accumulation_steps, clip_grad=clip_grad,
                                     custom_scheduler=lambda _: scheduler, **kwargs)
     return tx
-
-# %% ../../nbs/08e_optimizers.factory.ipynb #0a157e7e
-@dataclasses.dataclass(frozen=True)
-class StageLocalOptimizerMetadata:
-    "What a pipeline stage needs to rebuild its optimizer: the schedule and the factory's options."
-    scheduler: optax.Schedule
-    weight_decay: float = 0.0
-    weight_decay_mask: tp.Any | None = None
-    gradient_accumulation_steps: int = 1
-    clip_grad: float | None = None
-    adamw_b1: float | None = None
-    adamw_b2: float | None = None
-    adamw_eps: float | None = None
-    adamw_eps_root: float | None = None
-    adamw_mu_dtype: tp.Any | None = None
-    optimizer_config: tp.Any | None = None
-    extra_kwargs: tp.Mapping[str, tp.Any] = dataclasses.field(default_factory=dict)
-
-
-_META_FIELDS = {f.name for f in dataclasses.fields(StageLocalOptimizerMetadata)} - {"scheduler", "optimizer_config"}
-
-# %% ../../nbs/08e_optimizers.factory.ipynb #c3e5a7b9
-class StageLocalGradientTransformation(optax.GradientTransformation):
-    "An optax transformation for one pipeline stage: `init`/`update` as usual, plus `apply_gradients_stage_local`."
-
-    def __new__(cls, init, update, metadata: StageLocalOptimizerMetadata | None = None, apply_fn=None):
-        self = super().__new__(cls, init, update)
-        self.metadata, self.apply_fn = metadata, apply_fn
-        return self
-
-    def apply_gradients_stage_local(
-        self,
-        *,
-        params,  # this stage's parameters
-        grads,  # this stage's gradients
-        opt_state,  # this stage's optimizer state
-        learning_rate_fn=None,  # `f(step) -> lr`: also return the learning rate at this step
-        delete_grads: bool = False,  # delete the gradient buffers once applied
-    ):
-        """`(new_params, new_opt_state)` for this stage (plus the learning rate at this step when `learning_rate_fn`
-        is given); `delete_grads=True` frees the gradient buffers once used (not inside `jit`)."""
-        updates, new_state = self.update(grads, opt_state, params)
-        new_params = (self.apply_fn or optax.apply_updates)(params, updates)
-        if delete_grads:
-            for g in jax.tree.leaves(grads):
-                if isinstance(g, jax.Array) and not isinstance(g, jax.core.Tracer):
-                    g.delete()
-        if learning_rate_fn is None:
-            return new_params, new_state
-        counts = [c for _, c in optax.tree_utils.tree_get_all_with_path(opt_state, "count")]
-        return new_params, new_state, learning_rate_fn(counts[0] if counts else 0)
-
-# %% ../../nbs/08e_optimizers.factory.ipynb #c3e5a7ba
-def make_stage_local_gradient_transformation(
-    tx: optax.GradientTransformation,  # the optimizer of the stage
-    metadata: StageLocalOptimizerMetadata | None = None,  # the stage's description (None: one stage)
-    apply_fn=None,  # `apply_fn(params, updates)` (None: `optax.apply_updates`)
-) -> StageLocalGradientTransformation:
-    "Wrap `tx` for one pipeline stage (`apply_fn(params, updates)` defaults to `optax.apply_updates`)."
-    if not isinstance(tx, optax.GradientTransformation):
-        raise TypeError(f"expected an optax.GradientTransformation, got {tx!r}")
-    return StageLocalGradientTransformation(tx.init, tx.update, metadata, apply_fn)

@@ -21,6 +21,7 @@ __all__ = ['register_scheduler', 'available_schedulers', 'constant_scheduler', '
 # %% ../../nbs/08b_optimizers.schedulers.ipynb #56a1c885
 _ScheduleFn = tp.Callable[[SchedulerConfig], optax.Schedule]
 _SCHEDULERS: dict[str, _ScheduleFn] = {}
+_SCHEDULER_CLASSES: dict[str, type] = {}  # names registered as a `SchedulerBuilder` class (eformer's form)
 
 
 def register_scheduler(
@@ -28,7 +29,8 @@ def register_scheduler(
     *,
     overwrite: bool = False,  # replace an existing registration
 ) -> tp.Callable[[_ScheduleFn], _ScheduleFn]:
-    "Decorator: register `fn(config: SchedulerConfig) -> optax.Schedule` under `name`."
+    """Decorator: register `fn(config: SchedulerConfig) -> optax.Schedule` under `name`, or (eformer's form) a
+    `SchedulerBuilder` subclass whose `build()` returns the schedule."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_scheduler: name={name!r} is invalid: expected a non-empty string.")
 
@@ -38,7 +40,17 @@ def register_scheduler(
         if name in _SCHEDULERS and not overwrite:
             raise ValueError(f"scheduler {name!r} is already registered (pass overwrite=True to replace it); "
                              f"registered: {sorted(_SCHEDULERS)}")
-        _SCHEDULERS[name] = fn
+        if isinstance(fn, type):  # a builder class: cls(config).build() is the schedule
+            build = getattr(fn, "build", None)
+            if not callable(build) or getattr(fn, "__abstractmethods__", None) or \
+                    getattr(build, "__qualname__", "").startswith("SchedulerBuilder."):
+                raise TypeError(f"register_scheduler({name!r}): class {fn.__name__} must define build() -> "
+                                "optax.Schedule")
+            fn.scheduler_type = name
+            _SCHEDULER_CLASSES[name] = fn
+            _SCHEDULERS[name] = lambda config, cls=fn: cls(config).build()
+        else:
+            _SCHEDULERS[name] = fn
         return fn
     return deco
 
@@ -126,7 +138,8 @@ class SchedulerFactory:
                 raise TypeError(f"custom_scheduler={custom_scheduler!r} is invalid: expected a callable steps -> "
                                 "optax.Schedule")
             if config.steps is None:
-                raise ValueError("SchedulerConfig.steps=None is invalid with a custom_scheduler: expected the total "
+                raise ValueError("Custom schedulers require steps configuration: SchedulerConfig.steps=None is invalid "
+                                 "with a custom_scheduler: expected the total "
                                  "number of steps, which is passed to custom_scheduler(steps)")
             schedule = custom_scheduler(config.steps)
             if not callable(schedule):
@@ -136,7 +149,8 @@ class SchedulerFactory:
         name = config.scheduler_type
         if name not in _SCHEDULERS:
             close = difflib.get_close_matches(name, _SCHEDULERS, n=1)
-            raise ValueError(f"unknown scheduler_type={name!r}: expected one of {available_schedulers()}"
+            raise ValueError(f"Unsupported scheduler type: unknown scheduler_type={name!r}: expected one of "
+                             f"{available_schedulers()}"
                              + (f" (did you mean {close[0]!r}?)" if close else ""))
         return _SCHEDULERS[name](config)
 
@@ -201,3 +215,45 @@ def create_cosine_scheduler(
     "Cosine decay from `learning_rate` to `learning_rate_end` (default 0) over `steps` (after an optional warmup)."
     return SchedulerFactory.create_scheduler(SchedulerConfig("cosine", learning_rate, learning_rate_end, warmup_steps,
                                                              steps, exponent))
+
+# %% ../../nbs/08b_optimizers.schedulers.ipynb #f30d00dd
+import collections.abc
+
+
+class _RegistryView(collections.abc.MutableMapping):
+    "A registry as eformer exposes it: name -> builder class, over our one registry (`store`); `del` unregisters."
+
+    def __init__(self, store: dict, classes: dict, make_class: tp.Callable[[str], type], kind: str):
+        self._store, self._classes, self._make_class, self._kind = store, classes, make_class, kind
+
+    def __getitem__(self, name):
+        if name not in self._store:
+            raise KeyError(f"no {self._kind} registered as {name!r}; registered: {sorted(self._store)}")
+        if name not in self._classes:
+            self._classes[name] = self._make_class(name)  # a function registration: its class, made once
+        return self._classes[name]
+
+    def __setitem__(self, name, cls):
+        raise TypeError(f"register a {self._kind} with register_{self._kind}({name!r}), not by item assignment")
+
+    def __delitem__(self, name):
+        self[name]  # KeyError naming the registered ones
+        del self._store[name]
+        self._classes.pop(name, None)
+
+    def __iter__(self):
+        return iter(list(self._store))
+
+    def __len__(self):
+        return len(self._store)
+
+
+def _scheduler_class(name: str) -> type:
+    cls = type(f"{name.title().replace('_', '')}SchedulerBuilder", (SchedulerBuilder,),
+               {"__doc__": f"The registered {name!r} schedule.", "scheduler_type": name, "__module__": __name__})
+    return dataclasses.dataclass(cls)
+
+
+_SCHEDULER_BUILDER_REGISTRY = _RegistryView(_SCHEDULERS, _SCHEDULER_CLASSES, _scheduler_class, "scheduler")
+_SCHEDULER_CLASSES.update(constant=ConstantSchedulerBuilder, linear=LinearSchedulerBuilder,
+                          cosine=CosineSchedulerBuilder)

@@ -259,6 +259,20 @@ def _from_json(
 _PyTreeMethods.from_json = classmethod(_from_json)
 
 # %% ../../nbs/03c_pytree.dataclasses.ipynb #23371255
+_JSON_METHODS = ["to_dict", "from_dict", "to_json", "from_json"]
+
+
+class _NoJson:
+    "The serialisation methods of a class made with `json_serializable=False`: reading one is an `AttributeError`."
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, obj, cls=None):
+        raise AttributeError(f"{(cls or type(obj)).__name__} was made with json_serializable=False: it has no "
+                             f"{self.name}")
+
+
 @tp.dataclass_transform(field_specifiers=(field, dataclasses.field))
 def auto_pytree(
     meta_fields: tp.Iterable[str] | None = None,  # fields kept static (the class itself for a bare `@auto_pytree`)
@@ -278,10 +292,14 @@ def auto_pytree(
         if max_print_length is not None and "__repr__" in klass.__dict__:
             klass.__repr__ = _short_repr(klass.__dict__["__repr__"], max_print_length)
         split, _ = _split_fields(klass, tuple(meta_fields))
-        methods = ["replace"] + (["to_dict", "from_dict", "to_json", "from_json"] if json_serializable else [])
+        methods = ["replace"] + (_JSON_METHODS if json_serializable else [])
         for name in methods:
-            if not hasattr(klass, name):  # keep a class's own (or an inherited) method
+            if not hasattr(klass, name):  # keep a class's own (or an inherited) method; a disabled one reads as absent
                 setattr(klass, name, _PyTreeMethods.__dict__[name])
+        if not json_serializable:  # not even the base class's: `hasattr(x, "to_json")` is False
+            for name in _JSON_METHODS:
+                if name not in klass.__dict__:
+                    setattr(klass, name, _NoJson(name))
         klass.__pytree_fields__ = split
         klass.__pytree_meta__ = {"data_fields": split.data, "meta_fields": split.meta,  # eformer's introspection dict
                                  "frozen": klass.__dataclass_params__.frozen}

@@ -566,11 +566,11 @@ def apply_by_key(
 
     fkeys = jax.tree_util.tree_flatten_with_path(fns, is_leaf=callable)[0]
     fmap = {tree_path_to_string(p, sep="/"): f for p, f in fkeys}
-    tkeys = {k for k in jax.tree_util.tree_leaves(leaf_key_paths(tree))}
+    tkeys = {k for k in jax.tree_util.tree_leaves(leaf_key_paths(tree, sep="/"))}
     if not mismatch_allowed and set(fmap) != tkeys:
         raise ValueError(f"{what} and the tree name different leaves: only in {what}: {sorted(set(fmap) - tkeys)[:5]}, "
                          f"only in the tree: {sorted(tkeys - set(fmap))[:5]}; pass mismatch_allowed=True to skip them")
-    return jax.tree.map(lambda key, x: fmap[key](x) if key in fmap else x, leaf_key_paths(tree), tree)
+    return jax.tree.map(lambda key, x: fmap[key](x) if key in fmap else x, leaf_key_paths(tree, sep="/"), tree)
 
 # %% ../../nbs/10b_serialization.base_manager.ipynb #d88b704b
 class CheckpointManager:

@@ -31,21 +31,33 @@ from ..pytree.tree_util import tree_path_to_string
 # %% auto #0
 __all__ = ['INLINE_BYTES', 'MAX_CHUNK_BYTES', 'FORMAT_NAME', 'FORMAT_VERSION', 'READ_VERSIONS', 'INDEX_FILE', 'ARRAYS_DIR',
            'BARRIER_TIMEOUT_S', 'LOCAL_FAST_WRITE', 'PROGRESS_BYTES', 'WRITE_IO_CONCURRENCY', 'LOCAL_FAST_READ',
-           'is_array_like', 'leaf_key_paths', 'process_info', 'sync_processes', 'broadcast_from_first', 'static_fields',
-           'CheckpointNotFoundError', 'TornCheckpointError', 'CorruptCheckpointError', 'CheckpointLockedError',
-           'read_index', 'refuse_destination', 'exclusive_writer', 'tree_serialize_leaves', 'tree_deserialize_leaves']
+           'is_array_like', 'join_key', 'leaf_key_paths', 'barrier_timeout_s', 'process_info', 'sync_processes',
+           'broadcast_from_first', 'static_fields', 'CheckpointNotFoundError', 'TornCheckpointError',
+           'CorruptCheckpointError', 'CheckpointLockedError', 'read_index', 'refuse_destination', 'exclusive_writer',
+           'tree_serialize_leaves', 'tree_deserialize_leaves', 'derive_base_prefix_from_path', 'shard_filename',
+           'index_filename', 'group_keys_by_shard_size']
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #f6e2ad16
 def is_array_like(
     x: tp.Any,  # any leaf
 ) -> bool:
-    """True for leaves stored as arrays: `jax.Array`, NumPy arrays and NumPy scalars, and anything with `shape`,
-    `dtype` and `__array__`."""
+    """True for array leaves and array descriptions: `jax.Array`, NumPy arrays and scalars, and anything with `shape`
+    and `dtype` (a `jax.ShapeDtypeStruct` as a restore template). A save writes only those that hold data
+    (`__array__`); a description without data is refused there, by name."""
     import jax
 
     if isinstance(x, (jax.Array, np.ndarray, np.generic)):
         return True
-    return hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "__array__")
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def join_key(
+    prefix: str | None,  # the outer part (None or '': none)
+    key: str | None,  # the inner part (None or '': none)
+    sep: str = ".",  # the separator (eformer's '.'; our checkpoint keys use '/')
+) -> str:
+    "`prefix` and `key` joined by `sep`, either one omitted when empty."
+    return sep.join(part for part in (prefix, key) if part)
 
 
 def leaf_key_paths(
@@ -53,14 +65,14 @@ def leaf_key_paths(
     prefix: str = "",  # prepended to every key path
     *,
     is_leaf: Callable[[tp.Any], bool] | None = None,  # stops the flattening where it returns True
+    sep: str = ".",  # joins the keys: eformer's '.' (`'params.dense.kernel'`); checkpoints key leaves with '/'
 ) -> tp.Any:
-    """A tree like `pytree` whose leaves are their own key paths (`'params/dense/kernel'`), each prefixed by `prefix/`
+    """A tree like `pytree` whose leaves are their own key paths (`'params.dense.kernel'`), each behind `prefix`
     when given."""
     import jax
 
     def name(path, _):
-        key = tree_path_to_string(path, sep="/")
-        return f"{prefix}/{key}" if prefix and key else (prefix or key)
+        return join_key(prefix, tree_path_to_string(path, sep=sep), sep)
 
     return jax.tree_util.tree_map_with_path(name, pytree, is_leaf=is_leaf)
 
@@ -179,6 +191,16 @@ _barrier_seq: dict[str, int] = {}  # per thread name: each thread's sequence of 
 BARRIER_TIMEOUT_S = 600.0  # how long a process waits for the others at a checkpoint barrier
 
 
+def barrier_timeout_s() -> float:
+    "Seconds a process waits at a checkpoint barrier: eformer's `GLOBAL_CHECKPOINT_TIMEOUT` when set, else 600."
+    from eformer_nb.loggings import env_setting
+
+    t = env_setting("GLOBAL_CHECKPOINT_TIMEOUT", float, BARRIER_TIMEOUT_S)
+    if not t > 0:
+        raise ValueError(f"environment variable GLOBAL_CHECKPOINT_TIMEOUT={t!r} is invalid: expected seconds > 0")
+    return t
+
+
 def _next_name(tag: str) -> str:
     "A barrier/key name that every process derives identically: the calling thread's name and its call count."
     thread = threading.current_thread().name
@@ -196,11 +218,12 @@ def process_info() -> tuple[int, int]:
 
 def sync_processes(
     tag: str,  # the barrier's name (unique per call site and call)
-    timeout_s: float = BARRIER_TIMEOUT_S,  # how long to wait for the other processes
+    timeout_s: float | None = None,  # how long to wait for the others (None: `barrier_timeout_s()`)
 ) -> None:
     "Block until every JAX process reached this barrier (a no-op with one process); `tag` names it in errors."
     if process_info()[1] == 1:
         return
+    timeout_s = barrier_timeout_s() if timeout_s is None else timeout_s
     from jax._src import distributed  # the runtime client of jax.distributed.initialize
 
     client = distributed.global_state.client
@@ -213,11 +236,12 @@ def sync_processes(
 def broadcast_from_first(
     value: str,  # process 0's value (others' is ignored)
     tag: str,  # the broadcast's name
-    timeout_s: float = BARRIER_TIMEOUT_S,  # how long to wait for process 0
+    timeout_s: float | None = None,  # how long to wait for process 0 (None: `barrier_timeout_s()`)
 ) -> str:
     "Process 0's `value` on every process (decisions that depend on a clock must agree); one process: `value`."
     if process_info()[1] == 1:
         return value
+    timeout_s = barrier_timeout_s() if timeout_s is None else timeout_s
     from jax._src import distributed
 
     client = distributed.global_state.client
@@ -354,6 +378,9 @@ def _plan_save(pytree: tp.Any, *, copy: bool = False, dtype: tp.Any = None, with
             records[key] = _scalar_record(x, key)
             continue
         is_jax, scalar = isinstance(x, jax.Array), isinstance(x, np.generic)
+        if not is_jax and not hasattr(x, "__array__"):
+            raise TypeError(f"leaf {key!r} is {type(x).__name__}{tuple(x.shape)} {x.dtype}: an array description "
+                            "without data (e.g. a jax.ShapeDtypeStruct); save the array itself")
         if not is_jax:
             x = np.asarray(x)
         tag = dtype_to_tag(x.dtype)
@@ -1392,3 +1419,58 @@ def tree_deserialize_leaves(
 
         return jax.tree_util.tree_unflatten(treedef, [values[k] for k in keys])
     return _rebuild(index["tree"], values.__getitem__)
+
+# %% ../../nbs/10a_serialization.serialization.ipynb #fccc65ab
+_SHARD_RE = re.compile(r"^(?P<base>.*)-\d{5}-of-\d{5}$")
+
+
+def derive_base_prefix_from_path(
+    path: str,  # a `.safetensors` file, a shard of one, its `.safetensors.index.json`, or a bare prefix
+) -> str:  # the prefix the shard and index names are made from
+    "The base prefix of a (sharded) safetensors path: `/x/model` for each of its file names."
+    s = str(path)
+    for tail in (".safetensors.index.json", ".safetensors"):
+        if s.endswith(tail):
+            s = s[: -len(tail)]
+            break
+    m = _SHARD_RE.match(s)
+    return m["base"] if m else s
+
+
+def shard_filename(
+    base_prefix: str,  # as `derive_base_prefix_from_path` gives
+    idx: int,  # the shard's number, from 1
+    total: int,  # how many shards
+) -> str:
+    "`<base_prefix>-0000i-of-0000n.safetensors`."
+    if not (isinstance(idx, int) and isinstance(total, int) and 1 <= idx <= total <= 99999):
+        raise ValueError(f"shard_filename: idx={idx!r}, total={total!r} is invalid: expected 1 <= idx <= total <= 99999")
+    return f"{base_prefix}-{idx:05d}-of-{total:05d}.safetensors"
+
+
+def index_filename(
+    base_prefix: str,  # as `derive_base_prefix_from_path` gives
+) -> str:
+    "`<base_prefix>.safetensors.index.json`."
+    return f"{base_prefix}.safetensors.index.json"
+
+
+def group_keys_by_shard_size(
+    flat_state: tp.Mapping[str, tp.Any],  # key -> array (anything with `shape` and `dtype`), in shard order
+    max_shard_size_bytes: int,  # the most bytes one shard holds (an array larger than that gets a shard alone)
+) -> list[list[str]]:
+    "The keys of `flat_state`, in order, cut into consecutive groups of at most `max_shard_size_bytes` each."
+    if not isinstance(max_shard_size_bytes, int) or max_shard_size_bytes < 1:
+        raise ValueError(f"max_shard_size_bytes={max_shard_size_bytes!r} is invalid: expected an int >= 1")
+    shards: list[list[str]] = []
+    size = 0
+    for key, x in flat_state.items():
+        if not is_array_like(x):
+            raise TypeError(f"group_keys_by_shard_size: {key!r} is {type(x).__name__}, not an array")
+        n = math.prod(x.shape) * np.dtype(x.dtype).itemsize
+        if not shards or (shards[-1] and size + n > max_shard_size_bytes):
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += n
+    return shards

@@ -45,7 +45,7 @@ def auto_partition_spec(
         raise ValueError("auto_partition_spec needs a mesh: pass mesh=..., or call it inside `with "
                          "jax.set_mesh(mesh):`")
     sizes = mesh_axis_sizes(mesh)
-    names = tuple(sizes) if names is None else tuple(names)
+    names = tuple(sizes) if names is None else tuple(dict.fromkeys(names))  # a repeated name counts once
     missing = [n for n in names if n not in sizes]
     if missing:
         raise ValueError(f"names {missing} are not axes of the mesh; its axes are {list(sizes)}")

@@ -83,8 +83,11 @@ def _fit_entry(shape, dim: int, entry, sizes: dict, manual: set, spec, auto_corr
         key = (name, sizes.get(name), shape[dim])
         if key not in _DIVISIBILITY_WARNED:
             _DIVISIBILITY_WARNED.add(key)
-            logger.warning(f"sharding corrected: {problem}; {name!r} is dropped from that dimension (warned once "
-                           f"per axis and dimension size)")
+            from eformer_nb.loggings import env_setting  # eformer's LOG_SHARDING_MOVE=false: a debug line instead of a warning
+
+            say = logger.warning if env_setting("LOG_SHARDING_MOVE", bool, True) else logger.debug
+            say(f"sharding corrected: {problem}; {name!r} is dropped from that dimension (logged once per axis and "
+                "dimension size)")
     new = kept[0] if len(kept) == 1 and isinstance(entry, str) else (tuple(kept) if kept else None)
     if len(kept) == len(_entry_names(entry)):
         new = entry  # untouched: keep the caller's spelling so the HLO matches a hand-written spec
@@ -248,17 +251,25 @@ def _compile_rules(rules) -> list[tuple[str, re.Pattern, PartitionSpec]]:
 def match_partition_rules(
     rules: Sequence[tuple[str, PartitionSpec]],  # `(regex, spec)` pairs, first match wins
     tree,  # the pytree (of arrays or shapes)
-    min_size: int = 0,  # leaves with fewer elements are replicated
-    strict: bool = True,  # an unmatched leaf raises (False: replicated with a warning)
+    min_size: int | None = None,  # leaves with at most this many elements are replicated (None: $MIN_SHARDING_SIZE, else 0)
+    strict: bool | None = None,  # None: an unmatched leaf raises; True: that, and so does an unused rule; False: neither
     *,
-    check_unused: bool = False,  # raise when a rule matches nothing
+    check_unused: bool = False,  # raise when a rule matches nothing (what `strict=True` adds, under any `strict`)
     sep: str = "/",  # separator of the leaf paths the regexes see
 ):
     """A tree like `tree` holding the `PartitionSpec` of the first rule whose regex searches each leaf's key path.
 
-    Scalars and leaves with at most `min_size` elements get `PartitionSpec()`. A leaf no rule
-    matches raises (`strict`, the default) or is replicated (`strict=False`, and logged once);
-    with `check_unused`, a rule whose regex matches no key path raises too."""
+    Scalars and leaves with at most `min_size` elements get `PartitionSpec()`. A leaf no rule matches raises (the
+    default, and `strict=True`) or is replicated (`strict=False`, and logged once). `strict=True` said explicitly, or
+    `check_unused`, also refuses a rule whose regex matches no key path, naming it; the default does not (a rule set
+    written for a model family names parts a given model may lack)."""
+    if strict not in (None, True, False):
+        raise TypeError(f"match_partition_rules: strict={strict!r} is invalid: expected None, True or False")
+    check_unused = check_unused or strict is True
+    if min_size is None:  # eformer's MIN_SHARDING_SIZE, read now (a bad value names the variable)
+        from eformer_nb.loggings import env_setting
+
+        min_size = env_setting("MIN_SHARDING_SIZE", int, 0)
     compiled = _compile_rules(rules)
     unmatched: list[str] = []
     paths: list[str] = []
@@ -275,7 +286,7 @@ def match_partition_rules(
         return PartitionSpec()
 
     specs = map_leaves_with_path(pick, tree, sep)
-    if unmatched and not strict:
+    if unmatched and strict is False:
         logger.warning(f"match_partition_rules: no rule matches {len(unmatched)} leaves (replicated): {unmatched[:5]}")
     elif unmatched:
         raise ValueError(f"no partition rule matches {len(unmatched)} leaves, e.g. {unmatched[:5]}; rules tried: "

@@ -216,14 +216,14 @@ def _unknown_axis(name) -> ValueError:
     known = _known_semantic_axes()
     close = difflib.get_close_matches(str(name), known, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ValueError(f"unknown semantic axis {name!r}{hint}; valid names are None, {EMPTY!r}, "
+    return ValueError(f"Unknown semantic axis name: unknown semantic axis {name!r}{hint}; valid names are None, {EMPTY!r}, "
                       f"{known}, or axes added with PartitionAxis.register")
 
 
 def _lookup_rule(name: str, generation: bool):
     registered = PartitionAxis._registry.get(name)
-    if registered is not None:
-        return registered[1] if generation else registered[0]
+    if registered is not None:  # a generation rule NOT_GIVEN: the same rule in every mode
+        return registered[1] if generation and registered[1] is not NOT_GIVEN else registered[0]
     field = _SEMANTIC_FIELDS.get(name)
     if field is None:
         return NOT_GIVEN
@@ -250,7 +250,8 @@ def _expand(paxis: PartitionAxis, rule, generation: bool, visiting: tuple[str, .
 
 def _resolve_name(paxis: PartitionAxis, name, generation: bool, visiting: tuple[str, ...]) -> tuple[str, ...]:
     if name in visiting:
-        raise ValueError(f"semantic axis {name!r} is defined in terms of itself: {' -> '.join(visiting + (name,))}")
+        raise ValueError(f"Cyclic semantic axis registration: semantic axis {name!r} is defined in terms of itself: "
+                         f"{' -> '.join(visiting + (name,))}")
     rule = _lookup_rule(name, generation) if isinstance(name, str) else NOT_GIVEN
     if rule is NOT_GIVEN:
         raise _unknown_axis(name)
@@ -347,6 +348,8 @@ def register(
     rule = _check_rule(axis_rule, "axis_rule")
     gen = _decode_rule(rule) if generation_axis_rule is NOT_GIVEN else _check_rule(generation_axis_rule,
                                                                                   "generation_axis_rule")
+    if generation_axis_rule is NOT_GIVEN and gen == rule:
+        gen = NOT_GIVEN  # no field to translate (a mesh axis name, a semantic axis): one rule for every mode
     with cls._registry_lock:
         exists = semantic_axis in cls._registry or semantic_axis in _SEMANTIC_FIELDS
         if exists and not override:
@@ -364,6 +367,8 @@ def unregister(
     missing_ok: bool = True,  # return quietly when it is not registered (else `KeyError`)
 ) -> None:
     "Remove a registered semantic axis (built-in ones cannot be removed)."
+    if not isinstance(semantic_axis, str) or not semantic_axis.strip():
+        raise ValueError(f"semantic_axis must be a non-empty string, got {semantic_axis!r}")
     with cls._registry_lock:
         if semantic_axis not in cls._registry:
             if missing_ok:
@@ -391,6 +396,10 @@ def clear_registered_axes(cls: PartitionAxis) -> None:
 # fastcore's `cls_method=True` installs its own descriptor; make these real classmethods, as eformer's are
 for _name in ('register', 'unregister', 'get_registered_axes', 'clear_registered_axes'):
     setattr(PartitionAxis, _name, classmethod(vars(PartitionAxis)[_name].f))
+
+# %% ../../../nbs/09c_escale.partition.manager.ipynb #6b0f400e
+PartitionAxis._SEMANTIC_MAP = _SEMANTIC_FIELDS  # eformer's names for our one table of each (not copies)
+PartitionAxis._STANDARD_TO_GENERATION_ATTR_MAP = _DECODE_FIELDS
 
 # %% ../../../nbs/09c_escale.partition.manager.ipynb #55d06990
 _CURRENT_STACK: contextvars.ContextVar[tuple] = contextvars.ContextVar("eformer_nb_partition_managers", default=())
@@ -427,7 +436,7 @@ def _infer_mode(mode, shape, n_axes: int):
     if isinstance(mode, bool) or not isinstance(mode, int):
         return mode
     if shape is NOT_GIVEN or shape is None:
-        raise ValueError(f"mode={mode} is a dimension index: the shape is needed to decide the mode "
+        raise ValueError(f"A shape should be provided: mode={mode} is a dimension index: the shape is needed to decide the mode "
                          "(pass shape=..., or use shard(), which reads it from the array)")
     shape = tuple(shape)
     if not -len(shape) <= mode < len(shape):
@@ -435,16 +444,28 @@ def _infer_mode(mode, shape, n_axes: int):
     return MODE_DECODE if shape[mode] == 1 else MODE_TRAIN
 
 # %% ../../../nbs/09c_escale.partition.manager.ipynb #ca2cca16
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(eq=False)
 class PartitionManager:
     "Resolves semantic axes with `paxis` and applies them as sharding constraints; a context manager."
     paxis: PartitionAxis = dataclasses.field(default_factory=PartitionAxis)
 
     def __post_init__(self):
         if not isinstance(self.paxis, PartitionAxis):
-            raise TypeError(f"paxis must be a PartitionAxis, got {self.paxis!r} ({type(self.paxis).__name__})")
+            raise TypeError(f"Expected PartitionAxis: paxis must be a PartitionAxis, got {self.paxis!r} "
+                            f"({type(self.paxis).__name__})")
         with _LAST_LOCK:
             _LAST_CREATED[0] = self
+
+    def __setattr__(self, name, value):  # the fields make the hash: fixed once set; other attributes are free
+        if name in self.__dataclass_fields__ and name in self.__dict__:
+            raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}: a PartitionManager's fields are "
+                                                  "fixed (they make its hash); create a new PartitionManager")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name):
+        if name in self.__dataclass_fields__:
+            raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r} of a PartitionManager")
+        object.__delattr__(self, name)
 
     def __eq__(self, other): return isinstance(other, PartitionManager) and other.paxis == self.paxis
     def __hash__(self): return hash((PartitionManager, self.paxis))
@@ -563,7 +584,8 @@ def apply_logical_sharding(
     pm = partition_manager if partition_manager not in (NOT_GIVEN, None) else (
         get_current_partition_manager() or get_partition_manager())
     if pm is None:
-        raise ValueError("apply_logical_sharding found no PartitionManager: pass partition_manager=..., or create "
+        raise ValueError("No PartitionManager is available: apply_logical_sharding found no PartitionManager: "
+                         "pass partition_manager=..., or create "
                          "one (`with PartitionManager(PartitionAxis()):`)")
     return pm.shard(x, axes=axes, mode=mode, dynamic_axes=dynamic_axes, auto_correct=auto_correct)
 
@@ -576,7 +598,7 @@ def get_safe_hash_int(
     try:
         h = hashlib.new(algorithm)
     except (ValueError, TypeError):
-        raise ValueError(f"unsupported hash algorithm {algorithm!r}; available: "
+        raise ValueError(f"Unsupported hash algorithm {algorithm!r}; available: "
                          f"{sorted(hashlib.algorithms_available)}") from None
     h.update(str(text).encode("utf-8"))
     return int.from_bytes(h.digest(), "big")

@@ -110,19 +110,54 @@ class Array8B(QuantizedArray):
         return restore_nonfinite(int8_dequantize(self.q, self.scale, self.block_size, self.dtype), self.nonfinite)
 
 # %% ../../../nbs/06c_ops.quantization.int8.ipynb #2b2818c9
+def _is_int(a) -> bool:
+    return hasattr(a, "__index__") and not isinstance(a, bool)
+
+
+def _int8_axis_layout(shape: tuple, axis, block_size) -> tuple[int | None, bool]:
+    """eformer's `axis` (the axes one scale is shared over) as our layout `(block_size, one_scale)`: all axes but the
+    last -> per channel (None); the last axis -> one block per row (block_size = its length); every axis -> one scale
+    for the whole array (`one_scale`, stored per channel)."""
+    nd = len(shape)
+    axes = (axis,) if _is_int(axis) else axis
+    if not isinstance(axes, (tuple, list)) or not axes or not all(_is_int(a) and -nd <= a < nd for a in axes):
+        raise ValueError(f"int8 quantize: axis={axis!r} is invalid for shape {tuple(shape)}: expected an axis or a "
+                         f"tuple of axes in [{-nd}, {nd})")
+    if block_size is not None:
+        raise ValueError(f"int8 quantize: axis={axis!r} and block_size={block_size!r} both choose the scale layout; "
+                         "pass one of them")
+    reduced = sorted({int(a) % nd for a in axes})
+    if reduced == list(range(nd)):
+        return (shape[-1] if nd == 1 else None), nd > 1
+    if reduced == list(range(nd - 1)):
+        return None, False
+    if reduced == [nd - 1]:
+        return shape[-1], False
+    raise ValueError(f"int8 quantize: axis={axis!r} is not supported for shape {tuple(shape)}: scales are shared over "
+                     f"all axes but the last ({tuple(range(nd - 1))}: one per last-axis channel), over the last axis "
+                     f"(-1: one per row), or over every axis ({tuple(range(nd))}: one for the array)")
+
+
 def _int8_quantize(
     cls,
     array: jax.Array,  # the float array
     dtype=None,  # logical dtype (what materialize() returns); None: array.dtype
-    axis=None,  # eformer's argument: None only (scales run along the last axis)
+    axis=None,  # eformer's argument: the axes one scale is shared over (see `_int8_axis_layout`); None: per channel
     block_size: int | None = None,  # None: one scale per channel of the last axis; else per block of it
     nonfinite: str = "raise",  # NaN/Inf in `array`: "raise" or "keep" (exactly where they were)
 ) -> Array8B:
     """INT8-quantize `array` (eformer's `quantize(array, dtype, axis)`; our older `quantize(x, block_size, dtype)`
     works too)."""
+    one_scale = False
+    if axis is not None and not _is_int(dtype):
+        block_size, one_scale = _int8_axis_layout(tuple(jnp.shape(array)), axis, block_size)  # (an int dtype is our
+        axis = None  # older block size, and then `axis` holds the dtype: eformer_quantize_args sorts that out)
     block_size, dtype = eformer_quantize_args("int8", dtype, axis, block_size, None)
     x, keep = split_nonfinite(array, "int8", nonfinite)
     q, scale = int8_quantize(x, block_size)
+    if one_scale:  # one scale for the whole array, kept per channel: the largest channel's, everywhere
+        scale = jnp.full_like(scale, jnp.max(scale))
+        q = jnp.clip(jnp.round(x.astype(jnp.float32) / scale), -127, 127).astype(jnp.int8)
     return cls(q, scale, block_size=None if block_size is None else int(block_size),
                dtype=jnp.dtype(x.dtype if dtype is None else dtype), nonfinite=keep)
 
