@@ -2304,6 +2304,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                      'eformer_nb.ops.quantization.kernels.occupancy': ( 'nbs/ops.quantization.kernels.html#occupancy',
                                                                                                         'eformer_nb/ops/quantization/kernels.py'),
                                                      'eformer_nb.ops.quantization.kernels.set_default_backend': ( 'nbs/ops.quantization.kernels.html#set_default_backend',
+                                                                                                                  'eformer_nb/ops/quantization/kernels.py'),
+                                                     'eformer_nb.ops.quantization.kernels.tpu_kernels_enabled': ( 'nbs/ops.quantization.kernels.html#tpu_kernels_enabled',
                                                                                                                   'eformer_nb/ops/quantization/kernels.py')},
             'eformer_nb.ops.quantization.nf4': { 'eformer_nb.ops.quantization.nf4.ArrayNF4': ( 'nbs/ops.quantization.nf4.html#arraynf4',
                                                                                                'eformer_nb/ops/quantization/nf4.py'),

@@ -18,7 +18,7 @@ from jax import lax
 from fastcore.basics import patch
 from jax.extend import core as jex_core
 
-from .loggings import get_logger
+from .loggings import env_setting, get_logger
 
 logger = get_logger(__name__)
 
@@ -207,8 +207,9 @@ def _materialize_all(name: str, vals: list) -> list:
     if any(isinstance(v, ImplicitArray) for v in vals):
         kinds = sorted({type(v).__name__ for v in vals if isinstance(v, ImplicitArray)})
         _MATERIALIZED.add(name)
-        logger.warning_once(f"jaximus: no handler for primitive '{name}' on {', '.join(kinds)}; "
-                            f"materializing its implicit operands")
+        if env_setting("WARN_ON_MATTER", bool, True):  # eformer's switch; the fallback is recorded either way
+            logger.warning_once(f"jaximus: no handler for primitive '{name}' on {', '.join(kinds)}; "
+                                f"materializing its implicit operands")
     return [materialize(v) for v in vals]
 
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...loggings import get_logger
+from ...loggings import env_setting, get_logger
 from .nf4 import NF4_CODEBOOK, nf4_decode, nf4_encode, nf4_pack, nf4_unpack
 
 logger = get_logger(__name__)
@@ -22,8 +22,8 @@ logger = get_logger(__name__)
 __all__ = ['logger', 'DEFAULT_BLOCK_SIZE', 'BACKENDS', 'BACKEND_ENV_VAR', 'GEMV_MAX_ROWS', 'VARIANTS', 'GPU_SMS', 'GPU_PROGRAMS',
            'REDUCE_ELEMS', 'TILE_OVERRIDES', 'set_default_backend', 'default_backend', 'nf4_unpack_codes',
            'nf4_dequantize', 'Tiles', 'default_tiles', 'nf4_matmul_pallas', 'nf4_matmul_t_pallas', 'int8_matmul_pallas',
-           'int8_matmul_t_pallas', 'occupancy', 'grid_picture', 'nf4_matmul', 'nf4_matmul_t', 'int8_matmul',
-           'int8_matmul_t', 'NF4_CODEBOOK']
+           'int8_matmul_t_pallas', 'occupancy', 'grid_picture', 'tpu_kernels_enabled', 'nf4_matmul', 'nf4_matmul_t',
+           'int8_matmul', 'int8_matmul_t', 'NF4_CODEBOOK']
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #80f76e04
 _all_ = ["NF4_CODEBOOK"]  # re-exported from `ops.quantization.nf4`, the one home of the NF4 codec
@@ -781,6 +781,11 @@ def grid_picture(
     return "\n".join([head, *lines])
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #a57d1f7d
+def tpu_kernels_enabled() -> bool:
+    "eformer's `USE_NF4_KERNEL_TPU` (default on): off sends `backend='auto'` quantized matmuls on a TPU to the XLA path."
+    return env_setting("USE_NF4_KERNEL_TPU", bool, True)
+
+
 def _resolve(
     backend: str,  # 'auto', 'pallas' or 'xla'
     reason: str | None = None,  # why the kernel cannot take this product (`_why_not`); None: it can
@@ -790,7 +795,7 @@ def _resolve(
     if backend == "auto":
         backend = default_backend()
     if backend == "auto":
-        accel = _platform() in ("gpu", "cuda", "rocm", "tpu")
+        accel = _platform() in ("gpu", "cuda", "rocm") or (_platform() == "tpu" and tpu_kernels_enabled())
         if accel and reason is not None:
             logger.info_once(f"quantized matmul: {reason}; using the XLA path")
         return "pallas" if reason is None and accel else "xla"
