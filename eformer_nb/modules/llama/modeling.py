@@ -266,16 +266,18 @@ def _shard(config, x, preset):
 
 
 def _attend(c, q, k, v, q_slots, key_valid, segment_ids, dtype, decode: bool, stacked: bool):
-    """`ops.attention` with the config's mechanism: `decode_attention` (`c.decode_attn_mechanism`) for a one-token
-    step over a cache, else `attention` (`c.attn_mechanism`). A decode step inside the layer scan reads a slice of
-    the stacked cache: "auto" on CPU then takes the two-einsum form, as XLA:CPU fuses the slice into the sums of the
-    decode form and ran 5x slower (measured at batch 8); generate's dispatched steps (a layer's own cache) do not."""
+    """`ops.attention` with `c.attn_mechanism`, or for a one-token step over a cache (`decode`) the
+    `c.decode_attn_mechanism`. A "vanilla" decode step keeps the two dense forms above: `decode_attention` over a
+    layer's own cache (generate's dispatched steps on CPU), `grouped_attention` over a slice of the stacked cache
+    inside the layer scan (where XLA:CPU fuses the slice into the sums of the decode form: 5x slower at batch 8)."""
     from eformer_nb.ops import attention as ops
-    masks = dict(q_slots=q_slots, k_slots=jnp.arange(k.shape[1]), key_valid=key_valid, q_segments=segment_ids,
-                 k_segments=segment_ids, dtype=dtype)
-    if decode and not (stacked and c.decode_attn_mechanism == "auto" and jax.default_backend() == "cpu"):
-        return ops.decode_attention(q, k, v, mechanism=c.decode_attn_mechanism, **masks)
-    return ops.attention(q, k, v, mechanism="vanilla" if decode else c.attn_mechanism, **masks)
+    k_slots = jnp.arange(k.shape[1])
+    if decode and ops.resolve_attention_mechanism(c.decode_attn_mechanism, decode=True) == "vanilla":
+        mask = make_attention_mask(q_slots, k_slots, key_valid)
+        return (grouped_attention if stacked else decode_attention)(q, k, v, mask, dtype)
+    return ops.attention(q, k, v, mechanism=c.decode_attn_mechanism if decode else c.attn_mechanism, q_slots=q_slots,
+                         k_slots=k_slots, key_valid=key_valid, q_segments=segment_ids, k_segments=segment_ids,
+                         dtype=dtype)
 
 
 class LlamaAttention(nnx.Module):
