@@ -121,9 +121,18 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed.astype(self.dtype) * self.weight.get_value().astype(self.dtype)).astype(self.dtype)
+        return _rms_norm(x, self.weight.get_value(), self.eps, self.dtype)
+
+
+def _rms_norm_impl(x, weight, eps: float, dtype):
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed.astype(dtype) * weight.astype(dtype)).astype(dtype)
+
+
+# rematerialised: the backward keeps `x` in its own dtype and recomputes the float32 statistics (differentiated as
+# it is, a bfloat16 model would keep a float32 copy of the hidden state per norm for the backward)
+_rms_norm = jax.checkpoint(_rms_norm_impl, static_argnums=(2, 3))
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #f25506d7
 def rope_inv_freq(
@@ -153,7 +162,13 @@ def apply_rotary(
     positions: jax.Array,  # positions `(batch, length)`
     inv_freq: jax.Array,  # from `rope_inv_freq`
 ) -> jax.Array:
-    "Rotate `x (batch, length, heads, head_dim)` by `positions (batch, length)`."
+    """Rotate `x (batch, length, heads, head_dim)` by `positions (batch, length)`. Rematerialised: the backward keeps
+    `x`, not the float32 cos and sin of every position, and recomputes them."""
+    return _rotate(x, positions, inv_freq)
+
+
+@jax.checkpoint
+def _rotate(x, positions, inv_freq):
     freqs = positions[..., None].astype(jnp.float32) * inv_freq  # (b, t, d/2)
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(emb), jnp.sin(emb)
@@ -715,10 +730,9 @@ def chunked_causal_lm_loss(
     pad = -n % c  # the last chunk is filled with ignored tokens
     xs = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0))).reshape(-1, c, d)
     ys = jnp.pad(labels.reshape(n), (0, pad), constant_values=config.ignore_index).reshape(-1, c)
-
-    @jax.checkpoint  # the backward recomputes this chunk's logits: none are kept
-    def terms(params, x, y):
-        return _token_terms(head(params, x).astype(jnp.float32), y, config)
+    terms = lambda params, x, y: _token_terms(head(params, x).astype(jnp.float32), y, config)
+    if len(xs) > 1:  # the backward recomputes each chunk's logits: none kept (one chunk: kept, as whole logits are)
+        terms = jax.checkpoint(terms)
 
     _, (nll, lse, correct) = jax.lax.scan(lambda _, xy: (None, terms(head_params, *xy)), None, (xs, ys))
     flat = lambda a: a.reshape(-1)[:n].reshape(b, t)
