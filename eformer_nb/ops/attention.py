@@ -19,7 +19,8 @@ logger = get_logger(__name__)
 
 # %% auto #0
 __all__ = ['logger', 'ATTENTION_MECHANISMS', 'DECODE_ATTENTION_MECHANISMS', 'CASES', 'resolve_attention_mechanism',
-           'visible_mask', 'vanilla_attention', 'blockwise_parts', 'sdpa_attention', 'attention', 'blockwise_attention']
+           'visible_mask', 'vanilla_attention', 'blockwise_parts', 'sdpa_attention', 'attention', 'blockwise_attention',
+           'ring_attention']
 
 # %% ../../nbs/06n_ops.attention.ipynb #66cf856c
 ATTENTION_MECHANISMS: tuple[str, ...] = (
@@ -444,3 +445,76 @@ def _case(name, b=2, t=8, s=None, h=4, kvh=2, d=8, seed=0):
 
 
 CASES = ("causal", "padded", "segments", "cache", "window")
+
+# %% ../../nbs/06n_ops.attention.ipynb #5c01abd7
+def _ring_layout(q, k, mesh, axis):
+    "The mesh, the batch and head axes to shard over (where they divide), or why `ring` cannot run."
+    from eformer_nb.escale import get_current_mesh, mesh_axis_sizes
+    mesh = get_current_mesh() if mesh is None else mesh
+    if mesh is None or axis not in mesh.axis_names:
+        return None, (f"a mesh with a {axis!r} axis in context (jax.set_mesh(mesh)); current mesh axes: "
+                      f"{None if mesh is None else tuple(mesh.axis_names)}")
+    sizes = mesh_axis_sizes(mesh)
+    n, (b, t), (s, kvh) = sizes[axis], q.shape[:2], k.shape[1:3]
+    if t % n or s % n:
+        return None, f"query length {t} and key length {s} must be multiples of the {axis!r} axis size {n}"
+    batch = tuple(a for a in ("dp", "fsdp") if sizes.get(a, 1) > 1)
+    if math.prod(sizes[a] for a in batch) > 1 and b % math.prod(sizes[a] for a in batch):
+        batch = ()
+    heads = "tp" if sizes.get("tp", 1) > 1 and kvh % sizes["tp"] == 0 else None
+    return (mesh, batch or None, heads, n), None
+
+
+def _refuse_ring(q, k, ing, spec, auto=False):
+    return _ring_layout(q, k, None, "sp")[1]
+
+
+def _combine(acc, part):
+    "Merge two partial results `(out, lse)` over disjoint key sets (zero weight for -inf lse)."
+    (oa, la), (ob, lb) = acc, part
+    m = jax.lax.stop_gradient(jnp.maximum(la, lb))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    wa, wb = jnp.exp(la - m), jnp.exp(lb - m)
+    den = wa + wb
+    safe = jnp.where(den > 0, den, 1.0)
+    out = (wa[..., None] * oa + wb[..., None] * ob.astype(jnp.float32)) / safe[..., None]
+    return out, jnp.where(den > 0, m + jnp.log(safe), -jnp.inf)
+
+# %% ../../nbs/06n_ops.attention.ipynb #93ff8df3
+def ring_attention(
+    q, k, v, ing: dict, spec: _Spec,  # as the other runners
+    axis: str = "sp",  # the mesh axis the sequence is split over
+    mesh=None,  # (None: the mesh in context)
+    block_q: int = 512, block_k: int = 512,  # the blockwise tiles on each device
+) -> jax.Array:  # `(b, t, h*d)`
+    "Ring attention over `axis`: each device's query chunk meets every key chunk as they pass round the ring."
+    from jax.sharding import PartitionSpec as P
+    layout, why = _ring_layout(q, k, mesh, axis)
+    if why is not None:
+        raise ValueError(f"attn_mechanism 'ring' needs {why}")
+    mesh, batch, heads, n = layout
+    b, t, _, _ = q.shape
+    s = k.shape[1]
+    qs = jnp.zeros(t, jnp.int32) if ing["q_slots"] is None else jnp.asarray(ing["q_slots"], jnp.int32)
+    ks = jnp.zeros(s, jnp.int32) if ing["k_slots"] is None else jnp.asarray(ing["k_slots"], jnp.int32)
+    kok = jnp.ones((b, s), bool) if ing["key_valid"] is None else ing["key_valid"]
+    segs = () if ing["q_segments"] is None else (ing["q_segments"], ing["k_segments"])
+    perm = [(i, (i + 1) % n) for i in range(n)]
+
+    def local(q, k, v, qs, ks, kok, *segs):
+        qseg, kseg = segs if segs else (None, None)
+        acc = None
+        for step in range(n):
+            part = blockwise_parts(q, k, v, qs, ks, kok, qseg, kseg, spec, block_q, block_k)
+            acc = part if acc is None else _combine(acc, part)
+            if step < n - 1:
+                k, v, ks, kok, kseg = jax.lax.ppermute((k, v, ks, kok, kseg), axis, perm)
+        return _from_grouped(acc[0].astype(spec.dtype))
+
+    qkv, row = P(batch, axis, heads, None), P(batch, axis)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(qkv, qkv, qkv, P(axis), P(axis), row) + (row,) * len(segs),
+                       out_specs=P(batch, axis, heads), check_vma=False)
+    return jax.jit(fn)(q, k, v, qs, ks, kok, *segs)  # eager shard_map dispatches op by op: 10x slower
+
+
+_MECHANISMS["ring"] = (_refuse_ring, ring_attention)
