@@ -447,7 +447,7 @@ def _case(name, b=2, t=8, s=None, h=4, kvh=2, d=8, seed=0):
 
 CASES = ("causal", "padded", "segments", "cache", "window")
 
-# %% ../../nbs/06n_ops.attention.ipynb #5c01abd7
+# %% ../../nbs/06n_ops.attention.ipynb #2ceeef99
 def _ring_layout(q, k, mesh, axis):
     "The mesh, the batch and head axes to shard over (where they divide), or why `ring` cannot run."
     from eformer_nb.escale import get_current_mesh, mesh_axis_sizes
@@ -481,7 +481,7 @@ def _combine(acc, part):
     out = (wa[..., None] * oa + wb[..., None] * ob.astype(jnp.float32)) / safe[..., None]
     return out, jnp.where(den > 0, m + jnp.log(safe), -jnp.inf)
 
-# %% ../../nbs/06n_ops.attention.ipynb #93ff8df3
+# %% ../../nbs/06n_ops.attention.ipynb #c79c91c6
 def ring_attention(
     q, k, v, ing: dict, spec: _Spec,  # as the other runners
     axis: str = "sp",  # the mesh axis the sequence is split over
@@ -504,12 +504,16 @@ def ring_attention(
 
     def local(q, k, v, qs, ks, kok, *segs):
         qseg, kseg = segs if segs else (None, None)
-        acc = None
-        for step in range(n):
-            part = blockwise_parts(q, k, v, qs, ks, kok, qseg, kseg, spec, block_q, block_k)
-            acc = part if acc is None else _combine(acc, part)
-            if step < n - 1:
-                k, v, ks, kok, kseg = jax.lax.ppermute((k, v, ks, kok, kseg), axis, perm)
+
+        def step(carry, _):  # one scan body (not n unrolled copies: compile time)
+            acc, kv = carry
+            part = blockwise_parts(q, *kv[:2], qs, *kv[2:4], qseg, kv[4], spec, block_q, block_k)
+            return (_combine(acc, part), jax.lax.ppermute(kv, axis, perm)), None
+
+        b_, tl, h_, d_ = q.shape
+        g = h_ // k.shape[2]
+        init = (jnp.zeros((b_, k.shape[2], g, tl, d_), jnp.float32), jnp.full((b_, k.shape[2], g, tl), -jnp.inf))
+        (acc, _), _ = jax.lax.scan(step, (init, (k, v, ks, kok, kseg)), None, length=n)
         return _from_grouped(acc[0].astype(spec.dtype))
 
     qkv, row = P(batch, axis, heads, None), P(batch, axis)
@@ -520,7 +524,7 @@ def ring_attention(
 
 _MECHANISMS["ring"] = (_refuse_ring, ring_attention)
 
-# %% ../../nbs/06n_ops.attention.ipynb #15135d89
+# %% ../../nbs/06n_ops.attention.ipynb #05732945
 _PAD_SEGMENT = -(2 ** 30)  # the segment of padding keys: no query has it
 
 
@@ -555,7 +559,7 @@ def _rows(ing, spec, t):
         vis &= idx - last < spec.sliding_window
     return vis
 
-# %% ../../nbs/06n_ops.attention.ipynb #b669453f
+# %% ../../nbs/06n_ops.attention.ipynb #338500a3
 def _refuse_flash(q, k, ing, spec, auto=False):
     if spec.soft_cap is not None or spec.sliding_window is not None:
         return "logits_soft_cap / sliding_window (Pallas mha has neither)"
@@ -589,7 +593,7 @@ def _flash_run(q, k, v, ing, spec, interpret: bool = False, block: int = 128):
 
 _MECHANISMS["flash_attn2"] = (_refuse_flash, _flash_run)
 
-# %% ../../nbs/06n_ops.attention.ipynb #06569037
+# %% ../../nbs/06n_ops.attention.ipynb #4a02d9bd
 def _refuse_splash(q, k, ing, spec, auto=False):
     if spec.sliding_window is not None and not spec.causal:
         return "sliding_window without causal (splash's LocalMask is used causally here)"
@@ -630,7 +634,7 @@ def _splash_run(q, k, v, ing, spec, interpret: bool = False, block: int = 512):
 
 _MECHANISMS["blocksparse"] = (_refuse_splash, _splash_run)
 
-# %% ../../nbs/06n_ops.attention.ipynb #27e5220b
+# %% ../../nbs/06n_ops.attention.ipynb #670113e1
 def pallas_attention(
     q, k, v,  # as `attention`
     *,
@@ -652,7 +656,7 @@ def pallas_attention(
         raise ValueError(f"attn_mechanism {mechanism!r} cannot take these inputs: {why}")
     return run(q, k, v, ing, spec, interpret=interpret)
 
-# %% ../../nbs/06n_ops.attention.ipynb #2093af16
+# %% ../../nbs/06n_ops.attention.ipynb #8223c9aa
 def _decode_vanilla(q, k, v, ing, spec):
     "One query per row over `k, v (b, s, kvh, d)` as broadcast products (the cache read in its own layout)."
     b, _, h, d = q.shape
