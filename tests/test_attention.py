@@ -41,9 +41,9 @@ def test_bfloat16_blockwise_close_to_vanilla():
 def test_auto_leaves_vanilla_when_scores_are_large():
     small = _case("causal")
     assert _pick("auto", small[0], small[1], *_prepare(*small[:3], **_kw(small[3]))) == "vanilla"
-    big_q = jax.ShapeDtypeStruct((1, 1024, 32, 64), jnp.float32)
-    big_k = jax.ShapeDtypeStruct((1, 1024, 4, 64), jnp.float32)
-    ing, spec = _prepare(big_q, big_k, big_k, **_kw(dict(q_slots=jnp.arange(1024), k_slots=jnp.arange(1024))))
+    big_q = jax.ShapeDtypeStruct((1, 2048, 32, 64), jnp.float32)
+    big_k = jax.ShapeDtypeStruct((1, 2048, 4, 64), jnp.float32)
+    ing, spec = _prepare(big_q, big_k, big_k, **_kw(dict(q_slots=jnp.arange(2048), k_slots=jnp.arange(2048))))
     assert _pick("auto", big_q, big_k, ing, spec) == "blockwise"
 
 
