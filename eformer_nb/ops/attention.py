@@ -12,6 +12,7 @@ import typing as tp
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..loggings import get_logger
 
@@ -19,7 +20,8 @@ logger = get_logger(__name__)
 
 # %% auto #0
 __all__ = ['logger', 'ATTENTION_MECHANISMS', 'DECODE_ATTENTION_MECHANISMS', 'CASES', 'resolve_attention_mechanism',
-           'visible_mask', 'vanilla_attention', 'blockwise_parts', 'sdpa_attention', 'attention', 'blockwise_attention']
+           'visible_mask', 'vanilla_attention', 'blockwise_parts', 'sdpa_attention', 'attention', 'blockwise_attention',
+           'ring_attention', 'pallas_attention', 'decode_attention']
 
 # %% ../../nbs/06n_ops.attention.ipynb #66cf856c
 ATTENTION_MECHANISMS: tuple[str, ...] = (
@@ -322,6 +324,9 @@ _VANILLA_AUTO_BYTES = 1 << 28  # "auto" leaves "vanilla" for "blockwise" when th
 
 
 def _refuse_vanilla(q, k, ing, spec, auto=False):
+    # nbs/benchmarks/attention.ipynb (CPU, one thread) measured blockwise faster from 2048 tokens (fwd 0.29x,
+    # fwd+bwd 0.46x of vanilla's time) and even at 512; "auto" still keeps vanilla, the reference, while its scores
+    # are small, so a model's CPU numbers do not move under its feet. A rule by speed is a one-line change here.
     b, t, h, _ = q.shape
     if auto and b * h * t * k.shape[1] * 4 > _VANILLA_AUTO_BYTES:
         return f"its float32 scores would take {b * h * t * k.shape[1] * 4 / 2**20:.0f} MiB"
@@ -444,3 +449,245 @@ def _case(name, b=2, t=8, s=None, h=4, kvh=2, d=8, seed=0):
 
 
 CASES = ("causal", "padded", "segments", "cache", "window")
+
+# %% ../../nbs/06n_ops.attention.ipynb #2ceeef99
+def _ring_layout(q, k, mesh, axis):
+    "The mesh, the batch and head axes to shard over (where they divide), or why `ring` cannot run."
+    from eformer_nb.escale import get_current_mesh, mesh_axis_sizes
+    mesh = get_current_mesh() if mesh is None else mesh
+    if mesh is None or axis not in mesh.axis_names:
+        return None, (f"a mesh with a {axis!r} axis in context (jax.set_mesh(mesh)); current mesh axes: "
+                      f"{None if mesh is None else tuple(mesh.axis_names)}")
+    sizes = mesh_axis_sizes(mesh)
+    n, (b, t), (s, kvh) = sizes[axis], q.shape[:2], k.shape[1:3]
+    if t % n or s % n:
+        return None, f"query length {t} and key length {s} must be multiples of the {axis!r} axis size {n}"
+    batch = tuple(a for a in ("dp", "fsdp") if sizes.get(a, 1) > 1)
+    if math.prod(sizes[a] for a in batch) > 1 and b % math.prod(sizes[a] for a in batch):
+        batch = ()
+    heads = "tp" if sizes.get("tp", 1) > 1 and kvh % sizes["tp"] == 0 else None
+    return (mesh, batch or None, heads, n), None
+
+
+def _refuse_ring(q, k, ing, spec, auto=False):
+    return _ring_layout(q, k, None, "sp")[1]
+
+
+def _combine(acc, part):
+    "Merge two partial results `(out, lse)` over disjoint key sets (zero weight for -inf lse)."
+    (oa, la), (ob, lb) = acc, part
+    m = jax.lax.stop_gradient(jnp.maximum(la, lb))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    wa, wb = jnp.exp(la - m), jnp.exp(lb - m)
+    den = wa + wb
+    safe = jnp.where(den > 0, den, 1.0)
+    out = (wa[..., None] * oa + wb[..., None] * ob.astype(jnp.float32)) / safe[..., None]
+    return out, jnp.where(den > 0, m + jnp.log(safe), -jnp.inf)
+
+# %% ../../nbs/06n_ops.attention.ipynb #c79c91c6
+def ring_attention(
+    q, k, v, ing: dict, spec: _Spec,  # as the other runners
+    axis: str = "sp",  # the mesh axis the sequence is split over
+    mesh=None,  # (None: the mesh in context)
+    block_q: int = 512, block_k: int = 512,  # the blockwise tiles on each device
+) -> jax.Array:  # `(b, t, h*d)`
+    "Ring attention over `axis`: each device's query chunk meets every key chunk as they pass round the ring."
+    from jax.sharding import PartitionSpec as P
+    layout, why = _ring_layout(q, k, mesh, axis)
+    if why is not None:
+        raise ValueError(f"attn_mechanism 'ring' needs {why}")
+    mesh, batch, heads, n = layout
+    b, t, _, _ = q.shape
+    s = k.shape[1]
+    qs = jnp.zeros(t, jnp.int32) if ing["q_slots"] is None else jnp.asarray(ing["q_slots"], jnp.int32)
+    ks = jnp.zeros(s, jnp.int32) if ing["k_slots"] is None else jnp.asarray(ing["k_slots"], jnp.int32)
+    kok = jnp.ones((b, s), bool) if ing["key_valid"] is None else ing["key_valid"]
+    segs = () if ing["q_segments"] is None else (ing["q_segments"], ing["k_segments"])
+    perm = [(i, (i + 1) % n) for i in range(n)]
+
+    def local(q, k, v, qs, ks, kok, *segs):
+        qseg, kseg = segs if segs else (None, None)
+
+        def step(carry, _):  # one scan body (not n unrolled copies: compile time)
+            acc, kv = carry
+            part = blockwise_parts(q, *kv[:2], qs, *kv[2:4], qseg, kv[4], spec, block_q, block_k)
+            return (_combine(acc, part), jax.lax.ppermute(kv, axis, perm)), None
+
+        b_, tl, h_, d_ = q.shape
+        g = h_ // k.shape[2]
+        init = (jnp.zeros((b_, k.shape[2], g, tl, d_), jnp.float32), jnp.full((b_, k.shape[2], g, tl), -jnp.inf))
+        (acc, _), _ = jax.lax.scan(step, (init, (k, v, ks, kok, kseg)), None, length=n)
+        return _from_grouped(acc[0].astype(spec.dtype))
+
+    qkv, row = P(batch, axis, heads, None), P(batch, axis)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(qkv, qkv, qkv, P(axis), P(axis), row) + (row,) * len(segs),
+                       out_specs=P(batch, axis, heads), check_vma=False)
+    return jax.jit(fn)(q, k, v, qs, ks, kok, *segs)  # eager shard_map dispatches op by op: 10x slower
+
+
+_MECHANISMS["ring"] = (_refuse_ring, ring_attention)
+
+# %% ../../nbs/06n_ops.attention.ipynb #05732945
+_PAD_SEGMENT = -(2 ** 30)  # the segment of padding keys: no query has it
+
+
+def _self_attention_why(name, q, k, ing, spec):
+    "Why a self-attention kernel cannot take these inputs (None: it can)."
+    if q.shape[1] != k.shape[1]:
+        return (f"query length {q.shape[1]} != key length {k.shape[1]}: {name} is a self-attention kernel "
+                f"(causal by array position); a KV cache step needs 'blockwise', 'vanilla', 'sdpa' or 'cudnn'")
+    for a, b in (("q_slots", "k_slots"), ("q_segments", "k_segments")):
+        x, y = ing[a], ing[b]
+        if x is not y and not isinstance(x, jax.core.Tracer) and not isinstance(y, jax.core.Tracer) \
+                and x is not None and not np.array_equal(np.asarray(x), np.asarray(y)):
+            return f"{a} != {b}: {name} is a self-attention kernel"
+    return None
+
+
+def _rows(ing, spec, t):
+    "`(b, t)` bool: which queries see some key (None: all), for self-attention with contiguous segments."
+    kv, qseg = ing["key_valid"], ing["q_segments"]
+    if kv is None and qseg is None:
+        return None
+    if kv is None:  # segments alone: every query sees itself
+        return None
+    if not spec.causal:
+        return visible_mask(**ing, causal=False, sliding_window=None).any(-1)
+    idx = jnp.arange(t)
+    last = jax.lax.cummax(jnp.where(kv, idx, -1), axis=1)  # the last real key at or before each query
+    vis = last >= 0
+    if qseg is not None:
+        vis &= jnp.take_along_axis(ing["k_segments"], jnp.maximum(last, 0), 1) == qseg
+    if spec.sliding_window is not None:
+        vis &= idx - last < spec.sliding_window
+    return vis
+
+# %% ../../nbs/06n_ops.attention.ipynb #338500a3
+def _refuse_flash(q, k, ing, spec, auto=False):
+    if spec.soft_cap is not None or spec.sliding_window is not None:
+        return "logits_soft_cap / sliding_window (Pallas mha has neither)"
+    return _self_attention_why("flash_attn2", q, k, ing, spec)
+
+
+def _flash_run(q, k, v, ing, spec, interpret: bool = False, block: int = 128):
+    "Pallas `mha` on `q (b,t,h,d)`, KV heads repeated, padding by segment ids, rows that see nothing zeroed."
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+    b, t, h, d = q.shape
+    g = h // k.shape[2]
+    blk = min(block, max(16, 1 << (t - 1).bit_length()))
+    kv, qseg = ing["key_valid"], ing["q_segments"]
+    seg = None
+    if kv is not None or qseg is not None or t % blk:
+        seg = jnp.zeros((b, t), jnp.int32) if qseg is None else jnp.asarray(qseg, jnp.int32)
+        seg = seg if kv is None else jnp.where(kv, seg, _PAD_SEGMENT)
+        seg = _pad_to(seg, blk, 1, _PAD_SEGMENT)
+    c = lambda x, n: _pad_to(x.astype(spec.dtype), blk, 1) if n == 1 else _pad_to(jnp.repeat(x.astype(spec.dtype), n, 2), blk, 1)
+    bwd = min(32, blk)
+    sizes = pallas_attention.BlockSizes(block_q=blk, block_k=blk, block_q_dkv=bwd, block_kv_dkv=bwd, block_q_dq=bwd,
+                                        block_kv_dq=bwd)
+    out = pallas_attention.mha(c(q, 1), c(k, g), c(v, g), seg, sm_scale=spec.scale, causal=spec.causal,
+                               block_sizes=sizes, interpret=interpret)[:, :t]
+    vis = _rows(ing, spec, t)
+    if vis is not None:
+        out = jnp.where(vis[:, :, None, None], out, 0.0)
+        out = jnp.where((vis & ~kv)[:, :, None, None], jnp.nan, out)  # a padding query that sees real keys
+    return out.astype(spec.dtype).reshape(b, t, h * d)
+
+
+_MECHANISMS["flash_attn2"] = (_refuse_flash, _flash_run)
+
+# %% ../../nbs/06n_ops.attention.ipynb #4a02d9bd
+def _refuse_splash(q, k, ing, spec, auto=False):
+    if spec.sliding_window is not None and not spec.causal:
+        return "sliding_window without causal (splash's LocalMask is used causally here)"
+    return _self_attention_why("blocksparse", q, k, ing, spec)
+
+
+def _splash_run(q, k, v, ing, spec, interpret: bool = False, block: int = 512):
+    "Splash attention (MQA kernel mapped over batch and KV heads) with segment ids for padding and packing."
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+    b, t, h, d = q.shape
+    kvh = k.shape[2]
+    g = h // kvh
+    T = -(-t // 128) * 128
+    blk = math.gcd(min(block, T), T)
+    if spec.sliding_window is not None:
+        one = sm.LocalMask((T, T), window_size=(spec.sliding_window - 1, 0), offset=0)
+    else:
+        one = sm.CausalMask((T, T)) if spec.causal else sm.FullMask((T, T))
+    sizes = sk.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk, block_q_dkv=blk, block_kv_dkv=blk,
+                          block_kv_dkv_compute=blk, block_q_dq=blk, block_kv_dq=blk)
+    kernel = sk.make_splash_mqa(sm.MultiHeadMask([one] * g), block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                attn_logits_soft_cap=spec.soft_cap, interpret=interpret)
+    qseg = jnp.zeros((b, t), jnp.int32) if ing["q_segments"] is None else jnp.asarray(ing["q_segments"], jnp.int32)
+    kseg = qseg if ing["k_segments"] is None else jnp.asarray(ing["k_segments"], jnp.int32)
+    kseg = kseg if ing["key_valid"] is None else jnp.where(ing["key_valid"], kseg, _PAD_SEGMENT)
+    seg = sk.SegmentIds(q=_pad_to(qseg, T, 1, _PAD_SEGMENT + 1), kv=_pad_to(kseg, T, 1, _PAD_SEGMENT))
+    qg = (q.astype(jnp.float32) * spec.scale).astype(spec.dtype).reshape(b, t, kvh, g, d)
+    qg = jnp.transpose(_pad_to(qg, T, 1), (0, 2, 3, 1, 4))  # (b, kvh, g, T, d)
+    kt = lambda x: jnp.transpose(_pad_to(x.astype(spec.dtype), T, 1), (0, 2, 1, 3))  # (b, kvh, T, d)
+    per_head = jax.vmap(kernel, in_axes=(0, 0, 0, None))
+    out = jax.vmap(per_head, in_axes=(0, 0, 0, 0))(qg, kt(k), kt(v), seg)[:, :, :, :t]  # (b, kvh, g, t, d)
+    vis = _rows(ing, spec, t)
+    if vis is not None:
+        out = jnp.where(vis[:, None, None, :, None], out, 0.0)
+    return _from_grouped(out.astype(spec.dtype))
+
+
+_MECHANISMS["blocksparse"] = (_refuse_splash, _splash_run)
+
+# %% ../../nbs/06n_ops.attention.ipynb #670113e1
+def pallas_attention(
+    q, k, v,  # as `attention`
+    *,
+    mechanism: str,  # "flash_attn2" or "blocksparse"
+    interpret: bool = False,  # Pallas interpret mode (any backend, slow): how they are tested on a CPU
+    **kw,  # the mask ingredients and options of `attention`
+) -> jax.Array:
+    "`attention(mechanism=...)` for the two Pallas kernels, on any backend when `interpret=True`."
+    if mechanism not in ("flash_attn2", "blocksparse"):
+        raise ValueError(f"pallas_attention takes 'flash_attn2' or 'blocksparse', got {mechanism!r}")
+    ing, spec = _prepare(q, k, v, **{n: kw.pop(n, None) for n in (
+        "q_slots", "k_slots", "key_valid", "q_segments", "k_segments", "dtype", "softmax_scale", "sliding_window",
+        "logits_soft_cap")}, causal=kw.pop("causal", True))
+    if kw:
+        raise ValueError(f"unknown arguments {sorted(kw)} for pallas_attention")
+    refuse, run = _MECHANISMS[mechanism]
+    why = refuse(q, k, ing, spec)
+    if why is not None:
+        raise ValueError(f"attn_mechanism {mechanism!r} cannot take these inputs: {why}")
+    return run(q, k, v, ing, spec, interpret=interpret)
+
+# %% ../../nbs/06n_ops.attention.ipynb #8223c9aa
+def _decode_vanilla(q, k, v, ing, spec):
+    "One query per row over `k, v (b, s, kvh, d)` as broadcast products (the cache read in its own layout)."
+    b, _, h, d = q.shape
+    kvh = k.shape[2]
+    mask = visible_mask(**ing, causal=spec.causal, sliding_window=spec.sliding_window, shape=(1, k.shape[1]))
+    qg = q.reshape(b, 1, kvh, h // kvh, d).astype(jnp.float32)
+    s = jnp.sum(qg * k.astype(jnp.float32)[:, :, :, None, :], -1) * spec.scale  # (b, s, kvh, g)
+    if spec.soft_cap is not None:
+        s = spec.soft_cap * jnp.tanh(s / spec.soft_cap)
+    m = mask[:, 0, :, None, None]
+    p = jax.nn.softmax(jnp.where(m, s, jnp.finfo(jnp.float32).min), axis=1)
+    p = jnp.where(m.any(1, keepdims=True), p, 0.0).astype(spec.dtype).astype(jnp.float32)
+    out = jnp.sum(p[..., None] * v.astype(jnp.float32)[:, :, :, None, :], 1)  # (b, kvh, g, d)
+    return out.astype(spec.dtype).reshape(b, 1, h * d)
+
+
+def decode_attention(
+    q, k, v,  # `q (b, 1, h, d)`; `k, v (b, s, kvh, d)` (a layer's cache)
+    *,
+    mechanism: str = "auto",  # one of `DECODE_ATTENTION_MECHANISMS`
+    q_slots=None, k_slots=None, key_valid=None, q_segments=None, k_segments=None,  # as `attention`
+    dtype=None, softmax_scale=None, sliding_window=None, logits_soft_cap=None, causal=True,  # as `attention`
+) -> jax.Array:  # `(b, 1, h*d)`
+    "`attention` for one query per row, by a decode mechanism."
+    if q.ndim != 4 or q.shape[1] != 1:
+        raise ValueError(f"decode_attention takes one query per row, got q of shape {tuple(q.shape)}; "
+                         "use attention for longer queries")
+    ing, spec = _prepare(q, k, v, q_slots, k_slots, key_valid, q_segments, k_segments, dtype, softmax_scale,
+                         sliding_window, logits_soft_cap, causal)
+    name = _pick(mechanism, q, k, ing, spec, decode=True)
+    return (_decode_vanilla if name == "vanilla" else _MECHANISMS[name][1])(q, k, v, ing, spec)

@@ -1,0 +1,65 @@
+"""eformer_nb.ops.attention beyond the notebook's examples: a traced KV-cache index, bfloat16, "auto"'s choice by
+size, and the memory XLA plans for the blockwise backward (the notebook holds the equality checks per case)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eformer_nb.ops.attention import _case, _pick, _prepare, attention, blockwise_attention, decode_attention
+
+
+@pytest.mark.parametrize("mechanism", ["vanilla", "blockwise", "sdpa"])
+def test_traced_cache_index(mechanism):
+    """q_slots = index + arange(t) with `index` traced under jit (the KV cache) equals the concrete slots."""
+    q, k, v, kw = _case("cache", s=12)
+    start = int(kw["q_slots"][0])
+    fn = jax.jit(lambda i: attention(q, k, v, mechanism=mechanism, **{**kw, "q_slots": i + jnp.arange(8)}))
+    np.testing.assert_allclose(fn(jnp.int32(start)), attention(q, k, v, mechanism="vanilla", **kw), atol=1e-5)
+    assert not np.allclose(fn(jnp.int32(start + 1)), fn(jnp.int32(start)))  # the index is really used
+
+
+def test_traced_decode_index():
+    q, k, v, kw = _case("cache", t=1, s=12)
+    kw["key_valid"] = jnp.ones((2, 12), bool)
+    for mechanism in ("vanilla", "blockwise"):
+        fn = jax.jit(lambda i, m=mechanism: decode_attention(q, k, v, mechanism=m, **{**kw, "q_slots": i[None]}))
+        for i in (0, 5, 11):
+            np.testing.assert_allclose(fn(jnp.int32(i)), attention(q, k, v, mechanism="vanilla",
+                                                                    **{**kw, "q_slots": jnp.array([i])}), atol=1e-5)
+
+
+def test_bfloat16_blockwise_close_to_vanilla():
+    """In bfloat16 (probabilities and output in bf16, statistics in f32) blockwise stays within bf16 rounding."""
+    q, k, v, kw = _case("padded", t=64, h=8, kvh=2, d=32)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    ref = attention(q, k, v, mechanism="vanilla", **kw)
+    got = blockwise_attention(q, k, v, block_q=16, block_k=24, **kw)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=2e-2, rtol=2e-2)
+
+
+def test_auto_leaves_vanilla_when_scores_are_large():
+    small = _case("causal")
+    assert _pick("auto", small[0], small[1], *_prepare(*small[:3], **_kw(small[3]))) == "vanilla"
+    big_q = jax.ShapeDtypeStruct((1, 2048, 32, 64), jnp.float32)
+    big_k = jax.ShapeDtypeStruct((1, 2048, 4, 64), jnp.float32)
+    ing, spec = _prepare(big_q, big_k, big_k, **_kw(dict(q_slots=jnp.arange(2048), k_slots=jnp.arange(2048))))
+    assert _pick("auto", big_q, big_k, ing, spec) == "blockwise"
+
+
+def _kw(kw):
+    names = ("q_slots", "k_slots", "key_valid", "q_segments", "k_segments", "dtype", "softmax_scale",
+             "sliding_window", "logits_soft_cap")
+    return {**{n: kw.get(n) for n in names}, "causal": True}
+
+
+def test_blockwise_backward_memory_is_linear():
+    """4x the tokens: at most 4.5x the temporary bytes XLA plans for blockwise fwd+bwd; vanilla about 16x."""
+    def temp(mechanism, t):
+        q, k = jax.ShapeDtypeStruct((2, t, 8, 32), jnp.float32), jax.ShapeDtypeStruct((2, t, 2, 32), jnp.float32)
+        loss = lambda q, k, v: attention(q, k, v, mechanism=mechanism, q_slots=jnp.arange(t),
+                                         k_slots=jnp.arange(t), key_valid=jnp.ones((2, t), bool)).sum()
+        return jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, k).compile().memory_analysis().temp_size_in_bytes
+    blockwise = temp("blockwise", 8192) / temp("blockwise", 2048)
+    vanilla = temp("vanilla", 8192) / temp("vanilla", 2048)
+    assert blockwise <= 4.5 and vanilla >= 10, (blockwise, vanilla)
