@@ -1,5 +1,6 @@
 """eformer_nb.ops.attention beyond the notebook's examples: a traced KV-cache index, bfloat16, "auto"'s choice by
-size, and the memory XLA plans for the blockwise backward (the notebook holds the equality checks per case)."""
+size; and cheap repeats of two notebook checks (blockwise with ragged tiles, ring on 8 devices) that the mutations in
+tests/mutations/attention.yaml target. The notebook holds the equality checks per case and the memory growth."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,13 +54,29 @@ def _kw(kw):
     return {**{n: kw.get(n) for n in names}, "causal": True}
 
 
-def test_blockwise_backward_memory_is_linear():
-    """4x the tokens: at most 4.5x the temporary bytes XLA plans for blockwise fwd+bwd; vanilla about 16x."""
-    def temp(mechanism, t):
-        q, k = jax.ShapeDtypeStruct((2, t, 8, 32), jnp.float32), jax.ShapeDtypeStruct((2, t, 2, 32), jnp.float32)
-        loss = lambda q, k, v: attention(q, k, v, mechanism=mechanism, q_slots=jnp.arange(t),
-                                         k_slots=jnp.arange(t), key_valid=jnp.ones((2, t), bool)).sum()
-        return jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, k).compile().memory_analysis().temp_size_in_bytes
-    blockwise = temp("blockwise", 8192) / temp("blockwise", 2048)
-    vanilla = temp("vanilla", 8192) / temp("vanilla", 2048)
-    assert blockwise <= 4.5 and vanilla >= 10, (blockwise, vanilla)
+def _grads_match(fn, case, s=None, tol=1e-5):
+    "`fn(q, k, v, **kw)` against vanilla on `_case(case)`: output and gradients wrt q, k, v."
+    q, k, v, kw = _case(case, s=s)
+    w = jax.random.normal(jax.random.key(1), (q.shape[0], q.shape[1], q.shape[2] * q.shape[3]))
+    ref_fn = lambda q, k, v: attention(q, k, v, mechanism="vanilla", **kw)
+    got = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(w * fn(*a, **kw)), (0, 1, 2)))(q, k, v)
+    ref = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(w * ref_fn(*a)), (0, 1, 2)))(q, k, v)
+    np.testing.assert_allclose(jax.jit(lambda *a: fn(*a, **kw))(q, k, v), ref_fn(q, k, v), atol=tol, rtol=tol)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("case", ["cache", "window"])  # the notebook checks every case; these two are the cheap
+def test_blockwise_ragged_tiles_equal_vanilla(case):  # targets of tests/mutations/attention.yaml
+    """Tiles of 3 x 5 (the last ones padded, causal tiles skipped, statistics carried): outputs and gradients."""
+    _grads_match(lambda q, k, v, **kw: blockwise_attention(q, k, v, block_q=3, block_k=5, **kw), case,
+                 s=12 if case == "cache" else None)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+@pytest.mark.parametrize("case", ["padded"])
+def test_ring_on_8_devices_equals_vanilla(case):
+    from eformer_nb.escale import create_mesh
+    with jax.set_mesh(create_mesh((1, 1, 1, 2, 4))):
+        _grads_match(lambda q, k, v, **kw: attention(q, k, v, mechanism="ring", **kw), case,
+                     s=16 if case == "cache" else None)

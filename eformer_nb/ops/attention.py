@@ -308,8 +308,8 @@ def _row_visible(mask):
 def sdpa_attention(q, k, v, ing: dict, spec: _Spec, implementation: str = "xla"):
     "`jax.nn.dot_product_attention` (XLA or cuDNN) over the mask built from the ingredients `ing`."
     b, t, h, d = q.shape
-    plain = (implementation == "cudnn" and spec.causal and t == k.shape[1] and spec.sliding_window is None
-             and ing["key_valid"] is None and ing["q_segments"] is None)
+    plain = (implementation == "cudnn" and spec.causal and spec.sliding_window is None and ing["key_valid"] is None
+             and ing["q_segments"] is None and _self_attention_why("cudnn", q, k, ing, spec) is None)
     mask = None if plain else visible_mask(**ing, causal=spec.causal, sliding_window=spec.sliding_window,
                                            shape=(t, k.shape[1]))
     c = lambda x: x.astype(spec.dtype)
