@@ -281,8 +281,8 @@ def _shard(config, x, preset):
 
 
 def _attend(c, q, k, v, q_slots, key_valid, segment_ids, dtype, decode: bool, stacked: bool):
-    """`ops.attention` with `c.attn_mechanism`, or for a one-token step over a cache (`decode`) the
-    `c.decode_attn_mechanism`. A "vanilla" decode step keeps the two dense forms above: `decode_attention` over a
+    """`ops.attention` with `c.attn_mechanism`, or for a one-token step over a cache (`decode`) `ops.decode_attention`
+    with `c.decode_attn_mechanism`. A "vanilla" decode step keeps the two dense forms above: `decode_attention` over a
     layer's own cache (generate's dispatched steps on CPU), `grouped_attention` over a slice of the stacked cache
     inside the layer scan (where XLA:CPU fuses the slice into the sums of the decode form: 5x slower at batch 8)."""
     from eformer_nb.ops import attention as ops
@@ -290,9 +290,11 @@ def _attend(c, q, k, v, q_slots, key_valid, segment_ids, dtype, decode: bool, st
     if decode and ops.resolve_attention_mechanism(c.decode_attn_mechanism, decode=True) == "vanilla":
         mask = make_attention_mask(q_slots, k_slots, key_valid)
         return (grouped_attention if stacked else decode_attention)(q, k, v, mask, dtype)
-    return ops.attention(q, k, v, mechanism=c.decode_attn_mechanism if decode else c.attn_mechanism, q_slots=q_slots,
-                         k_slots=k_slots, key_valid=key_valid, q_segments=segment_ids, k_segments=segment_ids,
-                         dtype=dtype)
+    kw = dict(q_slots=q_slots, k_slots=k_slots, key_valid=key_valid, q_segments=segment_ids, k_segments=segment_ids,
+              dtype=dtype)
+    if decode:
+        return ops.decode_attention(q, k, v, mechanism=c.decode_attn_mechanism, **kw)
+    return ops.attention(q, k, v, mechanism=c.attn_mechanism, **kw)
 
 
 class LlamaAttention(nnx.Module):
