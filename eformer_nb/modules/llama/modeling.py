@@ -15,6 +15,7 @@ import weakref
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from fastcore.basics import patch
 from flax import nnx
 
@@ -29,8 +30,8 @@ from .configuration import LlamaConfig
 # %% auto #0
 __all__ = ['Linear', 'Embed', 'RMSNorm', 'rope_inv_freq', 'apply_rotary', 'LayerCache', 'TransformerCache', 'TransformerMetadata',
            'make_attention_mask', 'grouped_attention', 'decode_attention', 'LlamaAttention', 'LlamaMLP',
-           'LlamaDecoderLayer', 'stack_layers', 'using_stacked_layers', 'LlamaModel', 'causal_lm_loss',
-           'LlamaForCausalLM', 'flatten_params']
+           'LlamaDecoderLayer', 'gradient_checkpoint_policy', 'stack_layers', 'using_stacked_layers', 'LlamaModel',
+           'causal_lm_loss', 'chunked_causal_lm_loss', 'LlamaForCausalLM', 'flatten_params']
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #60798828
 def _normal(key, shape, std, dtype):
@@ -120,9 +121,18 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed.astype(self.dtype) * self.weight.get_value().astype(self.dtype)).astype(self.dtype)
+        return _rms_norm(x, self.weight.get_value(), self.eps, self.dtype)
+
+
+def _rms_norm_impl(x, weight, eps: float, dtype):
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed.astype(dtype) * weight.astype(dtype)).astype(dtype)
+
+
+# rematerialised: the backward keeps `x` in its own dtype and recomputes the float32 statistics (differentiated as
+# it is, a bfloat16 model would keep a float32 copy of the hidden state per norm for the backward)
+_rms_norm = jax.checkpoint(_rms_norm_impl, static_argnums=(2, 3))
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #f25506d7
 def rope_inv_freq(
@@ -152,7 +162,13 @@ def apply_rotary(
     positions: jax.Array,  # positions `(batch, length)`
     inv_freq: jax.Array,  # from `rope_inv_freq`
 ) -> jax.Array:
-    "Rotate `x (batch, length, heads, head_dim)` by `positions (batch, length)`."
+    """Rotate `x (batch, length, heads, head_dim)` by `positions (batch, length)`. Rematerialised: the backward keeps
+    `x`, not the float32 cos and sin of every position, and recomputes them."""
+    return _rotate(x, positions, inv_freq)
+
+
+@jax.checkpoint
+def _rotate(x, positions, inv_freq):
     freqs = positions[..., None].astype(jnp.float32) * inv_freq  # (b, t, d/2)
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(emb), jnp.sin(emb)
@@ -264,6 +280,23 @@ def _shard(config, x, preset):
     return config.partition_manager.shard(x, dynamic_axes=preset)
 
 
+def _attend(c, q, k, v, q_slots, key_valid, segment_ids, dtype, decode: bool, stacked: bool):
+    """`ops.attention` with `c.attn_mechanism`, or for a one-token step over a cache (`decode`) `ops.decode_attention`
+    with `c.decode_attn_mechanism`. A "vanilla" decode step keeps the two dense forms above: `decode_attention` over a
+    layer's own cache (generate's dispatched steps on CPU), `grouped_attention` over a slice of the stacked cache
+    inside the layer scan (where XLA:CPU fuses the slice into the sums of the decode form: 5x slower at batch 8)."""
+    from eformer_nb.ops import attention as ops
+    k_slots = jnp.arange(k.shape[1])
+    if decode and ops.resolve_attention_mechanism(c.decode_attn_mechanism, decode=True) == "vanilla":
+        mask = make_attention_mask(q_slots, k_slots, key_valid)
+        return (grouped_attention if stacked else decode_attention)(q, k, v, mask, dtype)
+    kw = dict(q_slots=q_slots, k_slots=k_slots, key_valid=key_valid, q_segments=segment_ids, k_segments=segment_ids,
+              dtype=dtype)
+    if decode:
+        return ops.decode_attention(q, k, v, mechanism=c.decode_attn_mechanism, **kw)
+    return ops.attention(q, k, v, mechanism=c.attn_mechanism, **kw)
+
+
 class LlamaAttention(nnx.Module):
     "Grouped-query self-attention with rotary embeddings; reads and writes a layer's KV cache when given one."
 
@@ -294,6 +327,7 @@ class LlamaAttention(nnx.Module):
         inv = rope_inv_freq(c)
         q, k = apply_rotary(q, positions, inv), apply_rotary(k, positions, inv)
         q, k, v = _shard(c, q, AttnQSharding), _shard(c, k, AttnKVSharding), _shard(c, v, AttnKVSharding)
+        q, k, v = checkpoint_name(q, "attn_query"), checkpoint_name(k, "attn_key"), checkpoint_name(v, "attn_value")
         q_slots = jnp.arange(t)
         if layer_cache is not None:  # write this step's keys/values at slots [index, index + t) (of layer `layer`)
             lead = () if layer is None else (layer,)  # a stacked cache (layers, ...): this layer's slice, in place
@@ -302,13 +336,9 @@ class LlamaAttention(nnx.Module):
             layer_cache = LayerCache(key=put(layer_cache.key, k), value=put(layer_cache.value, v))
             read = lambda buf: buf if layer is None else jax.lax.dynamic_index_in_dim(buf, layer, 0, keepdims=False)
             k, v, q_slots = read(layer_cache.key), read(layer_cache.value), index + q_slots
-        mask = make_attention_mask(q_slots, jnp.arange(k.shape[1]), key_valid,
-                                   segment_ids, segment_ids if layer_cache is None else None)
-        # a decode step over one layer's own cache (generate's dispatched steps). Not inside the scan, over a slice
-        # of the stacked cache: there XLA:CPU fuses the slice into the sums and ran 5x slower (measured at batch 8)
-        one_layer_step = t == 1 and layer_cache is not None and layer is None
-        out = (decode_attention if one_layer_step else grouped_attention)(q, k, v, mask, self.dtype)
-        return self.o_proj(out), layer_cache
+        out = _attend(c, q, k, v, q_slots, key_valid, segment_ids, self.dtype, t == 1 and layer_cache is not None,
+                      layer is not None)
+        return self.o_proj(checkpoint_name(out, "attn_output")), layer_cache
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #887e9b67
 _ACT = {
@@ -346,7 +376,8 @@ class LlamaMLP(nnx.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, **kw)
 
     def __call__(self, x):
-        return self.down_proj(_ACT[self.act](self.gate_proj(x)) * self.up_proj(x))
+        gate, up = checkpoint_name(self.gate_proj(x), "mlp_gate"), checkpoint_name(self.up_proj(x), "mlp_up")
+        return checkpoint_name(self.down_proj(checkpoint_name(_ACT[self.act](gate) * up, "mlp_intermediate")), "mlp_output")
 
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #93932923
@@ -375,7 +406,7 @@ class LlamaDecoderLayer(nnx.Module):
         attn, layer_cache = self.self_attn(
             self.input_layernorm(h), positions, key_valid, segment_ids, layer_cache, index, layer
         )
-        h = _shard(self.config, h + attn, HiddenStateSharding)
+        h = checkpoint_name(_shard(self.config, h + attn, HiddenStateSharding), "attn_residual")
         h = _shard(self.config, h + self.mlp(self.post_attention_layernorm(h)), HiddenStateSharding)
         return h, layer_cache
 
@@ -414,6 +445,9 @@ def _check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids
                 f"the cache holds batch {cache.key_mask.shape[0]} and {cache.key.shape[0]} layers; the "
                 f"inputs have batch {shape[0]} and the model {config.num_hidden_layers} layers"
             )
+        if segment_ids is not None:
+            raise ValueError("segment_ids (packed sequences) are for forwards without a cache; a cache holds one "
+                             "sequence per row")
         if shape[1] > cache.max_length:
             raise ValueError(f"{shape[1]} tokens do not fit a cache of max_length {cache.max_length}")
     if position_ids is None and cache is None and shape[1] > config.max_position_embeddings:
@@ -473,17 +507,42 @@ def _scannable(layers) -> bool:
     return all(sig(m) == first for m in layers[1:])
 
 
+def gradient_checkpoint_policy(
+    config: LlamaConfig,  # its `gradient_checkpointing` (and `gradient_checkpointing_names`) are read
+):
+    "The `jax.checkpoint` policy of `config.gradient_checkpointing`, or None: no rematerialisation."
+    from eformer_nb.modules.llama.configuration import GRADIENT_CHECKPOINTING
+    gc, cp, names = config.gradient_checkpointing, jax.checkpoint_policies, config.gradient_checkpointing_names or ()
+    if gc in ("", "none"):
+        return None
+    if gc not in GRADIENT_CHECKPOINTING:  # the config validates it; a later assignment is checked here
+        raise ValueError(f"gradient_checkpointing={gc!r}; valid choices are {list(GRADIENT_CHECKPOINTING)}")
+    return getattr(cp, gc)(*names) if gc.startswith("save_") else getattr(cp, gc)
+
+
+def _remat_layer(layer, policy, h, positions, key_valid, segment_ids):
+    "One decoder layer of a forward without a cache under `jax.checkpoint(policy)` (the unrolled path)."
+    graphdef, state = nnx.split(layer)
+    run = lambda state, h: nnx.merge(graphdef, state)(h, positions, key_valid, segment_ids)[0]
+    return jax.checkpoint(run, policy=policy)(state, h)
+
+
 def _run_layers(model, h, positions, key_valid, segment_ids, kv, index, keep_states: bool):
     """The decoder layers over `h`: one `jax.lax.scan` step over their stacked parameters when `model.scan_layers`
     and the layers share one structure (compile time independent of depth), else a Python loop (unrolled). A
     one-token step with a cache (decode) runs unrolled when `model.scan_decode` is False: a scan step slices each
     layer's weights out of the stack, which XLA:CPU does as a copy (all the weights again per token), but the
-    unrolled step compiles every layer (SmolLM2-135M's first `generate` about 5x slower)."""
+    unrolled step compiles every layer (SmolLM2-135M's first `generate` about 5x slower). Without a cache (training)
+    each layer runs under `jax.checkpoint` with the config's `gradient_checkpoint_policy`, when it has one."""
+    policy = gradient_checkpoint_policy(model.config) if kv is None else None
     decode = kv is not None and h.shape[1] == 1 and not model.scan_decode
     if decode or not (model.scan_layers and _scannable(model.layers)):
         states = [h] if keep_states else None
         for i, layer in enumerate(model.layers):
-            h, kv = layer(h, positions, key_valid, segment_ids, kv, index, None if kv is None else i)
+            if policy is not None:  # a forward without a cache
+                h = _remat_layer(layer, policy, h, positions, key_valid, segment_ids)
+            else:
+                h, kv = layer(h, positions, key_valid, segment_ids, kv, index, None if kv is None else i)
             if keep_states:
                 states.append(h)
         return h, kv, states
@@ -498,8 +557,9 @@ def _run_layers(model, h, positions, key_valid, segment_ids, kv, index, keep_sta
     def step(carry, xs):
         h, kv = carry
         i, leaves = xs
-        layer = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-        h, kv = layer(h, positions, key_valid, segment_ids, kv, index, None if kv is None else i)
+        run = lambda leaves, h: nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))(
+            h, positions, key_valid, segment_ids, kv, index, None if kv is None else i)
+        h, kv = (run if policy is None else jax.checkpoint(run, policy=policy, prevent_cse=False))(leaves, h)
         return (h, kv), (h if keep_states else None)
 
     h0 = h
@@ -623,20 +683,62 @@ def causal_lm_loss(
         )
     if config.shift_tokens:
         logits, labels = logits[:, :-1], labels[:, 1:]
-    logits = logits.astype(jnp.float32)
-    valid = labels != config.ignore_index
-    safe = jnp.where(valid, labels, 0)
+    return _reduce_loss(*_token_terms(logits.astype(jnp.float32), labels, config), labels, config)
+
+
+def _token_terms(
+    logits: jax.Array,  # float32 `(..., vocab)`
+    labels: jax.Array,  # `(...)` target ids
+    config: LossConfig,  # its ignore_index and label_smoothing are read
+) -> tuple:
+    "Per token: the (smoothed) negative log-likelihood, the log-sum-exp, and whether the argmax is the label."
+    safe = jnp.where(labels != config.ignore_index, labels, 0)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    logp = logits - lse[..., None]
-    nll = -jnp.take_along_axis(logp, safe[..., None], axis=-1)[..., 0]
+    nll = lse - jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]
     if config.label_smoothing:
-        nll = (1 - config.label_smoothing) * nll - config.label_smoothing * jnp.mean(logp, axis=-1)
+        nll = (1 - config.label_smoothing) * nll - config.label_smoothing * (jnp.mean(logits, axis=-1) - lse)
+    return nll, lse, jnp.argmax(logits, -1) == labels
+
+
+def _reduce_loss(nll, lse, correct, labels, config: LossConfig) -> tuple[jax.Array, LossMetrics]:
+    "Cross-entropy and z-loss over the counted tokens (`labels != ignore_index`), accuracy and their count."
+    valid = labels != config.ignore_index
     n = jnp.sum(valid)
     denom = jnp.maximum(n, 1) if config.reduction == "mean" else 1
     ce = jnp.sum(jnp.where(valid, nll, 0.0)) / denom
     zl = jnp.sum(jnp.where(valid, config.z_loss * lse**2, 0.0)) / denom if config.z_loss else jnp.zeros((), jnp.float32)
-    acc = jnp.sum(valid & (jnp.argmax(logits, -1) == labels)) / jnp.maximum(n, 1)
+    acc = jnp.sum(valid & correct) / jnp.maximum(n, 1)
     return ce + zl, LossMetrics(loss=ce + zl, accuracy=acc, num_tokens=n, z_loss=zl, cross_entropy=ce)
+
+# %% ../../../nbs/12b_modules.llama.modeling.ipynb #b93e941c
+def chunked_causal_lm_loss(
+    hidden: jax.Array,  # final (normed) hidden states `(batch, length, hidden)`
+    labels: jax.Array,  # target ids `(batch, length)` (before the shift, as for `causal_lm_loss`)
+    head: tp.Callable,  # `head(head_params, x (n, hidden)) -> logits (n, vocab)`: the LM head
+    head_params,  # the head's parameters (a pytree), differentiated through
+    config: LossConfig | None = None,  # smoothing, z-loss, reduction (None: the defaults)
+    chunk_size: int = 2048,  # tokens scored at a time
+) -> tuple[jax.Array, LossMetrics]:
+    "`causal_lm_loss(head(hidden), labels)` without the `(batch, length, vocab)` logits: `chunk_size` tokens at a time."
+    config = config or LossConfig()
+    if hidden.ndim != 3 or labels.shape != hidden.shape[:2]:
+        raise ValueError(f"hidden must be (batch, length, hidden) and labels (batch, length); got hidden "
+                         f"{tuple(hidden.shape)} and labels {tuple(labels.shape)}")
+    if config.shift_tokens:
+        hidden, labels = hidden[:, :-1], labels[:, 1:]
+    b, t, d = hidden.shape
+    n = b * t
+    c = max(1, min(chunk_size, n))
+    pad = -n % c  # the last chunk is filled with ignored tokens
+    xs = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0))).reshape(-1, c, d)
+    ys = jnp.pad(labels.reshape(n), (0, pad), constant_values=config.ignore_index).reshape(-1, c)
+    terms = lambda params, x, y: _token_terms(head(params, x).astype(jnp.float32), y, config)
+    if len(xs) > 1:  # the backward recomputes each chunk's logits: none kept (one chunk: kept, as whole logits are)
+        terms = jax.checkpoint(terms)
+
+    _, (nll, lse, correct) = jax.lax.scan(lambda _, xy: (None, terms(head_params, *xy)), None, (xs, ys))
+    flat = lambda a: a.reshape(-1)[:n].reshape(b, t)
+    return _reduce_loss(flat(nll), flat(lse), flat(correct), labels, config)
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #ea0ff972
 def _impl(module: str, name: str) -> tp.Callable:
@@ -1029,20 +1131,37 @@ def _compute_loss(self: LlamaForCausalLM, input_ids=None, labels=None, inputs_em
                   position_ids=None, segment_ids=None, past_key_values=None, cache_metadata=None,
                   output_hidden_states: bool = False, loss_config: LossConfig | None = None,
                   loss_kwargs: dict | None = None, **kwargs) -> tuple[CausalLMOutput, LossMetrics]:
-    "Forward, then `causal_lm_loss`: `(output with .loss, LossMetrics)`; `loss_kwargs` override `loss_config` fields."
+    """Forward, then the loss: `(output with .loss, LossMetrics)`; `loss_kwargs` override `loss_config` fields. With
+    `config.loss_chunk_size` (our own forward) the loss is `chunked_causal_lm_loss` and `.logits` is None."""
     config = loss_config or LossConfig()
     if loss_kwargs:
         config = dataclasses.replace(config, **loss_kwargs)
-    out = self(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, segment_ids=segment_ids,
-               past_key_values=past_key_values, inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states,
-               **kwargs)
     if labels is None:
         if input_ids is None:
             raise ValueError("compute_loss needs labels when called with inputs_embeds")
         labels = input_ids
         if attention_mask is not None:
             labels = jnp.where(attention_mask.astype(bool), labels, config.ignore_index)
-    loss, metrics = causal_lm_loss(out.logits, labels, config)
+    chunk = getattr(self.config, "loss_chunk_size", None)
+    if chunk is not None and type(self).__call__ is LlamaForCausalLM.__call__:  # our head: the hidden states suffice
+        if kwargs:
+            raise TypeError(f"LlamaForCausalLM got unexpected argument(s) {sorted(kwargs)}")
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         segment_ids=segment_ids, past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+                         output_hidden_states=output_hidden_states)
+        out = CausalLMOutput(logits=None, last_hidden_state=out.last_hidden_state, hidden_states=out.hidden_states,
+                             past_key_values=out.past_key_values)
+    else:
+        out, chunk = self(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          segment_ids=segment_ids, past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+                          output_hidden_states=output_hidden_states, **kwargs), None
+    if chunk is None:
+        loss, metrics = causal_lm_loss(out.logits, labels, config)
+    else:
+        graphdef, params = nnx.split(self.model.embed_tokens if self.lm_head is None else self.lm_head)
+        head = ((lambda p, x: nnx.merge(graphdef, p).attend(x, self.precision)) if self.lm_head is None
+                else (lambda p, x: nnx.merge(graphdef, p)(x)))
+        loss, metrics = chunked_causal_lm_loss(out.last_hidden_state, labels, head, params, config, chunk)
     return out.replace(loss=loss), metrics
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #4a53cd25
