@@ -63,7 +63,7 @@ nbtest: install
 	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python .ci/docs_outputs.py nbtest --n-workers $(NBDEV_WORKERS) --flags "$(NBDEV_TEST_FLAGS) $$($(BIN)/python -c 'import torch, transformers; print("hf")' 2>/dev/null)" --timing
 
 pytest: install
-	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python -m pytest -q tests/
+	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python -m pytest -q --durations=25 tests/
 
 # ruff (settings in pyproject.toml): line length 120, unused imports/variables, undefined names. The package is
 # checked at 130: nbdev wraps the `__all__` it generates at 120 characters and then prefixes `__all__ = `.
