@@ -13,6 +13,7 @@ import typing as tp
 import jax
 import jax.numpy as jnp
 import numpy as np
+from fastcore.basics import patch, patch_to
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -21,9 +22,8 @@ from ...jaximus import ImplicitArray, materialize, register
 # %% auto #0
 __all__ = ['GRANULARITIES', 'NONFINITE_MODES', 'BLOCK_MULTIPLE', 'SMALL_ROW_BLOCK', 'QuantizationType', 'QuantizationConfig',
            'check_float_input', 'split_nonfinite', 'restore_nonfinite', 'check_block_size', 'pad_last',
-           'QuantizedArray', 'leaf_shardings', 'with_sharding', 'with_mesh_and_axis', 'delete', 'eformer_quantize_args',
-           'register_kernels', 'kernels_module', 'dot_out_dtype', 'plain_matmul_kind', 'jaxpr_equations',
-           'check_matmul_program']
+           'QuantizedArray', 'eformer_quantize_args', 'register_kernels', 'kernels_module', 'dot_out_dtype',
+           'plain_matmul_kind', 'jaxpr_equations', 'check_matmul_program']
 
 # %% ../../../nbs/06a_ops.quantization.config.ipynb #d9500117
 class QuantizationType(str, enum.Enum):
@@ -252,12 +252,14 @@ def _convert_quantized(x: QuantizedArray, *, new_dtype, **params):
     return x.astype(new_dtype)
 
 # %% ../../../nbs/06a_ops.quantization.config.ipynb #cb8edf8f
-def _leaf_spec(self, name: str, leaf: jax.Array, spec: tuple) -> tuple:
+@patch
+def _leaf_spec(self: QuantizedArray, name: str, leaf: jax.Array, spec: tuple) -> tuple:
     """The PartitionSpec entries of leaf `name` for the logical array's `spec`: its axes if it has the array's rank,
     else replicated."""
     return spec if leaf.ndim == len(spec) else ()
 
 
+@patch
 def leaf_shardings(
     self: QuantizedArray,
     sharding: NamedSharding,  # a sharding of the logical array (its spec names at most `ndim` axes)
@@ -276,6 +278,7 @@ def leaf_shardings(
             for k, v in leaves.items() if v is not None}
 
 
+@patch
 def with_sharding(
     self: QuantizedArray,
     sharding: NamedSharding,  # the `NamedSharding` of the logical (dense) array
@@ -288,6 +291,7 @@ def with_sharding(
     return dataclasses.replace(self, **placed)
 
 
+@patch
 def with_mesh_and_axis(
     self: QuantizedArray,
     mesh_and_axis: tuple,  # `(mesh, spec)`: spec a PartitionSpec, or an axis name (or None) per axis
@@ -300,7 +304,8 @@ def with_mesh_and_axis(
     return self.with_sharding(NamedSharding(mesh, spec))
 
 # %% ../../../nbs/06a_ops.quantization.config.ipynb #2e79d629
-def _is_sharded(self: QuantizedArray) -> bool:
+@patch(as_prop=True)
+def is_sharded(self: QuantizedArray) -> bool:
     "True when a leaf is split over devices (for traced leaves: when the recorded `sharding` splits the array)."
     leaves = [v for v in jax.tree_util.tree_leaves(self)
               if isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer)]
@@ -310,6 +315,7 @@ def _is_sharded(self: QuantizedArray) -> bool:
     return recorded is not None and not recorded.is_fully_replicated
 
 
+@patch
 def delete(self: QuantizedArray) -> None:
     "Free the device buffers of every leaf (using the array afterwards is an error, as for a deleted `jax.Array`)."
     for v in jax.tree_util.tree_leaves(self):
@@ -317,10 +323,7 @@ def delete(self: QuantizedArray) -> None:
             v.delete()
 
 
-QuantizedArray._leaf_spec, QuantizedArray.leaf_shardings = _leaf_spec, leaf_shardings
-QuantizedArray.with_sharding = QuantizedArray.reshard = with_sharding
-QuantizedArray.with_mesh_and_axis, QuantizedArray.delete = with_mesh_and_axis, delete
-QuantizedArray.is_sharded = property(_is_sharded)
+patch_to(QuantizedArray, nm="reshard")(QuantizedArray.with_sharding)  # eformer's other name
 
 # %% ../../../nbs/06a_ops.quantization.config.ipynb #b5184990
 def eformer_quantize_args(
