@@ -431,8 +431,8 @@ def report(
     return counts
 
 # %% ../nbs/99b_benchmarking.ipynb #cac5b1be
-@patch
-def _repr_markdown_(self: Bench) -> str:
+@patch(nm="_repr_markdown_")  # (`Comparison` has one too: one module-level name each)
+def _bench_markdown(self: Bench) -> str:
     "The page's verdict table in markdown, with its thread budget (Jupyter and the docs render it)."
     rows = ["| measurement | ratio ours/peer | 95% interval | A/A noise | target | verdict |", "|:--|--:|:-:|--:|:--|:--|"]
     for c, t, v in self.rows:

@@ -466,7 +466,7 @@ def shardings(self: EasyDeLState) -> EasyDeLState:
 
 
 @patch
-def shard_with_shape(self: EasyDeLState, shape: EasyDeLState  # a state-shaped tree of `Sharding`s (`None`: leave that leaf as it is)
+def shard_with_shape(self: EasyDeLState, shape: EasyDeLState  # a state-shaped tree of `Sharding`s (`None`: that leaf as it is)
                     ) -> EasyDeLState:
     """The state with each leaf given the sharding at the same place in `shape`: `device_put` outside `jit`, a
     constraint inside."""

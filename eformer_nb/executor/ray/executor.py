@@ -349,8 +349,8 @@ def _resumable(run_one: tp.Callable[[int], JobStatus], max_retries_preemption: i
         time.sleep(retry_delay_s)
 
 
-@patch(cls_method=True)
-def execute_resumable(
+@patch(cls_method=True, nm="execute_resumable")  # (the module's name: its decorator)
+def _execute_resumable(
     cls: RayExecutor,
     remote_fn: tp.Any,  # the function (or Ray remote function) to run
     accelerator_config: ComputeResourceConfig,  # where it runs: a CPU, GPU or TPU config
@@ -371,8 +371,8 @@ def execute_resumable(
                                     max_retries_preemption, max_retries_failure, retry_delay_s), accelerator_config)
 
 # %% ../../../nbs/14d_executor.ray.executor.ipynb #c1457c3e
-@patch(cls_method=True)
-def execute_multislice(
+@patch(cls_method=True, nm="execute_multislice")  # (the module's name: its decorator)
+def _execute_multislice(
     cls: RayExecutor,
     remote_fn: tp.Any,  # the function (or Ray remote function) to run
     accelerator_config: TpuAcceleratorConfig,  # where it runs: a CPU, GPU or TPU config
@@ -390,8 +390,8 @@ def execute_multislice(
                     schedule_timeout_s=schedule_timeout_s, multislice=True)
 
 # %% ../../../nbs/14d_executor.ray.executor.ipynb #58013908
-@patch(cls_method=True)
-def execute_multislice_resumable(
+@patch(cls_method=True, nm="execute_multislice_resumable")  # (the module's name: its decorator)
+def _execute_multislice_resumable(
     cls: RayExecutor,
     remote_fn: tp.Any,  # the function (or Ray remote function) to run
     accelerator_config: TpuAcceleratorConfig,  # where it runs: a CPU, GPU or TPU config
@@ -423,8 +423,8 @@ def _flat(status: JobStatus, flatten: bool, nested: bool) -> JobStatus:
     return status
 
 
-@patch_to(RayExecutor, static_method=True)
-def autoscale_execute(
+@patch_to(RayExecutor, static_method=True, nm="autoscale_execute")  # (the module's name: its decorator)
+def _autoscale_execute(
     remote_fn: tp.Any,  # the function (or Ray remote function) to run
     accelerator_config: ComputeResourceConfig,  # where it runs: a CPU, GPU or TPU config
     flatten: bool = True,  # one flat list of results (else one list per slice)
@@ -442,8 +442,8 @@ def autoscale_execute(
     return _flat(st, flatten, nested=tpu)
 
 # %% ../../../nbs/14d_executor.ray.executor.ipynb #ac8e33e2
-@patch(cls_method=True)
-def autoscale_execute_resumable(
+@patch(cls_method=True, nm="autoscale_execute_resumable")  # (the module's name: its decorator)
+def _autoscale_execute_resumable(
     cls: RayExecutor,
     remote_fn: tp.Any,  # the function (or Ray remote function) to run
     accelerator_config: ComputeResourceConfig,  # where it runs: a CPU, GPU or TPU config
