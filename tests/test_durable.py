@@ -80,3 +80,56 @@ def test_a_version_moved_aside_is_put_back(tmp_path):
     (aside / "metadata.json").write_text("{}")
     assert durable.restore_moved_aside(folder) and (folder / "metadata.json").exists() and not aside.exists()
     assert not durable.restore_moved_aside(folder)  # nothing moved aside now
+
+
+def test_torn_checkpoint_save_is_never_listed(tmp_path, monkeypatch):
+    """A checkpoint save that fails part-way through its arrays leaves only a marked `.partial`: the last committed
+    checkpoint stays the latest, bit-exact, and `clean_stale` removes the leftover."""
+    import numpy as np
+
+    import eformer_nb.serialization.serialization as ser
+    from eformer_nb.serialization.base_manager import clean_stale, list_checkpoints, save_checkpoint_dir
+
+    base = ePath(tmp_path)
+    save_checkpoint_dir({"w": np.arange(4096.0)}, base / "step-12", step=12)()
+    real = ser._write_arrays
+
+    def failing(tree_dir, plan, compression):  # write the first array, then fail: a torn save
+        real(tree_dir, plan._replace(writes=plan.writes[:1]), compression)
+        raise RuntimeError("disk on fire")
+    monkeypatch.setattr(ser, "_write_arrays", failing)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        save_checkpoint_dir({"a": np.ones(2048), "b": np.ones(2048)}, base / "step-20", step=20)()
+    monkeypatch.undo()
+    assert [s for s, _ in list_checkpoints(base)] == [12]
+    assert ser.tree_deserialize_leaves(base / "step-12")["w"].tolist() == np.arange(4096.0).tolist()
+    assert sorted(p.name for p in base.iterdir() if not p.name.startswith(".")) == ["step-12", "step-20.partial"]
+    assert clean_stale(base) == ["step-20.partial"]
+    assert sorted(p.name for p in base.iterdir() if not p.name.startswith(".")) == ["step-12"]
+
+
+def test_half_removed_old_version_is_cleaned_and_the_step_saves_again(tmp_path, monkeypatch):
+    """The old version of a re-save removed part-way (a crash while `remove_marked` runs) is still marked: the next
+    `clean_stale` removes it and the step saves again (an unmarked one made every later save of the step fail with
+    "exists and was not made by eformer_nb")."""
+    import numpy as np
+
+    from eformer_nb.serialization.base_manager import clean_stale, save_checkpoint_dir
+
+    base = ePath(tmp_path)
+    d = base / "step-30.partial"
+    (d / "arrays").mkdir(parents=True)
+    for name in (MARKER_FILE, "a.bin", "arrays/c.bin", "z.bin"):
+        (d / name).write_text(name)
+    real_unlink = os.unlink
+
+    def killed_at_z(path, *args, **kwargs):
+        if os.fspath(path).endswith("z.bin"):
+            raise RuntimeError("killed while removing the old version")
+        return real_unlink(path, *args, **kwargs)
+    monkeypatch.setattr(os, "unlink", killed_at_z)
+    with pytest.raises(RuntimeError, match="killed while removing"):
+        remove_marked(d)
+    monkeypatch.undo()
+    assert clean_stale(base) == ["step-30.partial"]
+    assert save_checkpoint_dir({"w": np.ones(3)}, base / "step-30", step=30)().name == "step-30"
