@@ -32,10 +32,8 @@ def test_fresh_work_dir_is_whole_or_absent(tmp_path, monkeypatch):
         ("step-3.partial", [MARKER_FILE], ["step-3.partial"])
 
 
-def test_remove_marked_leaves_the_marker_last(tmp_path, monkeypatch):
-    """A removal killed part-way (the removal of one file fails) leaves a directory still marked as ours, which the
-    next clean removes; an unmarked one would be refused by every later save as not ours."""
-    d = ePath(tmp_path) / "old.partial"
+def _remove_killed_part_way(d: ePath, monkeypatch) -> None:
+    "Fill marked directory `d`, then `remove_marked(d)` with the removal of its last file failing (a crash there)."
     (d / "arrays").mkdir(parents=True)
     for name in (MARKER_FILE, "a.bin", "arrays/c.bin", "z.bin"):
         (d / name).write_text(name)
@@ -49,6 +47,13 @@ def test_remove_marked_leaves_the_marker_last(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="killed while removing"):
         remove_marked(d)
     monkeypatch.undo()
+
+
+def test_remove_marked_leaves_the_marker_last(tmp_path, monkeypatch):
+    """A removal killed part-way (the removal of one file fails) leaves a directory still marked as ours, which the
+    next clean removes; an unmarked one would be refused by every later save as not ours."""
+    d = ePath(tmp_path) / "old.partial"
+    _remove_killed_part_way(d, monkeypatch)
     assert sorted(p.name for p in d.iterdir()) == [MARKER_FILE, "z.bin"]  # still ours
     remove_marked(d)
     assert not d.exists()
@@ -117,19 +122,6 @@ def test_half_removed_old_version_is_cleaned_and_the_step_saves_again(tmp_path, 
     from eformer_nb.serialization.base_manager import clean_stale, save_checkpoint_dir
 
     base = ePath(tmp_path)
-    d = base / "step-30.partial"
-    (d / "arrays").mkdir(parents=True)
-    for name in (MARKER_FILE, "a.bin", "arrays/c.bin", "z.bin"):
-        (d / name).write_text(name)
-    real_unlink = os.unlink
-
-    def killed_at_z(path, *args, **kwargs):
-        if os.fspath(path).endswith("z.bin"):
-            raise RuntimeError("killed while removing the old version")
-        return real_unlink(path, *args, **kwargs)
-    monkeypatch.setattr(os, "unlink", killed_at_z)
-    with pytest.raises(RuntimeError, match="killed while removing"):
-        remove_marked(d)
-    monkeypatch.undo()
+    _remove_killed_part_way(base / "step-30.partial", monkeypatch)
     assert clean_stale(base) == ["step-30.partial"]
     assert save_checkpoint_dir({"w": np.ones(3)}, base / "step-30", step=30)().name == "step-30"
