@@ -1664,6 +1664,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                                   'eformer_nb/modules/llama/modeling.py'),
                                                    'eformer_nb.modules.llama.modeling.LlamaAttention.__init__': ( 'nbs/modules.llama.modeling.html#llamaattention.__init__',
                                                                                                                   'eformer_nb/modules/llama/modeling.py'),
+                                                   'eformer_nb.modules.llama.modeling.LlamaAttention.qkv': ( 'nbs/modules.llama.modeling.html#llamaattention.qkv',
+                                                                                                             'eformer_nb/modules/llama/modeling.py'),
                                                    'eformer_nb.modules.llama.modeling.LlamaDecoderLayer': ( 'nbs/modules.llama.modeling.html#llamadecoderlayer',
                                                                                                             'eformer_nb/modules/llama/modeling.py'),
                                                    'eformer_nb.modules.llama.modeling.LlamaDecoderLayer.__call__': ( 'nbs/modules.llama.modeling.html#llamadecoderlayer.__call__',

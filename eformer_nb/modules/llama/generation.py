@@ -842,7 +842,7 @@ def free_pages(
 
 # %% ../../../nbs/12c_modules.llama.generation.ipynb #e5c2a897
 def _paged_forward(model, cache: RaggedPagesCache, input_ids, seq_ids):
-    from eformer_nb.modules.llama.modeling import apply_rotary, grouped_attention, rope_inv_freq
+    from eformer_nb.modules.llama.modeling import grouped_attention
 
     c, b, t = model.config, *input_ids.shape
     lens = cache.seq_lens[seq_ids]
@@ -855,14 +855,11 @@ def _paged_forward(model, cache: RaggedPagesCache, input_ids, seq_ids):
     mask = ((k_pos[None, None, :] <= pos[:, :, None]) & (k_pos[None, None, :] < (lens + t)[:, None, None]))[
         :, None, None
     ]
-    inv = rope_inv_freq(c)
     h = model.model.embed_tokens(input_ids)
     kps, vps = [], []
     for i, layer in enumerate(model.model.layers):
         a, x = layer.self_attn, layer.input_layernorm(h)
-        q = apply_rotary(a.q_proj(x).reshape(b, t, c.num_attention_heads, c.head_dim), pos, inv)
-        k = apply_rotary(a.k_proj(x).reshape(b, t, c.num_key_value_heads, c.head_dim), pos, inv)
-        v = a.v_proj(x).reshape(b, t, c.num_key_value_heads, c.head_dim)
+        q, k, v = a.qkv(x, pos)  # the attention's own hook: a variant's q/k norms apply here too
         kp = cache.key_pages[i].at[page, off].set(k.astype(cache.key_pages[i].dtype))
         vp = cache.value_pages[i].at[page, off].set(v.astype(cache.value_pages[i].dtype))
         kps.append(kp)

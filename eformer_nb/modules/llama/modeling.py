@@ -317,15 +317,21 @@ class LlamaAttention(nnx.Module):
         self.v_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, **kw)
         self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, **kw)
 
-    def __call__(self, h, positions, key_valid, segment_ids=None, layer_cache: LayerCache | None = None,
-                 index=None, layer=None):
-        c = self.config
-        b, t, _ = h.shape
+    def qkv(self, h, positions):
+        """The hook every path shares (forward, cached and paged decode): queries `(b, t, heads, head_dim)` and keys,
+        values `(b, t, kv_heads, head_dim)` of `h (b, t, hidden)`, rotary applied at `positions (b, t)`. A variant
+        (Qwen3's q/k norms) overrides only this."""
+        c, (b, t, _) = self.config, h.shape
         q = self.q_proj(h).reshape(b, t, c.num_attention_heads, c.head_dim)
         k = self.k_proj(h).reshape(b, t, c.num_key_value_heads, c.head_dim)
         v = self.v_proj(h).reshape(b, t, c.num_key_value_heads, c.head_dim)
         inv = rope_inv_freq(c)
-        q, k = apply_rotary(q, positions, inv), apply_rotary(k, positions, inv)
+        return apply_rotary(q, positions, inv), apply_rotary(k, positions, inv), v
+
+    def __call__(self, h, positions, key_valid, segment_ids=None, layer_cache: LayerCache | None = None,
+                 index=None, layer=None):
+        c, t = self.config, h.shape[1]
+        q, k, v = self.qkv(h, positions)
         q, k, v = _shard(c, q, AttnQSharding), _shard(c, k, AttnKVSharding), _shard(c, v, AttnKVSharding)
         q, k, v = checkpoint_name(q, "attn_query"), checkpoint_name(k, "attn_key"), checkpoint_name(v, "attn_value")
         q_slots = jnp.arange(t)
