@@ -5,14 +5,9 @@
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #c50f4943
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-import math
 import typing as tp
-import weakref
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
@@ -21,282 +16,22 @@ from flax import nnx
 
 from ...common_types import AttnKVSharding, AttnQSharding, HiddenStateSharding
 from ...infra.factory import TaskType, register_module
-from eformer_nb.infra.mixins.protocol import (
-    BaseModelOutput, BaseModuleProtocol, CausalLMOutput, LossConfig, LossMetrics, printify_nnx,
-)
-from ...jaximus import implicit, is_implicit
+from ...infra.layers import (Embed, LayerCache, Linear, RMSNorm, TransformerCache, _attend, _check_traced,
+                                     _check_values, _run_layers, _shard, apply_rotary, rope_inv_freq)
+from ...infra.mixins.adapters import AdaptersMixin
+from ...infra.mixins.files import FilesMixin
+from ...infra.mixins.generation import GenerationMixin
+from ...infra.mixins.gguf import GGUFMixin
+from ...infra.mixins.interop import InteropMixin
+from ...infra.mixins.params import ParamsMixin
+from ...infra.mixins.protocol import BaseModelOutput, BaseModuleProtocol, CausalLMOutput, LossConfig, LossMetrics
 from .configuration import LlamaConfig
 
 # %% auto #0
-__all__ = ['Linear', 'Embed', 'RMSNorm', 'rope_inv_freq', 'apply_rotary', 'LayerCache', 'TransformerCache', 'TransformerMetadata',
-           'make_attention_mask', 'grouped_attention', 'decode_attention', 'LlamaAttention', 'LlamaMLP',
-           'LlamaDecoderLayer', 'gradient_checkpoint_policy', 'stack_layers', 'using_stacked_layers', 'LlamaModel',
-           'causal_lm_loss', 'chunked_causal_lm_loss', 'LlamaForCausalLM', 'flatten_params']
-
-# %% ../../../nbs/12b_modules.llama.modeling.ipynb #60798828
-def _normal(key, shape, std, dtype):
-    return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
-
-
-class Linear(nnx.Module):
-    "`y = x @ kernel (+ bias) (+ scale * x @ lora_a @ lora_b)`; the kernel may be a quantized implicit array."
-
-    def __init__(
-        self,
-        in_features: int,  # input width
-        out_features: int,  # output width
-        *,
-        use_bias: bool = False,  # add a bias
-        std: float = 0.02,  # standard deviation of the initial weights
-        dtype=jnp.float32,  # compute dtype of activations
-        param_dtype=jnp.float32,  # storage dtype of parameters
-        precision=None,  # `jax.lax.Precision` of the matmuls
-        rngs: nnx.Rngs,  # initialisation randomness
-    ):
-        self.in_features, self.out_features = in_features, out_features
-        self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
-        self.kernel = nnx.Param(_normal(rngs.params(), (in_features, out_features), std, param_dtype))
-        self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
-        self.lora_a, self.lora_b = nnx.data(None), nnx.data(None)  # data slots: LoRA factors may be set later
-        self.lora_scale = 1.0
-        self.quantization = None  # a QuantizationConfig: fake-quantize the float kernel (straight-through)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x.astype(self.dtype)
-        kernel = self.kernel.get_value()
-        if self.quantization is not None and not is_implicit(kernel):
-            from eformer_nb.ops.quantization import straight_through
-            kernel = straight_through(kernel, self.quantization)
-        if is_implicit(kernel):
-            y = implicit(lambda a, k: jnp.matmul(a, k, precision=self.precision))(x, kernel.astype(self.dtype))
-        else:
-            y = jnp.matmul(x, kernel.astype(self.dtype), precision=self.precision)
-        if self.bias is not None:
-            y = y + self.bias.get_value().astype(self.dtype)
-        if self.lora_a is not None:
-            a, b = self.lora_a.get_value().astype(self.dtype), self.lora_b.get_value().astype(self.dtype)
-            y = y + self.lora_scale * ((x @ a) @ b)
-        return y
-
-# %% ../../../nbs/12b_modules.llama.modeling.ipynb #78775d17
-class Embed(nnx.Module):
-    "Token embedding `(vocab, hidden)`; `attend` is its transpose, the tied LM head."
-
-    def __init__(
-        self,
-        num_embeddings: int,  # vocabulary size
-        features: int,  # embedding width
-        *,
-        std: float = 0.02,  # standard deviation of the initial weights
-        dtype=jnp.float32,  # compute dtype of activations
-        param_dtype=jnp.float32,  # storage dtype of parameters
-        rngs: nnx.Rngs,  # initialisation randomness
-    ):
-        self.dtype = dtype
-        self.embedding = nnx.Param(_normal(rngs.params(), (num_embeddings, features), std, param_dtype))
-
-    def __call__(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding.get_value(), ids, axis=0).astype(self.dtype)
-
-    def attend(
-        self,
-        x: jax.Array,  # the input
-        precision=None,  # `jax.lax.Precision` of the matmuls
-    ) -> jax.Array:
-        return jnp.matmul(x.astype(self.dtype), self.embedding.get_value().astype(self.dtype).T, precision=precision)
-
-
-class RMSNorm(nnx.Module):
-    "`x / sqrt(mean(x**2) + eps) * weight`, computed in float32 and cast back to `dtype`."
-
-    def __init__(
-        self,
-        dim: int,  # width normalised
-        eps: float = 1e-6,  # added to the mean square
-        *,
-        dtype=jnp.float32,  # compute dtype of activations
-        param_dtype=jnp.float32,  # storage dtype of parameters
-    ):
-        self.eps, self.dtype = eps, dtype
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return _rms_norm(x, self.weight.get_value(), self.eps, self.dtype)
-
-
-def _rms_norm_impl(x, weight, eps: float, dtype):
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (normed.astype(dtype) * weight.astype(dtype)).astype(dtype)
-
-
-# rematerialised: the backward keeps `x` in its own dtype and recomputes the float32 statistics (differentiated as
-# it is, a bfloat16 model would keep a float32 copy of the hidden state per norm for the backward)
-_rms_norm = jax.checkpoint(_rms_norm_impl, static_argnums=(2, 3))
-
-# %% ../../../nbs/12b_modules.llama.modeling.ipynb #f25506d7
-def rope_inv_freq(
-    config: LlamaConfig,  # head_dim, rope_theta and rope_scaling are read
-) -> jax.Array:
-    "Inverse rotary frequencies `(head_dim // 2,)` for `config` (with its `rope_scaling`)."
-    d = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    rs = config.rope_scaling or {}
-    kind = rs.get("rope_type", rs.get("type", "default"))
-    if kind == "linear":
-        inv = inv / rs["factor"]
-    elif kind == "llama3":
-        factor, lo, hi = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
-        old_len = rs.get("original_max_position_embeddings", 8192)
-        wavelen = 2 * math.pi / inv
-        smooth = (old_len / wavelen - lo) / (hi - lo)
-        scaled = jnp.where(wavelen > old_len / lo, inv / factor, inv)
-        mid = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = (wavelen <= old_len / lo) & (wavelen >= old_len / hi)
-        inv = jnp.where(is_mid, mid, scaled)
-    return inv
-
-
-def apply_rotary(
-    x: jax.Array,  # the input
-    positions: jax.Array,  # positions `(batch, length)`
-    inv_freq: jax.Array,  # from `rope_inv_freq`
-) -> jax.Array:
-    """Rotate `x (batch, length, heads, head_dim)` by `positions (batch, length)`. Rematerialised: the backward keeps
-    `x`, not the float32 cos and sin of every position, and recomputes them."""
-    return _rotate(x, positions, inv_freq)
-
-
-@jax.checkpoint
-def _rotate(x, positions, inv_freq):
-    freqs = positions[..., None].astype(jnp.float32) * inv_freq  # (b, t, d/2)
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
-    x32 = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * cos + rotated * sin).astype(x.dtype)
-
-# %% ../../../nbs/12b_modules.llama.modeling.ipynb #47d15754
-@flax.struct.dataclass
-class LayerCache:
-    "Keys and values of one layer."
-    key: jax.Array  # (batch, max_length, kv_heads, head_dim)
-    value: jax.Array  # (batch, max_length, kv_heads, head_dim)
-
-
-@flax.struct.dataclass
-class TransformerCache:
-    "A dense KV cache: every layer's keys and values stacked, the valid-slot mask and the next write slot."
-    key: jax.Array  # (layers, batch, max_length, kv_heads, head_dim)
-    value: jax.Array  # (layers, batch, max_length, kv_heads, head_dim)
-    key_mask: jax.Array  # (batch, max_length) bool
-    index: jax.Array  # () int32: next slot to write
-
-    @property
-    def max_length(self) -> int: return self.key_mask.shape[1]
-
-    @property
-    def layers(self) -> tuple:
-        "One `LayerCache` per layer (slices of the stacked arrays, for reading)."
-        return tuple(LayerCache(key=self.key[i], value=self.value[i]) for i in range(self.key.shape[0]))
-
-
-@dataclasses.dataclass(frozen=True)
-class TransformerMetadata:
-    "Static sizes of a dense cache."
-    batch_size: int
-    max_length: int
-    num_hidden_layers: int
-    num_key_value_heads: int
-    head_dim: int
-    dtype: tp.Any = jnp.float32
-    pad_token_id: int | None = None
-
-# %% ../../../nbs/12b_modules.llama.modeling.ipynb #10c1c2e6
-def make_attention_mask(
-    q_slots: jax.Array,  # slot of each query
-    k_slots: jax.Array,  # slot of each key
-    key_valid: jax.Array | None,  # real keys (None: all)
-    q_segments: jax.Array | None = None,  # segment of each query
-    k_segments: jax.Array | None = None,  # segment of each key
-) -> jax.Array:
-    "Boolean mask `(batch, 1, 1, q_len, k_len)`: causal over slots, padding over keys (None: all real), equal segments."
-    mask = (k_slots[None, :] <= q_slots[:, None])[None]  # (1 or b, q, k)
-    if key_valid is not None:
-        mask = mask & key_valid[:, None, :]
-    if q_segments is not None:
-        mask = mask & (q_segments[:, :, None] == k_segments[:, None, :])
-    return mask[:, None, None]
-
-
-def grouped_attention(
-    q,  # queries
-    k,  # keys
-    v,  # values
-    mask,  # boolean attention mask
-    dtype,  # compute dtype
-):
-    "Softmax attention of `q (b, t, h, d)` over `k, v (b, s, kvh, d)` with `mask (b, 1, 1, t, s)`."
-    b, t, h, d = q.shape
-    kvh = k.shape[2]
-    qg = q.reshape(b, t, kvh, h // kvh, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg.astype(jnp.float32), k.astype(jnp.float32)) / math.sqrt(d)
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(dtype))
-    return out.reshape(b, t, h * d)
-
-
-def decode_attention(
-    q,  # queries of one step `(b, 1, h, d)`
-    k,  # keys
-    v,  # values
-    mask,  # boolean attention mask
-    dtype,  # compute dtype
-):
-    """`grouped_attention` for one query per row (a decode step) over one layer's cache `k, v (b, s, kvh, d)`, as
-    broadcast products summed over `d`, then over `s`. The cache is read in its own layout: the two einsums of
-    `grouped_attention` transpose the whole cache of every layer at every step (on XLA:CPU, at batch 8, half the
-    time of a decode step). Sums in float32."""
-    b, t, h, d = q.shape
-    if t != 1:
-        raise ValueError(f"decode_attention takes one query per row, got q of shape {tuple(q.shape)} (t={t}); "
-                         "use grouped_attention for longer queries")
-    kvh = k.shape[2]
-    qg = q.reshape(b, 1, kvh, h // kvh, d).astype(jnp.float32)  # (b, 1, kvh, g, d) against k (b, s, kvh, 1, d)
-    scores = jnp.sum(qg * k.astype(jnp.float32)[:, :, :, None, :], -1) / math.sqrt(d)  # (b, s, kvh, g)
-    scores = jnp.where(mask[:, 0, 0, 0, :, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=1).astype(dtype).astype(jnp.float32)
-    out = jnp.sum(probs[..., None] * v.astype(jnp.float32)[:, :, :, None, :], 1)  # (b, kvh, g, d)
-    return out.astype(dtype).reshape(b, 1, h * d)
+__all__ = ['LlamaAttention', 'LlamaMLP', 'LlamaDecoderLayer', 'LlamaModel', 'causal_lm_loss', 'chunked_causal_lm_loss',
+           'LlamaForCausalLM']
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #a06be002
-def _shard(config, x, preset):
-    "Constrain `x` with the config's `PartitionManager` when a mesh is active; without one, `x` as it is, silently."
-    from eformer_nb.escale import get_current_mesh
-    if get_current_mesh() is None:  # a plain single-device call: nothing to constrain, nothing to warn about
-        return x
-    return config.partition_manager.shard(x, dynamic_axes=preset)
-
-
-def _attend(c, q, k, v, q_slots, key_valid, segment_ids, dtype, decode: bool, stacked: bool):
-    """`ops.attention` with `c.attn_mechanism`, or for a one-token step over a cache (`decode`) `ops.decode_attention`
-    with `c.decode_attn_mechanism`. A "vanilla" decode step keeps the two dense forms above: `decode_attention` over a
-    layer's own cache (generate's dispatched steps on CPU), `grouped_attention` over a slice of the stacked cache
-    inside the layer scan (where XLA:CPU fuses the slice into the sums of the decode form: 5x slower at batch 8)."""
-    from eformer_nb.ops import attention as ops
-    k_slots = jnp.arange(k.shape[1])
-    if decode and ops.resolve_attention_mechanism(c.decode_attn_mechanism, decode=True) == "vanilla":
-        mask = make_attention_mask(q_slots, k_slots, key_valid)
-        return (grouped_attention if stacked else decode_attention)(q, k, v, mask, dtype)
-    kw = dict(q_slots=q_slots, k_slots=k_slots, key_valid=key_valid, q_segments=segment_ids, k_segments=segment_ids,
-              dtype=dtype)
-    if decode:
-        return ops.decode_attention(q, k, v, mechanism=c.decode_attn_mechanism, **kw)
-    return ops.attention(q, k, v, mechanism=c.attn_mechanism, **kw)
-
-
 class LlamaAttention(nnx.Module):
     "Grouped-query self-attention with rotary embeddings; reads and writes a layer's KV cache when given one."
 
@@ -317,15 +52,21 @@ class LlamaAttention(nnx.Module):
         self.v_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, **kw)
         self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, **kw)
 
-    def __call__(self, h, positions, key_valid, segment_ids=None, layer_cache: LayerCache | None = None,
-                 index=None, layer=None):
-        c = self.config
-        b, t, _ = h.shape
+    def qkv(self, h, positions):
+        """The hook every path shares (forward, cached and paged decode): queries `(b, t, heads, head_dim)` and keys,
+        values `(b, t, kv_heads, head_dim)` of `h (b, t, hidden)`, rotary applied at `positions (b, t)`. A variant
+        (Qwen3's q/k norms) overrides only this."""
+        c, (b, t, _) = self.config, h.shape
         q = self.q_proj(h).reshape(b, t, c.num_attention_heads, c.head_dim)
         k = self.k_proj(h).reshape(b, t, c.num_key_value_heads, c.head_dim)
         v = self.v_proj(h).reshape(b, t, c.num_key_value_heads, c.head_dim)
         inv = rope_inv_freq(c)
-        q, k = apply_rotary(q, positions, inv), apply_rotary(k, positions, inv)
+        return apply_rotary(q, positions, inv), apply_rotary(k, positions, inv), v
+
+    def __call__(self, h, positions, key_valid, segment_ids=None, layer_cache: LayerCache | None = None,
+                 index=None, layer=None):
+        c, t = self.config, h.shape[1]
+        q, k, v = self.qkv(h, positions)
         q, k, v = _shard(c, q, AttnQSharding), _shard(c, k, AttnKVSharding), _shard(c, v, AttnKVSharding)
         q, k, v = checkpoint_name(q, "attn_query"), checkpoint_name(k, "attn_key"), checkpoint_name(v, "attn_value")
         q_slots = jnp.arange(t)
@@ -455,169 +196,6 @@ def _check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids
     _check_values(config, input_ids, position_ids, segment_ids)
     return shape
 
-# %% ../../../nbs/12b_modules.llama.modeling.ipynb #bddc138b
-def _concrete(x) -> bool:
-    return x is not None and not isinstance(x, jax.core.Tracer)
-
-
-def _check_values(config, input_ids, position_ids, segment_ids=None):
-    """On the host, when the values are known (not under `jit`): ids in `[0, vocab_size)` and positions in
-    `[0, max_position_embeddings)`, else a ValueError naming the offending entries. Under `jit` the values are not
-    known: set `model.model.check_values_in_jit = True` and wrap the step in `jax.experimental.checkify.checkify`
-    (`_check_traced`), or check the batch before it enters the compiled step."""
-    import numpy as np
-    if position_ids is not None and not jnp.issubdtype(position_ids.dtype, jnp.integer):  # dtype: known under jit too
-        raise ValueError(f"position_ids must be integers, got dtype {position_ids.dtype} (a fractional position "
-                         "would rotate the keys and queries by an angle no token has)")
-    if segment_ids is not None and not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-        raise ValueError(f"segment_ids must be integers (one id per packed sequence), got dtype {segment_ids.dtype}: "
-                         "float ids compare equal only when exactly equal, so a rounding would split a sequence")
-    for name, value, hi in (("input_ids", input_ids, config.vocab_size),
-                            ("position_ids", position_ids, config.max_position_embeddings)):
-        if not _concrete(value):
-            continue
-        v = np.asarray(value)
-        bad = np.argwhere((v < 0) | (v >= hi))
-        if len(bad):
-            where = ", ".join(f"[{r}, {c}]={v[r, c]}" for r, c in bad[:5].tolist())
-            raise ValueError(f"{name} out of range at {len(bad)} place(s) ({where}); expected values in [0, {hi}) "
-                             f"({'vocab_size' if name == 'input_ids' else 'max_position_embeddings'}={hi})")
-
-
-def _check_traced(config, input_ids, position_ids):
-    "The same ranges as `_check_values`, for traced values: `checkify.check`s (run under `checkify.checkify`)."
-    from jax.experimental import checkify
-    for name, value, hi in (("input_ids", input_ids, config.vocab_size),
-                            ("position_ids", position_ids, config.max_position_embeddings)):
-        if value is None or _concrete(value):
-            continue  # absent, or known on the host: `_check_values` has checked it
-        bad = ((value < 0) | (value >= hi)).reshape(-1)
-        first = jnp.argmax(bad)
-        checkify.check(~jnp.any(bad), f"{name} out of range at {{n}} place(s), the first at flat index {{i}} = {{v}}; "
-                       f"expected values in [0, {hi})", n=jnp.sum(bad), i=first, v=value.reshape(-1)[first])
-
-# %% ../../../nbs/12b_modules.llama.modeling.ipynb #c3a1e7d2
-def _scannable(layers) -> bool:
-    "True when every layer has one structure (graph, leaf shapes and dtypes): one scan step then serves them all."
-    if len(layers) < 2:
-        return False
-    sig = lambda m: (nnx.graphdef(m), jax.tree.structure(nnx.state(m)),
-                     [(jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(nnx.state(m))])
-    first = sig(layers[0])
-    return all(sig(m) == first for m in layers[1:])
-
-
-def gradient_checkpoint_policy(
-    config: LlamaConfig,  # its `gradient_checkpointing` (and `gradient_checkpointing_names`) are read
-):
-    "The `jax.checkpoint` policy of `config.gradient_checkpointing`, or None: no rematerialisation."
-    from eformer_nb.modules.llama.configuration import GRADIENT_CHECKPOINTING
-    gc, cp, names = config.gradient_checkpointing, jax.checkpoint_policies, config.gradient_checkpointing_names or ()
-    if gc in ("", "none"):
-        return None
-    if gc not in GRADIENT_CHECKPOINTING:  # the config validates it; a later assignment is checked here
-        raise ValueError(f"gradient_checkpointing={gc!r}; valid choices are {list(GRADIENT_CHECKPOINTING)}")
-    return getattr(cp, gc)(*names) if gc.startswith("save_") else getattr(cp, gc)
-
-
-def _remat_layer(layer, policy, h, positions, key_valid, segment_ids):
-    "One decoder layer of a forward without a cache under `jax.checkpoint(policy)` (the unrolled path)."
-    graphdef, state = nnx.split(layer)
-    run = lambda state, h: nnx.merge(graphdef, state)(h, positions, key_valid, segment_ids)[0]
-    return jax.checkpoint(run, policy=policy)(state, h)
-
-
-def _run_layers(model, h, positions, key_valid, segment_ids, kv, index, keep_states: bool):
-    """The decoder layers over `h`: one `jax.lax.scan` step over their stacked parameters when `model.scan_layers`
-    and the layers share one structure (compile time independent of depth), else a Python loop (unrolled). A
-    one-token step with a cache (decode) runs unrolled when `model.scan_decode` is False: a scan step slices each
-    layer's weights out of the stack, which XLA:CPU does as a copy (all the weights again per token), but the
-    unrolled step compiles every layer (SmolLM2-135M's first `generate` about 5x slower). Without a cache (training)
-    each layer runs under `jax.checkpoint` with the config's `gradient_checkpoint_policy`, when it has one."""
-    policy = gradient_checkpoint_policy(model.config) if kv is None else None
-    decode = kv is not None and h.shape[1] == 1 and not model.scan_decode
-    if decode or not (model.scan_layers and _scannable(model.layers)):
-        states = [h] if keep_states else None
-        for i, layer in enumerate(model.layers):
-            if policy is not None:  # a forward without a cache
-                h = _remat_layer(layer, policy, h, positions, key_valid, segment_ids)
-            else:
-                h, kv = layer(h, positions, key_valid, segment_ids, kv, index, None if kv is None else i)
-            if keep_states:
-                states.append(h)
-        return h, kv, states
-    graphdef = nnx.graphdef(model.layers[0])
-    treedef = jax.tree.structure(nnx.state(model.layers[0]))
-    # the raw leaves stacked: a quantized kernel is rebuilt per layer inside the step, with its own shapes. Given
-    # by `using_stacked_layers` (stacked once, outside the call), else stacked here: a copy of the weights per call
-    stacked = _prestacked(model.layers)
-    if stacked is None:
-        stacked = [jnp.stack(xs) for xs in zip(*(jax.tree.leaves(nnx.state(m)) for m in model.layers))]
-
-    def step(carry, xs):
-        h, kv = carry
-        i, leaves = xs
-        run = lambda leaves, h: nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))(
-            h, positions, key_valid, segment_ids, kv, index, None if kv is None else i)
-        h, kv = (run if policy is None else jax.checkpoint(run, policy=policy, prevent_cse=False))(leaves, h)
-        return (h, kv), (h if keep_states else None)
-
-    h0 = h
-    (h, kv), hs = jax.lax.scan(step, (h, kv), (jnp.arange(len(model.layers)), stacked))
-    return h, kv, ([h0, *hs] if keep_states else None)
-
-
-# %% ../../../nbs/12b_modules.llama.modeling.ipynb #fa78eec8
-_PRESTACKED = contextvars.ContextVar("eformer_nb_prestacked_layers", default=None)
-_STACK_CACHE = weakref.WeakKeyDictionary()  # LlamaModel -> (the leaves it was stacked from, the stacked leaves)
-
-
-def stack_layers(
-    model,  # a `LlamaForCausalLM` or its `LlamaModel`
-) -> list | None:
-    """The decoder layers' parameter leaves stacked layers-first, for `using_stacked_layers`. Built on first use and
-    kept with the model (one more copy of the layer weights) until one of the layers' arrays is replaced (a load, an
-    update, LoRA, quantization); None when the layers do not scan or their values are traced (inside `jit`)."""
-    inner = getattr(model, "model", model)
-    if not (inner.scan_layers and _scannable(inner.layers)):
-        return None
-    per_layer = [jax.tree.leaves(nnx.state(m)) for m in inner.layers]
-    flat = [x for xs in per_layer for x in xs]
-    if any(isinstance(x, jax.core.Tracer) for x in flat):
-        return None
-    hit = _STACK_CACHE.get(inner)
-    if hit is not None and len(hit[0]) == len(flat) and all(a is b for a, b in zip(hit[0], flat)):
-        return hit[1]
-    stacked = [jnp.stack(xs) for xs in zip(*per_layer)]
-    _STACK_CACHE[inner] = (flat, stacked)
-    return stacked
-
-
-@contextlib.contextmanager
-def using_stacked_layers(
-    stacked: list | None,  # `stack_layers(model)` (passed into the `jit` as an argument), or None: stack per call
-):
-    "Inside this block a scanned forward reads its layer weights from `stacked` instead of stacking them per call."
-    token = _PRESTACKED.set(stacked)
-    try:
-        yield
-    finally:
-        _PRESTACKED.reset(token)
-
-
-def _prestacked(layers) -> list | None:
-    "The stacked leaves of `using_stacked_layers`, checked against `layers` (count, shapes, dtypes), or None."
-    stacked = _PRESTACKED.get()
-    if stacked is None:
-        return None
-    want = [((len(layers), *jnp.shape(x)), jnp.result_type(x)) for x in jax.tree.leaves(nnx.state(layers[0]))]
-    got = [(tuple(jnp.shape(x)), jnp.result_type(x)) for x in stacked]
-    if got != want:
-        raise ValueError(f"using_stacked_layers got leaves of (shape, dtype) {got[:3]}...; these {len(layers)} layers "
-                         f"need {want[:3]}... ({len(want)} leaves): stack_layers(model) of this model")
-    return stacked
-
-
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #4b718f2e
 class LlamaModel(nnx.Module):
     "The Llama decoder stack: embeddings, `num_hidden_layers` decoder layers, the final RMSNorm."
@@ -740,18 +318,18 @@ def chunked_causal_lm_loss(
     flat = lambda a: a.reshape(-1)[:n].reshape(b, t)
     return _reduce_loss(flat(nll), flat(lse), flat(correct), labels, config)
 
-# %% ../../../nbs/12b_modules.llama.modeling.ipynb #ea0ff972
-def _impl(module: str, name: str) -> tp.Callable:
-    import importlib
-    return getattr(importlib.import_module(f"eformer_nb.modules.llama.{module}"), name)
-
-
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #27954659
 @register_module(TaskType.CAUSAL_LM, "llama", config=LlamaConfig)
-class LlamaForCausalLM(nnx.Module, BaseModuleProtocol):
-    "A Llama causal LM: `LlamaModel` and an LM head (or the tied embedding). Implements `BaseModuleProtocol`."
+class LlamaForCausalLM(ParamsMixin, GenerationMixin, AdaptersMixin, FilesMixin, GGUFMixin, InteropMixin, nnx.Module,
+                       BaseModuleProtocol):
+    """A Llama causal LM: `LlamaModel` and an LM head (or the tied embedding). Implements `BaseModuleProtocol`: the
+    forward and the loss here, everything else inherited from the mixins of `infra.mixins`."""
     config_class = LlamaConfig
     base_model_prefix = "model"
+    base_model_class = LlamaModel  # generation may run these parts one by one while their __call__ is unchanged
+    decoder_layer_class = LlamaDecoderLayer
+    hf_model_class, hf_config_class = "LlamaForCausalLM", "LlamaConfig"  # transformers' names (to_torch)
+    gguf_architecture = "llama"  # llama.cpp's `general.architecture` (from_pretrained(gguf_file=))
 
     def __init__(self, config: LlamaConfig,  # the model's configuration
                  dtype=jnp.float32,  # compute dtype of activations
@@ -780,79 +358,6 @@ class LlamaForCausalLM(nnx.Module, BaseModuleProtocol):
         logits = self.model.embed_tokens.attend(h, self.precision) if self.lm_head is None else self.lm_head(h)
         return CausalLMOutput(logits=logits, last_hidden_state=h, hidden_states=out.hidden_states,
                               past_key_values=out.past_key_values)
-
-    def __str__(self) -> str: return printify_nnx(self)
-    def half(
-        self,
-        change_runtime_dtype: bool = True,  # also compute in float16 (the model's `dtype`), not only store
-    ):
-        return _to_dtype(self, jnp.float16, change_runtime_dtype)
-    def float(
-        self,
-        change_runtime_dtype: bool = True,  # also compute in float32 (the model's `dtype`), not only store
-    ):
-        return _to_dtype(self, jnp.float32, change_runtime_dtype)
-
-
-# %% ../../../nbs/12b_modules.llama.modeling.ipynb #bcc836ae
-# the parameter API: state views, split and merge, dtypes
-LlamaForCausalLM.graphdef = property(lambda self: nnx.graphdef(self), doc="The nnx `GraphDef` (structure without arrays).")
-LlamaForCausalLM.graphstate = property(lambda self: nnx.state(self, nnx.Param), doc="The parameters (LoRA factors included).")
-LlamaForCausalLM.graphother = property(lambda self: nnx.state(self, nnx.Not(nnx.Param)), doc="Every non-parameter variable.")
-LlamaForCausalLM.params_sharding = property(lambda self: _params_sharding(self), doc="Each parameter's sharding (a pure dict).")
-@patch
-def split_params(self: LlamaForCausalLM): return self.graphstate
-@patch
-def merge_params(
-    self: LlamaForCausalLM,
-    tree,  # an nnx `State` of parameters (as `split_params` gives) to put into the model
-):
-    return _merge_params(self, tree)
-@patch
-def split_params_dict(
-    self: LlamaForCausalLM,
-    params_dict=None,  # a parameter `State` to convert (None: the model's own)
-) -> dict:
-    return _split_params_dict(self, params_dict)
-@patch
-def merge_params_dict(
-    self: LlamaForCausalLM,
-    params_dict: dict,  # nested plain dict of arrays, checked against the parameters' names and shapes
-):
-    return _merge_params_dict(self, params_dict)
-@patch
-def to_dtype(
-    self: LlamaForCausalLM,
-    dtype,  # the dtype every floating parameter is cast to (jnp.float32, jnp.bfloat16, ...)
-):
-    return _to_dtype(self, dtype, change_runtime_dtype=False)
-
-
-# %% ../../../nbs/12b_modules.llama.modeling.ipynb #065bd897
-# the parameter API: abstract init, sharding
-@patch(cls_method=True)
-def lazy_init(
-    cls: LlamaForCausalLM,
-    *args,  # positional arguments of the constructor
-    rngs: nnx.Rngs | None = None,  # initialisation randomness
-    **kwargs,  # more keyword arguments (see the description)
-):
-    "The model with `ShapeDtypeStruct`s for parameters (`nnx.eval_shape`): nothing is allocated."
-    return nnx.eval_shape(lambda r: cls(*args, rngs=r, **kwargs), nnx.Rngs(0) if rngs is None else rngs)
-@patch
-def shard_model(
-    self: LlamaForCausalLM,
-    partition_rules=None,  # regex -> `PartitionSpec` pairs (None: the config's `get_partition_rules()`)
-    mesh=None,  # the mesh to place on (None: the one in context)
-):
-    return _shard_model(self, partition_rules, mesh)
-@patch
-def gather_model(
-    self: LlamaForCausalLM,
-    partition_rules=None,  # the rules the model was sharded with (None: the config's)
-    mesh=None,  # the mesh it lives on (None: the one in context)
-):
-    return _gather_model(self, partition_rules, mesh)
 
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #dd74f904
@@ -908,224 +413,6 @@ def get_static_arguments(self: LlamaForCausalLM) -> tuple:
     return ("output_hidden_states",)
 
 
-# %% ../../../nbs/12b_modules.llama.modeling.ipynb #f45774f2
-# caches and generation (modules.llama.generation)
-@patch
-def init_cache(
-    self: LlamaForCausalLM,
-    batch_size: int,  # number of sequences
-    max_length: int,  # tokens per sequence, prompt included
-    starts=None,  # first real position of each sequence (left padding)
-    shardings=None,  # shardings of the cache arrays
-    pad_token_id=None,  # id of the padding token
-):
-    return _impl("generation", "init_cache")(self, batch_size, max_length, starts, shardings, pad_token_id)
-
-
-@patch
-def create_cache_metadata(
-    self: LlamaForCausalLM,
-    batch_size: int,  # number of sequences
-    max_length: int,  # tokens per sequence, prompt included
-    pad_token_id=None,  # id of the padding token
-):
-    return _impl("generation", "create_cache_metadata")(self, batch_size, max_length, pad_token_id)
-
-
-@patch
-def create_paged_metadata(
-    self: LlamaForCausalLM,
-    hbm_utilization: float,  # fraction of device memory for the pages
-    page_size: int,  # tokens per page
-    max_model_length: int,  # longest sequence served
-):
-    return _impl("generation", "create_paged_metadata")(self, hbm_utilization, page_size, max_model_length)
-
-
-@patch
-def init_ragged_pages(
-    self: LlamaForCausalLM,
-    metadata=None,  # the page layout (None: computed)
-    page_size=None,  # tokens per page
-    hbm_utilization=None,  # fraction of device memory for the pages
-    max_model_length=None,  # longest sequence served
-):
-    return _impl("generation", "init_ragged_pages")(self, metadata, page_size, hbm_utilization, max_model_length)
-
-
-# %% ../../../nbs/12b_modules.llama.modeling.ipynb #39fdfe76
-@patch
-def prepare_inputs_for_generation(
-    self: LlamaForCausalLM,
-    input_ids,  # token ids `(batch, length)`
-    max_length: int,  # tokens per sequence, prompt included
-    pad_token_id: int,  # id of the padding token
-    starts=None,  # first real position of each sequence (left padding)
-    shardings=None,  # shardings of the cache arrays
-    attention_mask=None,  # 1 for real tokens, 0 for padding
-    token_type_ids=None,  # not supported (must be None)
-    mask_info=None,  # not supported (must be None)
-):
-    if token_type_ids is not None or mask_info is not None:
-        raise ValueError("LlamaForCausalLM takes neither token_type_ids nor mask_info; pass attention_mask")
-    return _impl("generation", "prepare_inputs_for_generation")(
-        self, input_ids, max_length, pad_token_id, starts, shardings, attention_mask
-    )
-
-
-@patch
-def update_inputs_for_generation(
-    self: LlamaForCausalLM,
-    model_outputs,  # the output of the last forward
-    model_kwargs: dict,  # the loop's keyword arguments
-) -> dict:
-    return _impl("generation", "update_inputs_for_generation")(self, model_outputs, model_kwargs)
-
-
-# %% ../../../nbs/12b_modules.llama.modeling.ipynb #b4a3613e
-@patch
-def generate(
-    self: LlamaForCausalLM,
-    input_ids,  # token ids `(batch, length)`
-    generation_config=None,  # a `GenerationConfig` (None: the model's defaults)
-    prng_key=None,  # randomness for sampling
-    trace: bool = True,  # compile the decode loop once with `jax.jit`
-    logits_processor=None,  # callable(logits) -> logits, applied each step
-    **kwargs,  # more keyword arguments (see the description)
-):
-    return _impl("generation", "generate")(
-        self, input_ids, generation_config, prng_key, trace, logits_processor, **kwargs
-    )
-
-
-@patch(cls_method=True)
-def can_generate(cls: LlamaForCausalLM) -> bool:
-    return True
-
-
-# %% ../../../nbs/12b_modules.llama.modeling.ipynb #b6416849
-# LoRA and quantization (modules.llama.adapters)
-@patch
-def apply_lora_to_layers(
-    self: LlamaForCausalLM,
-    lora_rank: int,  # rank of the LoRA factors
-    lora_pattern: str | None = None,  # regex of the layer paths (None: every projection)
-    verbose: bool = False,  # log what is done
-    rngs=None,  # initialisation randomness
-):
-    return _impl("adapters", "apply_lora_to_layers")(self, lora_rank, lora_pattern, verbose, rngs)
-
-
-@patch
-def split_lora_params(self: LlamaForCausalLM):
-    return _impl("adapters", "split_lora_params")(self)
-
-
-@patch
-def merge_lora_params(
-    self: LlamaForCausalLM,
-    pytree,  # LoRA factors as returned by `split_lora_params`
-):
-    return _impl("adapters", "merge_lora_params")(self, pytree)
-
-
-@patch
-def unwrap_lora_to_layers(
-    self: LlamaForCausalLM,
-    verbose: bool = False,  # log what is done
-):
-    return _impl("adapters", "unwrap_lora_to_layers")(self, verbose)
-
-
-@patch
-def quantize(
-    self: LlamaForCausalLM,
-    quantization_config=None,  # a `QuantizationConfig` or a type name
-    quantize_tensors: bool = True,  # quantize the arrays (False: fake-quantize in the forward)
-    verbose=None,  # log what is done
-    pattern=None,  # regex of the layer paths
-):
-    return _impl("adapters", "quantize")(self, quantization_config, quantize_tensors, verbose, pattern)
-
-
-# %% ../../../nbs/12b_modules.llama.modeling.ipynb #eb8c61e6
-# files and hub (modules.llama.files)
-@patch
-def save_pretrained(
-    self: LlamaForCausalLM,
-    save_directory,  # folder to write
-    push_to_hub: bool = False,  # also upload the folder
-    token=None,  # Hugging Face token
-    gather_fns=None,  # a tree of functions applied to each parameter first
-    float_dtype=None,  # cast floating parameters
-    step=None,  # training step recorded with the weights
-    **kwargs,  # more keyword arguments (see the description)
-):
-    return _impl("files", "save_pretrained")(self, save_directory, push_to_hub, token, gather_fns, float_dtype,
-                                             step, **kwargs)
-@patch(cls_method=True)
-def from_pretrained(
-    cls: LlamaForCausalLM,
-    pretrained_model_name_or_path,  # a local folder or a Hugging Face repo id
-    **kwargs,  # more keyword arguments (see the description)
-):
-    return _impl("files", "from_pretrained")(cls, pretrained_model_name_or_path, **kwargs)
-@patch
-def push_to_hub(
-    self: LlamaForCausalLM,
-    repo_id: str,  # the Hugging Face repo
-    use_temp_dir=None,  # unused (transformers' argument)
-    commit_message=None,  # the upload's commit message
-    private=None,  # create the repo private
-    token=None,  # Hugging Face token
-    create_pr: bool = False,  # open a pull request
-    gather_fns=None,  # a tree of functions applied to each parameter first
-    float_dtype=None,  # cast floating parameters
-    verbose: bool = True,  # log what is done
-    mismatch_allowed: bool = True,  # False: gather_fns must name every parameter
-    revision=None,  # the branch to upload to
-    commit_description=None,  # the upload's longer description
-    **kwargs,  # more keyword arguments (see the description)
-) -> str:
-    return _impl("files", "push_to_hub")(self, repo_id, use_temp_dir, commit_message, private, token, create_pr,
-                                         gather_fns, float_dtype, verbose, mismatch_allowed, revision,
-                                         commit_description, **kwargs)
-
-
-# %% ../../../nbs/12b_modules.llama.modeling.ipynb #88561073
-# training state and PyTorch
-@patch
-def to_state(
-    self: LlamaForCausalLM,
-    **kwargs,  # more keyword arguments (see the description)
-):
-    "The `EasyDeLState` holding this model (`tx`, `opt_state`, `step`, ... are passed through)."
-    from eformer_nb.infra.base_state import EasyDeLState
-    return EasyDeLState.create(model=self, **kwargs)
-@patch
-def to_torch(
-    self: LlamaForCausalLM,
-    **kwargs,  # passed to the interop's `to_torch` (a transformers model of the same weights)
-):
-    return _impl("interop", "to_torch")(self, **kwargs)
-@patch(cls_method=True)
-def get_torch_loader(cls: LlamaForCausalLM): return _impl("interop", "get_torch_loader")(cls)
-@patch(cls_method=True)
-def from_torch(
-    cls: LlamaForCausalLM,
-    torch_model,  # a transformers `LlamaForCausalLM`
-    dtype=None,  # compute dtype
-    param_dtype=None,  # parameter dtype
-    precision=None,  # `jax.lax.Precision` of the matmuls
-):
-    "Our model from a transformers `LlamaForCausalLM` (its config and weights)."
-    return _impl("interop", "from_torch")(cls, torch_model, dtype, param_dtype, precision)
-LlamaForCausalLM.transform_fn = property(lambda self: _impl("interop", "transform_fn")(self),
-                                         doc="PyTorch state dict → this model's parameter state.")
-LlamaForCausalLM.pure_transform_fn = property(lambda self: _impl("interop", "pure_transform_fn")(self),
-                                              doc="PyTorch state dict → nested dict of NumPy arrays.")
-
-
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #f710beb5
 def _compute_loss(self: LlamaForCausalLM, input_ids=None, labels=None, inputs_embeds=None, attention_mask=None,
                   position_ids=None, segment_ids=None, past_key_values=None, cache_metadata=None,
@@ -1163,106 +450,3 @@ def _compute_loss(self: LlamaForCausalLM, input_ids=None, labels=None, inputs_em
                 else (lambda p, x: nnx.merge(graphdef, p)(x)))
         loss, metrics = chunked_causal_lm_loss(out.last_hidden_state, labels, head, params, config, chunk)
     return out.replace(loss=loss), metrics
-
-# %% ../../../nbs/12b_modules.llama.modeling.ipynb #4a53cd25
-def flatten_params(
-    tree: dict,  # a nested dict of parameters
-    sep: str = "/",  # separator of the flat keys
-) -> dict[str, tp.Any]:
-    "`{'a': {'b': x}}` → `{'a/b': x}` (integer keys of layer lists become their digits)."
-    out: dict[str, tp.Any] = {}
-    def walk(node, prefix):
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(v, f"{prefix}{sep}{k}" if prefix else str(k))
-        else:
-            out[prefix] = node
-    walk(tree, "")
-    return out
-
-
-def _params_sharding(model) -> dict:
-    return jax.tree.map(lambda x: getattr(x, "sharding", None), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-
-
-def _merge_params(model, tree):
-    "Put `tree` (an nnx `State` of parameters) into `model`; returns `model`."
-    nnx.update(model, tree)
-    return model
-
-
-def _split_params_dict(model, params_dict=None) -> dict:
-    "The parameters as a nested plain dict (of `params_dict`, a `State`, when given)."
-    return nnx.to_pure_dict(nnx.state(model, nnx.Param) if params_dict is None else params_dict)
-
-
-def _merge_params_dict(model, params_dict: dict):
-    "Check `params_dict` against the model's parameters (names, shapes), cast to their dtypes, and load it."
-    state = nnx.state(model, nnx.Param)
-    want = {k: v for k, v in flatten_params(nnx.to_pure_dict(state)).items()}
-    got = flatten_params(params_dict)
-    missing, unexpected = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-    if missing or unexpected:
-        raise ValueError(f"parameters do not match the model: missing {len(missing)} {missing[:5]}, unexpected "
-                         f"{len(unexpected)} {unexpected[:5]}")
-    bad = [(k, tuple(want[k].shape), tuple(jnp.shape(got[k]))) for k in want
-           if not is_implicit(got[k]) and tuple(want[k].shape) != tuple(jnp.shape(got[k]))]
-    if bad:
-        raise ValueError(f"shape mismatch for {len(bad)} parameter(s) (name, model shape, given shape): {bad[:5]}")
-    cast = jax.tree.map(lambda w, g: g if is_implicit(g) else jnp.asarray(g, dtype=w.dtype),
-                        nnx.to_pure_dict(state), params_dict, is_leaf=is_implicit)
-    nnx.replace_by_pure_dict(state, cast)
-    nnx.update(model, state)
-    return model
-
-# %% ../../../nbs/12b_modules.llama.modeling.ipynb #c2d178e8
-def _to_dtype(model, dtype, change_runtime_dtype: bool = False):
-    "Cast floating parameters to `dtype` (and, with `change_runtime_dtype`, every layer's compute dtype)."
-    dtype = jnp.dtype(dtype)
-    state = nnx.state(model, nnx.Param)
-    cast = jax.tree.map(lambda x: x if is_implicit(x) or not jnp.issubdtype(x.dtype, jnp.floating) else x.astype(dtype),
-                        nnx.to_pure_dict(state), is_leaf=is_implicit)
-    nnx.replace_by_pure_dict(state, cast)
-    nnx.update(model, state)
-    if change_runtime_dtype:
-        for _, m in nnx.iter_modules(model):
-            if hasattr(m, "dtype"):
-                m.dtype = dtype
-    for _, m in nnx.iter_modules(model):
-        if hasattr(m, "param_dtype"):
-            m.param_dtype = dtype
-    return model
-
-# %% ../../../nbs/12b_modules.llama.modeling.ipynb #88d2c6f0
-def _require_mesh(mesh, what: str):
-    from eformer_nb.escale import get_current_mesh
-    mesh = mesh if mesh is not None else get_current_mesh()
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise ValueError(f"{what} needs a concrete mesh: pass mesh=... or call it under `with jax.set_mesh(mesh):` "
-                         f"(got {mesh!r})")
-    return mesh
-
-
-def _shard_model(model, partition_rules=None, mesh=None):
-    "Place each parameter on `mesh` with the `PartitionSpec` of the first matching rule; returns `model`."
-    from eformer_nb.escale import make_shard_and_gather_fns, match_partition_rules
-    mesh = _require_mesh(mesh, "shard_model")
-    rules = model.config.get_partition_rules() if partition_rules is None else partition_rules
-    state = nnx.state(model, nnx.Param)
-    pure = nnx.to_pure_dict(state)
-    specs = match_partition_rules(rules, pure)
-    shard_fns, _ = make_shard_and_gather_fns(specs, mesh)
-    placed = jax.tree.map(lambda f, x: f(x), shard_fns, pure)
-    nnx.replace_by_pure_dict(state, placed)
-    nnx.update(model, state)
-    return model
-
-
-def _gather_model(model, partition_rules=None, mesh=None):
-    "Replicate every parameter (on `mesh` if given, else on the first device); `partition_rules` is not needed."
-    from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
-    target = NamedSharding(mesh, PartitionSpec()) if mesh is not None else SingleDeviceSharding(jax.local_devices()[0])
-    state = nnx.state(model, nnx.Param)
-    nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jax.device_put(x, target), nnx.to_pure_dict(state)))
-    nnx.update(model, state)
-    return model
