@@ -10,7 +10,7 @@ The package's source is read with `ast` (nothing is imported). It fails on
   (13a's former `_method`), or assigns `Cls.name = ...` to one.
 
 Data attributes (`Cls.TABLE = {...}`) are not members and stay allowed. `ALLOWED` names each exception that stays
-and why; `PENDING` names the ones whose notebooks other issue-38 branches own (remove them once merged).
+and why.
 """
 from __future__ import annotations
 
@@ -26,15 +26,6 @@ ALLOWED: dict[tuple[str, str], str] = {
 
 # owned by other issue-38 branches (helper A: modules/llama/modeling.py; helper B: serialization/*): the lead
 # removes these entries after merging them, and the test then holds them to the rule too
-PENDING: dict[tuple[str, str], str] = {
-    ("modules/llama/modeling.py", "LlamaForCausalLM.graphdef"): "A",
-    ("modules/llama/modeling.py", "LlamaForCausalLM.graphstate"): "A",
-    ("modules/llama/modeling.py", "LlamaForCausalLM.graphother"): "A",
-    ("modules/llama/modeling.py", "LlamaForCausalLM.params_sharding"): "A",
-    ("modules/llama/modeling.py", "LlamaForCausalLM.transform_fn"): "A",
-    ("modules/llama/modeling.py", "LlamaForCausalLM.pure_transform_fn"): "A",
-    ("serialization/base_manager.py", "CheckpointManager.save_checkpoint"): "B",
-}
 
 
 def _is_member_value(value: ast.expr, target_root: str, functions: set[str]) -> bool:
@@ -128,7 +119,7 @@ def _scan() -> dict[tuple[str, str], list[int]]:
 def test_one_way_to_add_a_member():
     found = _scan()
     bad = [f"eformer_nb/{rel}:{lines}: {name}" for (rel, name), lines in sorted(found.items())
-           if (rel, name) not in ALLOWED and (rel, name) not in PENDING]
+           if (rel, name) not in ALLOWED]
     assert not bad, ("members added other than with fastcore's @patch (use @patch / @patch(as_prop=True) / "
                      "@patch(cls_method=True) / @patch_to(Cls, static_method=True), patch_to(Cls, nm=...) for an "
                      "alias):\n" + "\n".join(bad))
@@ -137,8 +128,8 @@ def test_one_way_to_add_a_member():
 def test_allow_lists_are_current():
     "An exception that no longer occurs is dropped from its list (so the lists never hide a new case)."
     found = _scan()
-    stale = sorted(k for k in {**ALLOWED, **PENDING} if k not in found)
-    assert not stale, f"no longer found, remove from ALLOWED/PENDING: {stale}"
+    stale = sorted(k for k in ALLOWED if k not in found)
+    assert not stale, f"no longer found, remove from ALLOWED: {stale}"
 
 
 def test_the_scan_sees_each_form():

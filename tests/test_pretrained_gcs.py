@@ -69,7 +69,6 @@ def test_gcs_pretrained_layout_roundtrip_and_resave(gcs_root):
 def _fail_at(point: str, monkeypatch) -> None:
     """Make the next re-save raise at `point`: the first or second shard write, the index write (the commit, whichever
     way it is written), or the config write."""
-    import eformer_nb.serialization.base_manager as bm
 
     boom = OSError(28, f"injected failure at {point}")
     calls = []
@@ -87,10 +86,10 @@ def _fail_at(point: str, monkeypatch) -> None:
     elif point == "config":
         monkeypatch.setattr(files, "_write_config", lambda *a: (_ for _ in ()).throw(boom))
     elif point == "commit":
-        real, real_if = files._write_blob, bm._write_json_if_generation
+        real, real_if = files._write_blob, files.write_json_if_generation
         monkeypatch.setattr(files, "_write_blob", lambda f, parts: (_ for _ in ()).throw(boom) if f.name == INDEX
                             else real(f, parts))
-        monkeypatch.setattr(bm, "_write_json_if_generation", lambda f, *a: (_ for _ in ()).throw(boom)
+        monkeypatch.setattr(files, "write_json_if_generation", lambda f, *a: (_ for _ in ()).throw(boom)
                             if f.name == INDEX else real_if(f, *a))
     else:
         raise ValueError(point)

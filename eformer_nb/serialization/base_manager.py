@@ -19,9 +19,6 @@ from .durable import (MARKER_FILE, OLD_SUFFIX, PARTIAL_SUFFIX, CheckpointLockedE
                                                exclusive_writer, fresh_work_dir, mark, object_generation, process_info,
                                                refuse_destination, remove_marked, rename_into_place, restore_moved_aside,
                                                write_json, write_json_if_generation)
-# the old names, for modules.llama.files until it imports these from serialization.durable (issue 38): then remove
-from .durable import object_generation as _object_generation  # noqa: F401
-from .durable import write_json_if_generation as _write_json_if_generation  # noqa: F401
 from eformer_nb.serialization.serialization import (
     INDEX_FILE,
     READ_VERSIONS,
@@ -707,9 +704,6 @@ def save_checkpoint(
         tree = apply_by_key(gather_fns, tree, mismatch_allowed, "gather_fns")
     return save_checkpoint_dir(tree, path, metadata=metadata, dtype=float_dtype, write_index=write_index_file)()
 
-
-# fastcore's `cls_method=True` installs its own descriptor; make it a real classmethod, as eformer's is
-CheckpointManager.save_checkpoint = classmethod(vars(CheckpointManager)["save_checkpoint"].f)
 
 # %% ../../nbs/10b_serialization.base_manager.ipynb #b96e74f9
 @patch

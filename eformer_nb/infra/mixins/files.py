@@ -15,6 +15,9 @@ import numpy as np
 from ...loggings import get_logger
 from ..layers import flatten_params
 from ...paths import ePath
+from ...serialization.durable import (MARKER_FILE, CheckpointLockedError, Ownership, exclusive_writer,
+                                               fresh_work_dir, object_generation, refuse_destination,
+                                               rename_into_place, write_file, write_json_if_generation)
 
 logger = get_logger(__name__)
 from fastcore.basics import patch
@@ -237,17 +240,13 @@ def read_verified_weights(
     return tensors
 
 # %% ../../../nbs/11e_infra.mixins.files.ipynb #a1f58579
-_HF_OWNED = re.compile(r"^(config\.json|model(-[0-9a-f]{8})?(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json)$")
+_HF_OWNED = Ownership(r"config\.json", r"model(-[0-9a-f]{8})?(-\d+-of-\d+)?\.safetensors", r"model\.safetensors\.index\.json")
 _FRESH_SHARD = re.compile(r"^model-[0-9a-f]{8}-\d{5}-of-\d{5}\.safetensors$")  # the names an in-place save writes
 
 
 def _write_blob(f: ePath, parts: list) -> None:
     "One file: on gs:// one object (replaced whole); locally via a temporary, fsync'd and renamed into place."
-    from ...paths import atomic_write_local, is_remote_path
-    if is_remote_path(f):
-        f.write_bytes(b"".join(bytes(p) for p in parts))
-    else:  # the arrays' own bytes, no joined copy
-        atomic_write_local(os.fspath(f), parts, fsync=True)
+    write_file(f, parts)  # locally the arrays' own bytes, no joined copy
 
 
 def _write_shard(f: ePath, shard: dict) -> None:
@@ -344,14 +343,12 @@ def _commit_index(f: ePath, index: dict, generation: int | None) -> bool:
     if generation is None:
         _write_blob(f, [_index_bytes(index)])
         return True
-    from ...serialization.base_manager import _write_json_if_generation
-    return _write_json_if_generation(f, index, generation)
+    return write_json_if_generation(f, index, generation)
 
 
 def _lost_commit(d: ePath, created: list[str], generation: int | None):
     """After a refused commit: remove the shards this save created that the index now committed does not name (never
     one the winner wrote); the `CheckpointLockedError` to raise, naming the folder."""
-    from ...serialization.serialization import CheckpointLockedError
     try:
         kept = set((d / WEIGHTS_INDEX_NAME).load_dict(format="json")["weight_map"].values())
     except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):  # unreadable: remove nothing
@@ -373,11 +370,9 @@ def _write_committed(model, d: ePath, tensors: dict, max_shard_size) -> int:
     config.json; only then the replaced weight files are removed. Same tensors give the same names and the same index,
     so several processes agree."""
     import hashlib
-    from ...serialization.base_manager import _object_generation
-    from ...serialization.serialization import exclusive_writer
     d.mkdir(parents=True, exist_ok=True)
     with exclusive_writer(d, "model folder"):
-        generation = _object_generation(d / WEIGHTS_INDEX_NAME)  # first: a commit landing after this makes ours lose
+        generation = object_generation(d / WEIGHTS_INDEX_NAME)  # first: a commit landing after this makes ours lose
         old, present = _replaced_weights(d), {p.name for p in d.glob("model*.safetensors")}
         shards = _shards(tensors, parse_size(max_shard_size))
         n = len(shards)
@@ -399,13 +394,11 @@ def _write_folder(model, d: ePath, tensors: dict, max_shard_size) -> int:
     gs:// (or with several processes) in place, committed by the index (`_write_committed`)."""
     import jax
     from ...paths import is_remote_path
-    from ...serialization.serialization import exclusive_writer, refuse_destination
     refuse_destination(d, "save_pretrained")
     if is_remote_path(d) or jax.process_count() > 1:  # no directory rename on object stores
         return _write_files(model, d, tensors, max_shard_size)
-    from ...serialization.base_manager import MARKER_FILE, fresh_work_dir, rename_into_place
     with exclusive_writer(d, "model folder"):
-        keep = sorted(p.name for p in d.iterdir() if not _HF_OWNED.match(p.name)) if d.is_dir() else []
+        keep = _HF_OWNED.foreign(d)
         work = fresh_work_dir(d, keep)  # marked ours while it is written: a crash leaves it for the next save to clear
         n = _write_files(model, work, tensors, max_shard_size)
         rename_into_place(work, d)
