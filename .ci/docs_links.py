@@ -7,7 +7,7 @@ nbdev's link table what nbdev 3 cannot read here, so every build links the same 
 - names in prose looked up without the `eformer_nb.` prefix (nbdev's `strip_libs` defaults to the project name,
   `eformer-nb`, not the package's entry-point name `eformer_nb`, so `ePath` would not link);
 - a short name that two modules define links to the one a package re-exports in its `__all__` (nbdev takes the
-  first module in alphabetical order: `quantize` went to `modules.llama.adapters`, not `ops.quantization`).
+  first module in alphabetical order: `quantize` went to `infra.mixins.adapters`, not `ops.quantization`).
 
 Both are patches of nbdev's `doclinks` in the importing process; `apply()` is idempotent and returns `restore`.
 """

@@ -259,7 +259,7 @@ def demo_tokenizer(
 ):
     "The model's tokenizer: transformers' tokenizer stored in the GGUF file (with its chat template), or `ByteTokenizer`."
     if cfg.model in REAL_MODELS:
-        from eformer_nb.modules.llama.gguf import gguf_tokenizer, packaged_gguf
+        from eformer_nb.infra.mixins.gguf import gguf_tokenizer, packaged_gguf
         return gguf_tokenizer(packaged_gguf(REAL_MODELS[cfg.model]))
     return ByteTokenizer()
 
@@ -335,7 +335,7 @@ def model_config(
     "The `LlamaConfig` of `cfg.model`: from the GGUF file's metadata, or the random shape with the byte vocabulary."
     from eformer_nb.modules.llama import LlamaConfig
     if cfg.model in REAL_MODELS:
-        from eformer_nb.modules.llama.gguf import gguf_config, packaged_gguf
+        from eformer_nb.infra.mixins.gguf import gguf_config, packaged_gguf
         return gguf_config(packaged_gguf(REAL_MODELS[cfg.model]))
     model_preset(cfg.model)  # names the valid choices
     return LlamaConfig(vocab_size=tokenizer.vocab_size,
@@ -394,7 +394,7 @@ def pretrained_model(
     import jax.numpy as jnp
     from flax import nnx
     from eformer_nb.modules.llama import LlamaForCausalLM
-    from eformer_nb.modules.llama.gguf import packaged_gguf
+    from eformer_nb.infra.mixins.gguf import packaged_gguf
     from eformer_nb.mpric import get_policy
     if cfg.model not in REAL_MODELS:
         raise ValueError(f"model {cfg.model!r} is not pretrained; valid choices are {list(REAL_MODELS)}")

@@ -172,7 +172,7 @@ def multiprocess_pretrained(port: int, pid: int, url: str, gs_dir: str, local_di
 
     from eformer_nb.escale.mesh import create_mesh
     from eformer_nb.modules.llama import LlamaConfig, LlamaForCausalLM
-    from eformer_nb.modules.llama.files import to_hf_state_dict
+    from eformer_nb.infra.mixins.files import to_hf_state_dict
     from eformer_nb.paths import make_gcs_filesystem, set_gcs_filesystem
 
     set_gcs_filesystem(make_gcs_filesystem(endpoint_url=url))
@@ -196,7 +196,7 @@ def multiprocess_pretrained(port: int, pid: int, url: str, gs_dir: str, local_di
     import optax
 
     from eformer_nb.infra.base_state import EasyDeLState
-    from eformer_nb.modules.llama.files import host_value
+    from eformer_nb.infra.mixins.files import host_value
 
     state = model.to_state().init_tx(optax.adam(1e-3))  # the sharded model's state: its optimizer state sharded alike
     want = [host_value(x) for x in jax.tree.leaves((state.graphstate, state.opt_state))]
@@ -299,7 +299,7 @@ def state_gcs_kill(url: str, root: str, point: str) -> None:
     import signal
 
     import eformer_nb.infra.base_state as bs
-    import eformer_nb.modules.llama.files as files
+    import eformer_nb.infra.mixins.files as files
     import eformer_nb.serialization.base_manager as bm
     from eformer_nb.paths import ePath, make_gcs_filesystem, set_gcs_filesystem
 

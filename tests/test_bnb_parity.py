@@ -88,7 +88,7 @@ def test_8bit_blockwise_matches_bitsandbytes(size):
 def _real_projection(name: str = "blk.0.ffn_down.weight") -> np.ndarray:
     "One projection of SmolLM2-135M-Instruct (the packaged GGUF), dequantized to float32, torch's `(out, in)` layout."
     gguf = pytest.importorskip("gguf", reason="gguf cannot be imported (hf extra)")
-    from eformer_nb.modules.llama.gguf import packaged_gguf
+    from eformer_nb.infra.mixins.gguf import packaged_gguf
     reader = gguf.GGUFReader(packaged_gguf())
     t = next(t for t in reader.tensors if t.name == name)
     shape = [int(n) for n in t.shape[::-1]]
@@ -101,19 +101,19 @@ def test_model_quantize_nf4_codes_are_bitsandbytes_codes_on_a_real_projection():
     from flax import nnx
 
     from eformer_nb.jaximus import implicit
-    from eformer_nb.modules.llama.adapters import quantize as quantize_model
-    from eformer_nb.modules.llama.modeling import Linear
+    from eformer_nb.infra.mixins.adapters import AdaptersMixin
+    from eformer_nb.infra.layers import Linear
 
     w = _real_projection()  # (576, 1536): down_proj of layer 0
     out_f, in_f = w.shape
 
-    class Block(nnx.Module):
+    class Block(AdaptersMixin, nnx.Module):  # any module of Linear layers gets quantize from the mixin
         def __init__(self):
             self.down_proj = Linear(in_f, out_f, rngs=nnx.Rngs(0))
 
     block = Block()
     block.down_proj.kernel.set_value(jnp.asarray(w.T))  # our (in, out) kernel
-    quantize_model(block, "nf4")
+    block.quantize("nf4")
     ours = block.down_proj.kernel.get_value()
     assert isinstance(ours, ArrayNF4) and ours.transposed and ours.shape == (in_f, out_f)
     packed, state = bnb_f.quantize_4bit(torch.from_numpy(w.copy()), quant_type="nf4", blocksize=64)

@@ -51,9 +51,9 @@ from flax import nnx  # noqa: E402
 
 import easydel as ed  # noqa: E402
 from eformer_nb.modules import llama as ours  # noqa: E402
-from eformer_nb.modules.llama.generation import GenerationConfig as OurGenerationConfig  # noqa: E402
-from eformer_nb.modules.llama.generation import generate as our_generate  # noqa: E402
-from eformer_nb.modules.llama.interop import state_dict_to_params  # noqa: E402
+from eformer_nb.infra.mixins.generation import GenerationConfig as OurGenerationConfig  # noqa: E402
+from eformer_nb.infra.mixins.generation import GenerationMixin  # noqa: E402
+from eformer_nb.infra.mixins.interop import state_dict_to_params  # noqa: E402
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -146,7 +146,7 @@ def test_generation_matches_ours(trained_state):
     model, prompt = state.model, jnp.asarray(IDS[:, :4])
     theirs = model.generate(prompt, generation_config=GenerationConfig(max_new_tokens=4, do_sample=False,
                                                                         eos_token_id=2, pad_token_id=0))
-    mine = our_generate(_ours_from(model), prompt, OurGenerationConfig(max_new_tokens=4, eos_token_id=2,
+    mine = GenerationMixin.generate(_ours_from(model), prompt, OurGenerationConfig(max_new_tokens=4, eos_token_id=2,
                                                                       pad_token_id=0))
     assert np.asarray(theirs.sequences).shape == (2, 8)
     np.testing.assert_array_equal(np.asarray(theirs.sequences), np.asarray(mine.sequences))

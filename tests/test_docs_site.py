@@ -347,14 +347,10 @@ def test_modidx_lists_every_module():
 # chapter that reads a later one. Issue 25 broke the escale.mesh <-> escale.helpers and ops.quantization.config ->
 # kernels -> nf4 -> config cycles; these are left for their notebooks' owners. A new one fails the test below.
 KNOWN_FORWARD = {
-    ("eformer_nb.modules.llama.generation", "eformer_nb.modules.llama.adapters"),
-    ("eformer_nb.modules.llama.modeling", "eformer_nb.infra.base_state"),
     ("eformer_nb.pytree.serialization", "eformer_nb.paths"),
     ("eformer_nb.pytree.tree_util", "eformer_nb.escale.mesh"),
     ("eformer_nb.serialization.async_manager", "eformer_nb.serialization.fsspec_utils"),
     ("eformer_nb.serialization.serialization", "eformer_nb.serialization.fsspec_utils"),
-    # from_pretrained(gguf_file=) dispatches to the GGUF reader (12h), which reads weights through files (12e)
-    ("eformer_nb.modules.llama.files", "eformer_nb.modules.llama.gguf"),
 }
 
 
@@ -615,8 +611,8 @@ def test_package_init_names_link():
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not n.name.startswith("__"):
                 defined.append(f"{py.relative_to(ROOT)}: {n.name}")
     assert not defined, f"defined in an __init__.py, so never indexed by nbdev nor linked in the docs: {defined}"
-    # the docs' link table (`.ci/docs_links.py`, as every docs build loads it): `quantize` is also a function of
-    # modules.llama.adapters; the name the package re-exports is the one prose means
+    # the docs' link table (`.ci/docs_links.py`, as every docs build loads it): `quantize` is also a method of
+    # infra.mixins.adapters; the name the package re-exports is the one prose means
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / ".ci")])}
     code = ("import json, docs_links; from nbdev.doclinks import NbdevLookup; L = NbdevLookup()\n"
             "print(json.dumps({n: L.doc(n) for n in ['quantize', 'straight_through', 'straight_through_nf4', "

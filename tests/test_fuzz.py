@@ -694,7 +694,7 @@ def fuzz_llama_config(target_dir: Path, n: int) -> Outcomes:
     from hypothesis import given, strategies as st
     import numpy as np
     from eformer_nb.modules.llama import LlamaConfig
-    from eformer_nb.modules.llama.modeling import rope_inv_freq
+    from eformer_nb.infra.layers import rope_inv_freq
     o = Outcomes()
     bad = st.sampled_from([0, -1, -4, True, 2.0, 1.5, "8", None, float("nan"), 2**70])
     size = st.sampled_from([1, 2, 3, 4, 6, 8, 16, 32, 34, 64]) | bad

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save as st_save
 
-import eformer_nb.modules.llama.files as files
+import eformer_nb.infra.mixins.files as files
 from eformer_nb.modules.llama import LlamaForCausalLM
 from eformer_nb.modules.llama.configuration import LlamaConfig
 

@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import eformer_nb.infra.base_state as bs
-import eformer_nb.modules.llama.files as files
+import eformer_nb.infra.mixins.files as files
 import eformer_nb.serialization.base_manager as bm
 import eformer_nb.serialization.serialization as ser
 from eformer_nb.infra.base_state import STATE_FILE, EasyDeLState

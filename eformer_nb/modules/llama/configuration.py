@@ -12,19 +12,17 @@ import typing as tp
 
 from ...infra.base_config import EasyDeLBaseConfig
 from ...infra.factory import register_config
+from ...infra.layers import GRADIENT_CHECKPOINTING
 from ...loggings import get_logger
 
 logger = get_logger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'ACTIVATIONS', 'ROPE_TYPES', 'GRADIENT_CHECKPOINTING', 'CHECKPOINT_NAMES', 'LlamaConfig']
+__all__ = ['logger', 'ACTIVATIONS', 'ROPE_TYPES', 'CHECKPOINT_NAMES', 'LlamaConfig']
 
 # %% ../../../nbs/12a_modules.llama.configuration.ipynb #a3f1c2d4
 ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 ROPE_TYPES = ("default", "linear", "llama3")
-GRADIENT_CHECKPOINTING = ("", "none", "nothing_saveable", "everything_saveable", "checkpoint_dots",
-                          "checkpoint_dots_with_no_batch_dims", "dots_saveable", "dots_with_no_batch_dims_saveable",
-                          "save_only_these_names", "save_anything_except_these_names")  # EasyDeL's policy names
 CHECKPOINT_NAMES = ("attn_query", "attn_key", "attn_value", "attn_output", "attn_residual", "mlp_gate", "mlp_up",
                     "mlp_intermediate", "mlp_output")  # the tensors of a decoder layer named for the name-based policies
 
