@@ -12,10 +12,9 @@ from fastcore.basics import patch
 from flax import nnx
 
 from ..infra.factory import TaskType, register_config, register_module
+from ..infra.layers import RMSNorm, apply_rotary, rope_inv_freq
 from .llama.configuration import LlamaConfig
-from eformer_nb.modules.llama.modeling import (
-    LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, RMSNorm, apply_rotary, rope_inv_freq,
-)
+from .llama.modeling import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 # %% auto #0
 __all__ = ['LAYER_TYPES', 'Qwen3Config', 'Qwen3Attention', 'Qwen3DecoderLayer', 'Qwen3Model', 'Qwen3ForCausalLM']
@@ -137,6 +136,9 @@ class Qwen3Model(LlamaModel):
 @register_module(TaskType.CAUSAL_LM, "qwen3", config=Qwen3Config)
 class Qwen3ForCausalLM(LlamaForCausalLM):
     "A Qwen3 causal LM: `Qwen3Model` and an LM head (or the tied embedding); all else is `LlamaForCausalLM`'s."
+    base_model_class, decoder_layer_class = Qwen3Model, Qwen3DecoderLayer  # what generation may run part by part
+    hf_model_class, hf_config_class = "Qwen3ForCausalLM", "Qwen3Config"  # transformers' names (to_torch)
+    gguf_architecture = "qwen3"  # llama.cpp's name; the GGUF reader refuses it by name (it reads llama only)
 
     def __init__(self, config: Qwen3Config,  # the model's configuration
                  dtype=jnp.float32,  # compute dtype of activations
