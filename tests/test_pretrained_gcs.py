@@ -343,7 +343,7 @@ def test_gcs_pretrained_lock_broken_loser_fails_at_commit(gcs_root, winner_confi
 
 
 def test_gcs_state_commit_lost_race_is_an_error_and_keeps_the_winner(gcs_root, monkeypatch):
-    """13a's gs:// state commit is conditional on the state file's generation read when the save began: when another
+    """11j's gs:// state commit is conditional on the state file's generation read when the save began: when another
     writer commits in between (here: its lock object deleted mid-save, then a whole save of another state), ours is a
     `CheckpointLockedError` naming the folder, removes only its own version folder, and the winner's state loads."""
     import sys

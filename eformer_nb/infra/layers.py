@@ -329,20 +329,10 @@ def _check_traced(config, input_ids, position_ids):
         checkify.check(~jnp.any(bad), f"{name} out of range at {{n}} place(s), the first at flat index {{i}} = {{v}}; "
                        f"expected values in [0, {hi})", n=jnp.sum(bad), i=first, v=value.reshape(-1)[first])
 
-# %% ../../nbs/11d_infra.layers.ipynb #c3a1e7d2
+# %% ../../nbs/11d_infra.layers.ipynb #4c43435f
 GRADIENT_CHECKPOINTING = ("", "none", "nothing_saveable", "everything_saveable", "checkpoint_dots",
                           "checkpoint_dots_with_no_batch_dims", "dots_saveable", "dots_with_no_batch_dims_saveable",
                           "save_only_these_names", "save_anything_except_these_names")  # EasyDeL's policy names
-
-
-def _scannable(layers) -> bool:
-    "True when every layer has one structure (graph, leaf shapes and dtypes): one scan step then serves them all."
-    if len(layers) < 2:
-        return False
-    sig = lambda m: (nnx.graphdef(m), jax.tree.structure(nnx.state(m)),
-                     [(jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(nnx.state(m))])
-    first = sig(layers[0])
-    return all(sig(m) == first for m in layers[1:])
 
 
 def gradient_checkpoint_policy(
@@ -355,6 +345,16 @@ def gradient_checkpoint_policy(
     if gc not in GRADIENT_CHECKPOINTING:  # the config validates it; a later assignment is checked here
         raise ValueError(f"gradient_checkpointing={gc!r}; valid choices are {list(GRADIENT_CHECKPOINTING)}")
     return getattr(cp, gc)(*names) if gc.startswith("save_") else getattr(cp, gc)
+
+# %% ../../nbs/11d_infra.layers.ipynb #c3a1e7d2
+def _scannable(layers) -> bool:
+    "True when every layer has one structure (graph, leaf shapes and dtypes): one scan step then serves them all."
+    if len(layers) < 2:
+        return False
+    sig = lambda m: (nnx.graphdef(m), jax.tree.structure(nnx.state(m)),
+                     [(jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(nnx.state(m))])
+    first = sig(layers[0])
+    return all(sig(m) == first for m in layers[1:])
 
 
 def _remat_layer(layer, policy, h, positions, key_valid, segment_ids):
@@ -402,7 +402,6 @@ def _run_layers(model, h, positions, key_valid, segment_ids, kv, index, keep_sta
     h0 = h
     (h, kv), hs = jax.lax.scan(step, (h, kv), (jnp.arange(len(model.layers)), stacked))
     return h, kv, ([h0, *hs] if keep_states else None)
-
 
 # %% ../../nbs/11d_infra.layers.ipynb #fa78eec8
 _PRESTACKED = contextvars.ContextVar("eformer_nb_prestacked_layers", default=None)
