@@ -12,7 +12,7 @@ from fastcore.basics import patch
 from flax import nnx
 
 from ..infra.factory import TaskType, register_config, register_module
-from ..infra.layers import RMSNorm, apply_rotary, rope_inv_freq
+from ..infra.layers import RMSNorm
 from .llama.configuration import LlamaConfig
 from .llama.modeling import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
@@ -104,33 +104,20 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
 
-    def qkv(self, h, positions):
-        "`LlamaAttention.qkv` with each query and key head normed (`q_norm`, `k_norm`) before it is rotated."
-        c, (b, t, _) = self.config, h.shape
-        heads = lambda proj, n: proj(h).reshape(b, t, n, c.head_dim)
-        q = self.q_norm(heads(self.q_proj, c.num_attention_heads))
-        k = self.k_norm(heads(self.k_proj, c.num_key_value_heads))
-        inv = rope_inv_freq(c)
-        return apply_rotary(q, positions, inv), apply_rotary(k, positions, inv), heads(self.v_proj, c.num_key_value_heads)
+    def heads(self, h):
+        "`LlamaAttention.heads` with each query and key head normed (`q_norm`, `k_norm`); `qkv` then rotates them."
+        q, k, v = super().heads(h)
+        return self.q_norm(q), self.k_norm(k), v
 
 # %% ../../nbs/12i_modules.qwen3.ipynb #c352cabf
 class Qwen3DecoderLayer(LlamaDecoderLayer):
     "Llama's pre-norm block with `Qwen3Attention`."
-
-    def __init__(self, config: Qwen3Config, *, dtype=jnp.float32, param_dtype=jnp.float32, precision=None,
-                 rngs: nnx.Rngs):  # as `LlamaDecoderLayer`
-        super().__init__(config, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
-        self.self_attn = Qwen3Attention(config, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
+    attention_class = Qwen3Attention
 
 
 class Qwen3Model(LlamaModel):
     "Llama's decoder stack of `Qwen3DecoderLayer`s."
-
-    def __init__(self, config: Qwen3Config, *, dtype=jnp.float32, param_dtype=jnp.float32, precision=None,
-                 rngs: nnx.Rngs):  # as `LlamaModel`
-        super().__init__(config, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
-        self.layers = nnx.List([Qwen3DecoderLayer(config, dtype=dtype, param_dtype=param_dtype, precision=precision,
-                                                  rngs=rngs) for _ in range(config.num_hidden_layers)])
+    decoder_layer_class = Qwen3DecoderLayer
 
 
 @register_module(TaskType.CAUSAL_LM, "qwen3", config=Qwen3Config)
@@ -139,14 +126,3 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     base_model_class, decoder_layer_class = Qwen3Model, Qwen3DecoderLayer  # what generation may run part by part
     hf_model_class, hf_config_class = "Qwen3ForCausalLM", "Qwen3Config"  # transformers' names (to_torch)
     gguf_architecture = "qwen3"  # llama.cpp's name; the GGUF reader refuses it by name (it reads llama only)
-
-    def __init__(self, config: Qwen3Config,  # the model's configuration
-                 dtype=jnp.float32,  # compute dtype of activations
-                 param_dtype=jnp.float32,  # storage dtype of parameters
-                 precision=None,  # `jax.lax.Precision` of the matmuls
-                 *, rngs: nnx.Rngs | None = None):  # initialisation randomness (default `nnx.Rngs(0)`)
-        if not isinstance(config, Qwen3Config):
-            raise TypeError(f"Qwen3ForCausalLM needs a Qwen3Config, got {type(config).__name__}")
-        rngs = nnx.Rngs(0) if rngs is None else rngs
-        super().__init__(config, dtype, param_dtype, precision, rngs=rngs)
-        self.model = Qwen3Model(config, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)

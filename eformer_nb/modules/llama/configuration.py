@@ -108,25 +108,25 @@ def validate(self: LlamaConfig) -> LlamaConfig:
                  "num_key_value_heads", "head_dim", "max_position_embeddings"):
         v = getattr(self, name)
         if not isinstance(v, int) or isinstance(v, bool) or not 0 < v < 2**31:
-            raise ValueError(f"LlamaConfig.{name}={v!r}; expected a positive int (below 2**31: array sizes and token "
+            raise ValueError(f"{type(self).__name__}.{name}={v!r}; expected a positive int (below 2**31: array sizes and token "
                              "ids are int32)")
     if self.num_attention_heads % self.num_key_value_heads:
-        raise ValueError(f"LlamaConfig.num_attention_heads={self.num_attention_heads} is not a multiple of "
+        raise ValueError(f"{type(self).__name__}.num_attention_heads={self.num_attention_heads} is not a multiple of "
                          f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention shares each "
                          f"key/value head between a whole number of query heads)")
     if self.head_dim % 2:
-        raise ValueError(f"LlamaConfig.head_dim={self.head_dim}; rotary embeddings need an even head_dim")
+        raise ValueError(f"{type(self).__name__}.head_dim={self.head_dim}; rotary embeddings need an even head_dim")
     if self.hidden_act not in ACTIVATIONS:
-        raise ValueError(f"LlamaConfig.hidden_act={self.hidden_act!r}; valid choices are {list(ACTIVATIONS)}")
+        raise ValueError(f"{type(self).__name__}.hidden_act={self.hidden_act!r}; valid choices are {list(ACTIVATIONS)}")
     if self.rope_scaling is not None:
         kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
         if kind not in ROPE_TYPES:
-            raise ValueError(f"LlamaConfig.rope_scaling rope_type={kind!r}; valid choices are {list(ROPE_TYPES)}")
-        _validate_rope_scaling(self.rope_scaling, kind)
+            raise ValueError(f"{type(self).__name__}.rope_scaling rope_type={kind!r}; valid choices are {list(ROPE_TYPES)}")
+        _validate_rope_scaling(self.rope_scaling, kind, type(self).__name__)
     return _validate_training(_validate_values(self))
 
 
-def _validate_rope_scaling(rs: dict, kind: str) -> None:
+def _validate_rope_scaling(rs: dict, kind: str, name: str) -> None:
     "The numbers of a linear or llama3 `rope_scaling`: anything else would give zero, infinite or NaN frequencies."
     if kind == "default":
         return
@@ -136,11 +136,11 @@ def _validate_rope_scaling(rs: dict, kind: str) -> None:
     for key, default in need:
         v = rs.get(key, default)
         if not _finite(v, 0.0):
-            raise ValueError(f"LlamaConfig.rope_scaling={rs!r} needs a positive 'factor'" if key == "factor" else
-                             f"LlamaConfig.rope_scaling {key}={v!r}; expected a finite number > 0")
+            raise ValueError(f"{name}.rope_scaling={rs!r} needs a positive 'factor'" if key == "factor" else
+                             f"{name}.rope_scaling {key}={v!r}; expected a finite number > 0")
     if kind == "llama3" and not rs.get("low_freq_factor", 1.0) < rs.get("high_freq_factor", 4.0):
-        raise ValueError(f"LlamaConfig.rope_scaling={rs!r}: low_freq_factor must be below high_freq_factor (the "
-                         "llama3 ramp divides by their difference)")
+        raise ValueError(f"{name}.rope_scaling={rs!r}: low_freq_factor must be below high_freq_factor "
+                         "(the llama3 ramp divides by their difference)")
 
 # %% ../../../nbs/12a_modules.llama.configuration.ipynb #093b265e
 def _validate_training(self: LlamaConfig) -> LlamaConfig:
@@ -149,24 +149,24 @@ def _validate_training(self: LlamaConfig) -> LlamaConfig:
     from eformer_nb.ops.attention import ATTENTION_MECHANISMS, DECODE_ATTENTION_MECHANISMS
     for name, valid in (("attn_mechanism", ATTENTION_MECHANISMS), ("decode_attn_mechanism", DECODE_ATTENTION_MECHANISMS)):
         if not isinstance(getattr(self, name), str) or getattr(self, name) not in valid:
-            raise ValueError(f"LlamaConfig.{name}={getattr(self, name)!r}; valid choices are {list(valid)}")
+            raise ValueError(f"{type(self).__name__}.{name}={getattr(self, name)!r}; valid choices are {list(valid)}")
     gc, names = self.gradient_checkpointing, self.gradient_checkpointing_names
     if not isinstance(gc, str) or gc not in GRADIENT_CHECKPOINTING:
-        raise ValueError(f"LlamaConfig.gradient_checkpointing={gc!r}; valid choices are {list(GRADIENT_CHECKPOINTING)}")
+        raise ValueError(f"{type(self).__name__}.gradient_checkpointing={gc!r}; valid choices are {list(GRADIENT_CHECKPOINTING)}")
     by_name = gc in ("save_only_these_names", "save_anything_except_these_names")
     if by_name and not names:
-        raise ValueError(f"LlamaConfig.gradient_checkpointing={gc!r} needs gradient_checkpointing_names, a non-empty "
+        raise ValueError(f"{type(self).__name__}.gradient_checkpointing={gc!r} needs gradient_checkpointing_names, a non-empty "
                          f"list of {list(CHECKPOINT_NAMES)}")
     if names is not None and not by_name:
-        raise ValueError(f"LlamaConfig.gradient_checkpointing_names={names!r} is read only by the policies "
+        raise ValueError(f"{type(self).__name__}.gradient_checkpointing_names={names!r} is read only by the policies "
                          f"'save_only_these_names' and 'save_anything_except_these_names', not by {gc!r}")
     bad = [n for n in names or () if n not in CHECKPOINT_NAMES]
     if bad or (names is not None and not isinstance(names, list)):
-        raise ValueError(f"LlamaConfig.gradient_checkpointing_names={names!r}: {bad or 'not a list'}; expected a list "
+        raise ValueError(f"{type(self).__name__}.gradient_checkpointing_names={names!r}: {bad or 'not a list'}; expected a list "
                          f"of {list(CHECKPOINT_NAMES)}")
     n = self.loss_chunk_size
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n <= 0):
-        raise ValueError(f"LlamaConfig.loss_chunk_size={n!r}; expected a positive int (tokens per chunk) or None")
+        raise ValueError(f"{type(self).__name__}.loss_chunk_size={n!r}; expected a positive int (tokens per chunk) or None")
     return self
 
 
@@ -182,19 +182,19 @@ def _finite(v, above: float, inclusive: bool = False) -> bool:
 def _validate_values(self: LlamaConfig) -> LlamaConfig:
     "The numeric fields, the special token ids, and (for a config built in code) unknown fields, checked by name."
     if self._derived_head_dim and self.hidden_size % self.num_attention_heads:
-        raise ValueError(f"LlamaConfig.hidden_size={self.hidden_size} does not split into num_attention_heads="
+        raise ValueError(f"{type(self).__name__}.hidden_size={self.hidden_size} does not split into num_attention_heads="
                          f"{self.num_attention_heads} heads (hidden_size % heads = "
                          f"{self.hidden_size % self.num_attention_heads}); change one, or pass head_dim explicitly")
     for name, above, incl in (("rope_theta", 0.0, False), ("rms_norm_eps", 0.0, False), ("initializer_range", 0.0, True)):
         if not _finite(getattr(self, name), above, incl):
-            raise ValueError(f"LlamaConfig.{name}={getattr(self, name)!r}; expected a finite number "
+            raise ValueError(f"{type(self).__name__}.{name}={getattr(self, name)!r}; expected a finite number "
                              f"{'>=' if incl else '>'} {above}")
     eos = self.eos_token_id if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
     for name, ids in (("bos_token_id", [self.bos_token_id]), ("eos_token_id", eos), ("pad_token_id", [self.pad_token_id])):
         bad = [i for i in ids if i is not None
                and (not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.vocab_size)]
         if bad:
-            raise ValueError(f"LlamaConfig.{name}={getattr(self, name)!r}; token ids must be ints in [0, vocab_size="
+            raise ValueError(f"{type(self).__name__}.{name}={getattr(self, name)!r}; token ids must be ints in [0, vocab_size="
                              f"{self.vocab_size}) or None")
     if not _READING_FILE.get():  # a file may carry keys of other tools; a config built in code may not have typos
         known = set(type(self).known_keys())

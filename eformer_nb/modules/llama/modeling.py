@@ -52,15 +52,19 @@ class LlamaAttention(nnx.Module):
         self.v_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, **kw)
         self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, **kw)
 
-    def qkv(self, h, positions):
-        """The hook every path shares (forward, cached and paged decode): queries `(b, t, heads, head_dim)` and keys,
-        values `(b, t, kv_heads, head_dim)` of `h (b, t, hidden)`, rotary applied at `positions (b, t)`. A variant
-        (Qwen3's q/k norms) overrides only this."""
+    def heads(self, h):
+        """Queries `(b, t, heads, head_dim)`, keys and values `(b, t, kv_heads, head_dim)` of `h (b, t, hidden)`,
+        before rotary. A variant that changes heads before they rotate (Qwen3's q/k norms) overrides only this."""
         c, (b, t, _) = self.config, h.shape
         q = self.q_proj(h).reshape(b, t, c.num_attention_heads, c.head_dim)
         k = self.k_proj(h).reshape(b, t, c.num_key_value_heads, c.head_dim)
-        v = self.v_proj(h).reshape(b, t, c.num_key_value_heads, c.head_dim)
-        inv = rope_inv_freq(c)
+        return q, k, self.v_proj(h).reshape(b, t, c.num_key_value_heads, c.head_dim)
+
+    def qkv(self, h, positions):
+        """The hook every path shares (forward, cached and paged decode): `heads(h)` with rotary applied to queries
+        and keys at `positions (b, t)`."""
+        q, k, v = self.heads(h)
+        inv = rope_inv_freq(self.config)
         return apply_rotary(q, positions, inv), apply_rotary(k, positions, inv), v
 
     def __call__(self, h, positions, key_valid, segment_ids=None, layer_cache: LayerCache | None = None,
@@ -124,6 +128,7 @@ class LlamaMLP(nnx.Module):
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #93932923
 class LlamaDecoderLayer(nnx.Module):
     "Pre-norm residual block: attention, then the MLP."
+    attention_class = LlamaAttention  # a variant (e.g. Qwen3) names its own attention here, nothing else
 
     def __init__(
         self,
@@ -136,7 +141,7 @@ class LlamaDecoderLayer(nnx.Module):
     ):
         kw = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
         self.config = config
-        self.self_attn = LlamaAttention(config, **kw)
+        self.self_attn = self.attention_class(config, **kw)
         self.mlp = LlamaMLP(config, **kw)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.post_attention_layernorm = RMSNorm(
@@ -199,6 +204,7 @@ def _check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #4b718f2e
 class LlamaModel(nnx.Module):
     "The Llama decoder stack: embeddings, `num_hidden_layers` decoder layers, the final RMSNorm."
+    decoder_layer_class = LlamaDecoderLayer  # the layer a variant builds
 
     def __init__(
         self,
@@ -212,7 +218,7 @@ class LlamaModel(nnx.Module):
         self.config, self.dtype = config, dtype
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, std=config.initializer_range, dtype=dtype,
                                   param_dtype=param_dtype, rngs=rngs)
-        self.layers = nnx.List([LlamaDecoderLayer(config, dtype=dtype, param_dtype=param_dtype, precision=precision,
+        self.layers = nnx.List([self.decoder_layer_class(config, dtype=dtype, param_dtype=param_dtype, precision=precision,
                                                   rngs=rngs) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.scan_layers = True  # run the layers as one `jax.lax.scan` step when they share one structure
@@ -336,11 +342,11 @@ class LlamaForCausalLM(ParamsMixin, GenerationMixin, AdaptersMixin, FilesMixin, 
                  param_dtype=jnp.float32,  # storage dtype of parameters
                  precision=None,  # `jax.lax.Precision` of the matmuls
                  *, rngs: nnx.Rngs | None = None):  # initialisation randomness (default `nnx.Rngs(0)`)
-        if not isinstance(config, LlamaConfig):
-            raise TypeError(f"LlamaForCausalLM needs a LlamaConfig, got {type(config).__name__}")
+        if not isinstance(config, self.config_class):  # a variant's own config class (Qwen3ForCausalLM: Qwen3Config)
+            raise TypeError(f"{type(self).__name__} needs a {self.config_class.__name__}, got {type(config).__name__}")
         rngs = nnx.Rngs(0) if rngs is None else rngs
         self.config, self.dtype, self.param_dtype, self.precision = config, dtype, param_dtype, precision
-        self.model = LlamaModel(config, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
+        self.model = self.base_model_class(config, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
         self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, std=config.initializer_range, dtype=dtype, param_dtype=param_dtype,
             precision=precision, rngs=rngs)
