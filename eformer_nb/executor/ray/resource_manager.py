@@ -55,7 +55,7 @@ class TpuSpec:
         "The Ray resource on the first host of each slice of this type."
         return f"TPU-{self.tpu_type}-head"
 
-
+# %% ../../../nbs/14b_executor.ray.resource_manager.ipynb #09d415af
 def tpu_spec(
     tpu_type: str,  # '<generation>-<size>', such as 'v4-8' or 'v6e-32' (aliases such as 'v5litepod-16')
 ) -> TpuSpec:
@@ -154,7 +154,7 @@ with os.fdopen(fd, 'wb') as f:
     f.write(data)
 """
 
-
+# %% ../../../nbs/14b_executor.ray.resource_manager.ipynb #264d5306
 def _separate_process_fn(
     underlying_function: tp.Callable,  # the function to run
     args: tuple,  # its positional arguments
@@ -276,7 +276,7 @@ def _check_env(owner: str, execution_env: tp.Any) -> None:
         raise TypeError(f"{owner}: execution_env must be a Ray runtime env (a dict or ray.runtime_env.RuntimeEnv), "
                         f"got {type(execution_env).__name__}")
 
-
+# %% ../../../nbs/14b_executor.ray.resource_manager.ipynb #17ee3ab3
 @tp.runtime_checkable
 class ComputeResourceConfig(tp.Protocol):
     """What the executor needs of an accelerator config; `CpuAcceleratorConfig`, `GpuAcceleratorConfig` and
