@@ -431,6 +431,7 @@ def report(
     return counts
 
 # %% ../nbs/99b_benchmarking.ipynb #cac5b1be
+@patch(nm="_repr_markdown_")  # (`Comparison` has one too: one module-level name each)
 def _bench_markdown(self: Bench) -> str:
     "The page's verdict table in markdown, with its thread budget (Jupyter and the docs render it)."
     rows = ["| measurement | ratio ours/peer | 95% interval | A/A noise | target | verdict |", "|:--|--:|:-:|--:|:--|:--|"]
@@ -439,9 +440,6 @@ def _bench_markdown(self: Bench) -> str:
         rows.append(f"| {_md_cell(c.label)} | {c.ratio:.3f}x | [{lo:.3f}, {hi:.3f}] | {c.aa_noise:.1%} "
                     f"| {_md_cell(t or '-')} | **{v}** |")
     return f"**{_md_cell(self.name)}** ({_md_cell(self.threads)})\n\n" + "\n".join(rows)
-
-
-Bench._repr_markdown_ = _bench_markdown
 
 # %% ../nbs/99b_benchmarking.ipynb #5c3b303b
 _COLORS = {MET: "#3fb618", MISSED: "#d9534f", NOISY: "#f0ad4e", INFO: "#2780e3"}

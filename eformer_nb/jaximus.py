@@ -529,18 +529,16 @@ def compute_dtype(self: ImplicitArray) -> tp.Any:  # the logical dtype
     return self.dtype
 
 
-def _default_handler(cls,
-                     primitive: jex_core.Primitive,  # the primitive to apply
-                     *args: tp.Any,  # its operands; implicit ones are materialised
-                     params: dict | None = None,  # its parameters
-                     ) -> tp.Any:  # what `primitive.bind` returns
+@patch(cls_method=True)
+def default_handler(cls: ImplicitArray,
+                    primitive: jex_core.Primitive,  # the primitive to apply
+                    *args: tp.Any,  # its operands; implicit ones are materialised
+                    params: dict | None = None,  # its parameters
+                    ) -> tp.Any:  # what `primitive.bind` returns
     "Apply `primitive` to the materialised arguments: what happens when no handler takes them."
     if not isinstance(primitive, jex_core.Primitive):
         raise TypeError(f"default_handler needs a jax Primitive, got {primitive!r}")
     return primitive.bind(*[materialize(a) for a in args], **(params or {}))
-
-
-ImplicitArray.default_handler = classmethod(_default_handler)  # a real classmethod: `cls` is the subclass
 
 # %% ../nbs/05_jaximus.ipynb #13960524
 @patch
@@ -560,12 +558,10 @@ def tree_flatten_with_keys(self: ImplicitArray) -> tuple[list, tp.Any]:  # `([(k
     return [(path[0], child) for path, child in kids], treedef
 
 
-def _tree_unflatten(cls,
-                    aux_data: tp.Any,  # the `aux` of `tree_flatten_with_keys`
-                    children: tp.Sequence,  # the children, in order
-                    ) -> ImplicitArray:  # the rebuilt instance
+@patch(cls_method=True)
+def tree_unflatten(cls: ImplicitArray,
+                   aux_data: tp.Any,  # the `aux` of `tree_flatten_with_keys`
+                   children: tp.Sequence,  # the children, in order
+                   ) -> ImplicitArray:  # the rebuilt instance
     "Rebuild an instance from `tree_flatten_with_keys` output."
     return jax.tree_util.tree_unflatten(aux_data, list(children))
-
-
-ImplicitArray.tree_unflatten = classmethod(_tree_unflatten)

@@ -13,7 +13,7 @@ import time
 import typing as tp
 from collections.abc import Mapping
 
-from fastcore.basics import patch
+from fastcore.basics import patch, patch_to
 
 # %% auto #0
 __all__ = ['LOG_LEVEL_ENV', 'process_index', 'ColorFormatter', 'LazyLogger', 'get_logger', 'ProgressLogger', 'progress',
@@ -248,7 +248,7 @@ def __repr__(self: LazyLogger) -> str:
     return f"LazyLogger({self.name!r}, {state})"
 
 
-LazyLogger.warn = LazyLogger.warning
+patch_to(LazyLogger, nm="warn")(LazyLogger.warning)  # `logging`'s old spelling, the same method
 
 # %% ../nbs/01_loggings.ipynb #16656655
 class _Level(int):
@@ -335,7 +335,7 @@ def error_once(
     return self.log_once(logging.ERROR, message, *args, **kw)
 
 
-LazyLogger.warn_once = LazyLogger.warning_once  # eformer's spelling
+patch_to(LazyLogger, nm="warn_once")(LazyLogger.warning_once)  # eformer's spelling
 
 # %% ../nbs/01_loggings.ipynb #72c91b68
 _LOGGERS: dict[str, LazyLogger] = {}

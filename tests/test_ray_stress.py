@@ -121,9 +121,12 @@ def test_failed_start_leaves_nothing(base):
         busy.bind(("0.0.0.0", 0))
         busy.listen()
         watcher = _Watcher(base)
-        # the raylet's wait for its agents is shortened here (a value already set wins over auto_ray_cluster's)
-        proc = _driver(base, {"RAY_agent_register_timeout_ms": "20000"}, start_retries=1,
-                       _metrics_export_port=busy.getsockname()[1])
+        # a try that cannot succeed is cut short (a value already set wins over auto_ray_cluster's 120 s, which a loaded
+        # machine needs for a start that can succeed): the driver waits 15 s for its node (the raylet 20 s for its
+        # agents), and a failed try's processes get 3 s after SIGTERM before SIGKILL; two tries then take ~45 s, not
+        # ~280 s, and prove the same: both tries start processes, and none of them is left
+        proc = _driver(base, {"RAY_agent_register_timeout_ms": "20000", "RAY_raylet_start_wait_time_s": "15"},
+                       start_retries=1, stop_grace_s=3, _metrics_export_port=busy.getsockname()[1])
         try:
             out, err = proc.communicate(timeout=900)
         finally:

@@ -122,8 +122,9 @@ def auto_shard_pytree(
     return self.shard_pytree(pytree, self.propose_specs(pytree))
 
 # %% ../../nbs/09e_escale.helpers.ipynb #7321dcd9
-def _create_partition_spec(
-    self,
+@patch
+def create_partition_spec(
+    self: MeshPartitionHelper,
     array_shape: Sequence[int],  # the array's shape
     methods: Sequence[str] | str,  # mesh axes to use, in priority order
     min_shard_size: int = 1024,  # arrays with fewer elements are replicated
@@ -137,18 +138,15 @@ def _create_partition_spec(
     return auto_partition_spec(tuple(array_shape), self.mesh, methods, min_shard_size)
 
 
-def _shard_array(
-    self,
+@patch
+def shard_array(
+    self: MeshPartitionHelper,
     array,  # the array to place
     partition_spec: PartitionSpec,  # its spec, fitted to the array's shape
 ):
     "`array` placed on the mesh with `partition_spec` (fitted to its shape)."
     spec = correct_partition_spec(np.shape(array), partition_spec, self.mesh)
     return jax.device_put(array, NamedSharding(self.mesh, spec))
-
-
-MeshPartitionHelper.create_partition_spec = _create_partition_spec
-MeshPartitionHelper.shard_array = _shard_array
 
 # %% ../../nbs/09e_escale.helpers.ipynb #cccebd64
 import abc

@@ -12,6 +12,8 @@ import json
 import os
 import typing as tp
 
+from fastcore.basics import patch
+
 from ..escale.partition.manager import PartitionAxis, PartitionManager
 from ..paths import ePath
 
@@ -46,7 +48,8 @@ class EasyDeLBaseConfig:
             setattr(self, key, value)
 
 # %% ../../nbs/11b_infra.base_config.ipynb #b0d474e8
-def _known_keys(cls) -> list[str]:
+@patch(cls_method=True)
+def known_keys(cls: EasyDeLBaseConfig) -> list[str]:
     keys = set(_HF_METADATA_KEYS)
     for klass in cls.__mro__:
         if "__init__" in vars(klass) and issubclass(klass, EasyDeLBaseConfig):
@@ -55,7 +58,8 @@ def _known_keys(cls) -> list[str]:
     return sorted(keys)
 
 
-def _to_dict(self) -> dict[str, tp.Any]:
+@patch
+def to_dict(self: EasyDeLBaseConfig) -> dict[str, tp.Any]:
     "The configuration as a JSON-ready dict: `model_type` first, then every public attribute."
     out: dict[str, tp.Any] = {"model_type": self.model_type}
     for key, value in vars(self).items():
@@ -69,8 +73,9 @@ def _to_dict(self) -> dict[str, tp.Any]:
     return out
 
 
-def _from_dict(
-    cls,
+@patch(cls_method=True)
+def from_dict(
+    cls: EasyDeLBaseConfig,
     data: dict[str, tp.Any],  # the config's keys and values
     strict: bool = False,  # refuse keys the class does not know (else kept)
     **overrides,  # keys replacing those of `data`
@@ -84,7 +89,7 @@ def _from_dict(
         raise ValueError(f"{cls.__name__} reads model_type {cls.model_type!r}, but the config says {found!r}; "
                          f"use AutoConfig to pick the class from model_type")
     if strict:
-        known = _known_keys(cls)
+        known = cls.known_keys()
         unknown = sorted(set(data) - set(known))
         if unknown:
             hints = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
@@ -92,11 +97,6 @@ def _from_dict(
             raise ValueError(f"{cls.__name__}: unknown config key(s) {unknown}{'; ' + hint if hint else ''}. "
                              f"Known keys: {known}. Pass strict=False to keep unknown keys as attributes")
     return cls(**data)
-
-
-EasyDeLBaseConfig.known_keys = classmethod(_known_keys)
-EasyDeLBaseConfig.to_dict = _to_dict
-EasyDeLBaseConfig.from_dict = classmethod(_from_dict)
 
 # %% ../../nbs/11b_infra.base_config.ipynb #a35a1421
 def config_file(
@@ -114,8 +114,9 @@ def config_file(
     return p
 
 
-def _save_pretrained(
-    self,
+@patch
+def save_pretrained(
+    self: EasyDeLBaseConfig,
     save_directory: str | os.PathLike | ePath,  # the folder (created if needed)
 ) -> ePath:
     "Write `config.json` into `save_directory` (created if needed); returns the file's path."
@@ -124,8 +125,9 @@ def _save_pretrained(
     return (d / CONFIG_NAME).save_dict(self.to_dict(), format="json")
 
 
-def _from_pretrained(
-    cls,
+@patch(cls_method=True)
+def from_pretrained(
+    cls: EasyDeLBaseConfig,
     pretrained_model_name_or_path: str | os.PathLike | ePath,  # a folder holding `config.json`, or the file itself
     strict: bool = False,  # refuse keys the class does not know (else kept)
     **overrides,  # keys replacing those of the file
@@ -136,30 +138,29 @@ def _from_pretrained(
     )
 
 
-def _to_json_string(self) -> str:
+@patch
+def to_json_string(self: EasyDeLBaseConfig) -> str:
     return json.dumps(self.to_dict(), indent=2, sort_keys=False)
 
 
-def _eq(self, other) -> bool:
+@patch
+def __eq__(self: EasyDeLBaseConfig, other) -> bool:
     return type(self) is type(other) and self.to_dict() == other.to_dict()
 
 
-def _repr(self) -> str:
+@patch
+def __hash__(self: EasyDeLBaseConfig) -> int:
+    return hash((type(self).__qualname__, json.dumps(self.to_dict(), sort_keys=True, default=repr)))
+
+
+@patch
+def __repr__(self: EasyDeLBaseConfig) -> str:
     return f"{type(self).__name__} {self.to_json_string()}"
 
-
-EasyDeLBaseConfig.save_pretrained = _save_pretrained
-EasyDeLBaseConfig.from_pretrained = classmethod(_from_pretrained)
-EasyDeLBaseConfig.to_json_string = _to_json_string
-EasyDeLBaseConfig.__eq__ = _eq
-EasyDeLBaseConfig.__hash__ = lambda self: hash(
-    (type(self).__qualname__, json.dumps(self.to_dict(), sort_keys=True, default=repr))
-)
-EasyDeLBaseConfig.__repr__ = _repr
-
 # %% ../../nbs/11b_infra.base_config.ipynb #23e3c985
-def _get_partition_rules(
-    self,
+@patch
+def get_partition_rules(
+    self: EasyDeLBaseConfig,
     fully_sharded_data_parallel: bool = True,  # also shard over the fsdp axis (subclasses; the base replicates all)
 ) -> tuple[tuple[str, tp.Any], ...]:
     "Regex → `PartitionSpec` rules over parameter paths; the base class replicates everything."
@@ -167,6 +168,7 @@ def _get_partition_rules(
     return ((".*", PartitionSpec()),)
 
 
-EasyDeLBaseConfig.get_partition_rules = _get_partition_rules
-EasyDeLBaseConfig.partition_manager = property(lambda self: PartitionManager(self.partition_axis),
-                                               doc="A `PartitionManager` over this config's `partition_axis`.")
+@patch(as_prop=True)
+def partition_manager(self: EasyDeLBaseConfig) -> PartitionManager:
+    "A `PartitionManager` over this config's `partition_axis`."
+    return PartitionManager(self.partition_axis)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from fastcore.basics import patch
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
@@ -50,16 +51,6 @@ class EasyDeLState:
     apply_fn: tp.Callable | None = field(pytree_node=False, default=None)  # optional function that applies the model
     nonfinite: str = field(pytree_node=False, default="skip")  # NaN/Inf gradients: 'skip' (and count), 'raise', 'off'
     skipped_steps: int | jax.Array = 0  # updates `apply_gradients` skipped for non-finite gradients
-
-
-def _method(name: str, kind: str = "method"):
-    """Install the decorated function on `EasyDeLState` as `name` (a method, `classmethod` or `property`): the class
-    grows one cell at a time."""
-    def install(f):
-        f.__name__, f.__qualname__ = name, f"EasyDeLState.{name}"
-        setattr(EasyDeLState, name, {"method": f, "classmethod": classmethod(f), "property": property(f)}[kind])
-        return f
-    return install
 
 # %% ../../nbs/13a_infra.base_state.ipynb #c4ec0001
 def _shape_dtype(x) -> tuple[tuple, tp.Any]:
@@ -104,7 +95,8 @@ def check_like_params(
                          "graphstate (jax.tree.map, or map_leaves_with_path)")
 
 # %% ../../nbs/13a_infra.base_state.ipynb #c4ec0002
-def _repr(self) -> str:
+@patch
+def __repr__(self: EasyDeLState) -> str:
     "One line a user reads: the step, the parameters, the optimizer, and the non-finite policy with its skips."
     params = jax.tree_util.tree_leaves(self.graphstate)
     n = sum(int(np.prod(getattr(x, "shape", ()))) for x in params)
@@ -114,9 +106,6 @@ def _repr(self) -> str:
     return (f"EasyDeLState(step={step}, params={n:,} in {len(params)} arrays, "
             f"tx={'None' if self.tx is None else type(self.tx).__name__}, nonfinite={self.nonfinite!r}, "
             f"skipped_steps={skipped}" + ("" if tx_skips is None else f", optimizer_skipped={tx_skips}") + ")")
-
-
-EasyDeLState.__repr__ = _repr
 
 # %% ../../nbs/13a_infra.base_state.ipynb #ab85afba
 NONFINITE_POLICIES = ("skip", "raise", "off")
@@ -166,9 +155,9 @@ def _check_create_args(model, parts: dict, tx, opt_state, init_opt_state: bool, 
         raise ValueError("EasyDeLState.create: init_opt_state=True needs tx= (an optax.GradientTransformation)")
 
 # %% ../../nbs/13a_infra.base_state.ipynb #718c6b1d
-@_method("create", kind="classmethod")
-def _create(
-    cls,
+@patch(cls_method=True)
+def create(
+    cls: EasyDeLState,
     *,
     step: int | None = None,  # the initial step (default 0)
     graphdef: nnx.GraphDef | None = None,  # the model's structure, with `graphstate` and `graphother`
@@ -199,29 +188,29 @@ def _create(
     return state.init_tx(tx) if init_opt_state else state
 
 # %% ../../nbs/13a_infra.base_state.ipynb #bb39a343
-@_method("model", kind="property")
-def _model(self) -> nnx.Module:
+@patch(as_prop=True)
+def model(self: EasyDeLState) -> nnx.Module:
     "The model rebuilt from `graphdef`, `graphstate` and `graphother` (`nnx.merge`)."
     return nnx.merge(self.graphdef, self.graphstate, self.graphother)
 
 
-@_method("merge")
-def _merge(self, tree: nnx.State  # parameters shaped like `graphstate`
+@patch
+def merge(self: EasyDeLState, tree: nnx.State  # parameters shaped like `graphstate`
          ) -> nnx.Module:
     "The model with the parameters `tree` (and this state's structure and other variables)."
     return nnx.merge(self.graphdef, tree, self.graphother)
 
 
-@_method("merge_to_state")
-def _merge_to_state(self, tree: nnx.State  # parameters shaped like `graphstate`: same paths, shapes and dtypes
+@patch
+def merge_to_state(self: EasyDeLState, tree: nnx.State  # parameters shaped like `graphstate`: same paths, shapes and dtypes
                   ) -> EasyDeLState:
     "A state with `graphstate` replaced by `tree`; a tree of another structure, shape or dtype is an error naming the path."
     check_like_params(tree, self.graphstate, "merge_to_state: tree")
     return self.replace(graphstate=tree)
 
 
-@_method("size", kind="property")
-def _size(self) -> int:
+@patch(as_prop=True)
+def size(self: EasyDeLState) -> int:
     "Bytes of every array of the state: step, parameters, other variables and optimizer state."
     return tree_bytes((self.step, self.graphstate, self.graphother, self.opt_state))
 
@@ -292,9 +281,9 @@ def _opt_shardings(self, tree, partition_rules=None):
 
 
 # %% ../../nbs/13a_infra.base_state.ipynb #a948233d
-@_method("init_tx")
-def _init_tx(
-    self,
+@patch
+def init_tx(
+    self: EasyDeLState,
     tx: optax.GradientTransformation,  # the optimizer
     partition_rules: tp.Sequence[tuple[str, PartitionSpec]] | None = None,  # rules for its state; None: follow the params
 ) -> EasyDeLState:
@@ -315,9 +304,9 @@ def _raise_nonfinite(finite_per_leaf, paths: tuple[str, ...]):
                                  f"{bad[0]!r} (the state's nonfinite='raise'; 'skip' skips and counts such updates)")
 
 
-@_method("apply_gradients")
-def _apply_gradients(
-    self,
+@patch
+def apply_gradients(
+    self: EasyDeLState,
     *,
     grads: nnx.State,  # gradients shaped like `graphstate` (same paths and shapes, floating dtypes)
 ) -> EasyDeLState:
@@ -388,9 +377,9 @@ def _replicate_tree(tree, mesh: Mesh | None = None):
     return jax.tree_util.tree_map(rep, tree)
 
 # %% ../../nbs/13a_infra.base_state.ipynb #ca6233f5
-@_method("shard_model")
-def _shard_model(
-    self,
+@patch
+def shard_model(
+    self: EasyDeLState,
     partition_rules: tp.Sequence[tuple[str, PartitionSpec]] | None = None,  # None: the model config's rules
     mesh: Mesh | None = None,  # None: the model config's mesh, else the mesh in context
 ) -> EasyDeLState:
@@ -405,9 +394,9 @@ def _shard_model(
     )
 
 
-@_method("gather_model")
-def _gather_model(
-    self,
+@patch
+def gather_model(
+    self: EasyDeLState,
     partition_rules: tp.Sequence[tuple[str, PartitionSpec]] | None = None,  # checked against the params; gathering needs none
     mesh: Mesh | None = None,  # None: each leaf's own mesh
 ) -> EasyDeLState:
@@ -422,9 +411,9 @@ def _gather_model(
     )
 
 # %% ../../nbs/13a_infra.base_state.ipynb #bff53552
-@_method("shard_optimizer_state")
-def _shard_optimizer_state(
-    self,
+@patch
+def shard_optimizer_state(
+    self: EasyDeLState,
     opt_state: optax.OptState | None = None,  # the optimizer state to place; None: `self.opt_state`
     partition_rules: tp.Sequence[tuple[str, PartitionSpec]] | None = None,  # None: follow the params
 ) -> EasyDeLState:
@@ -439,9 +428,9 @@ def _shard_optimizer_state(
     return self.replace(opt_state=opt_state if shardings is None else jax.device_put(opt_state, shardings))
 
 
-@_method("gather_optimizer_state")
-def _gather_optimizer_state(
-    self,
+@patch
+def gather_optimizer_state(
+    self: EasyDeLState,
     partition_rules: tp.Sequence[tuple[str, PartitionSpec]] | None = None,  # checked against the optimizer state when given
 ) -> EasyDeLState:
     "The state with every optimizer-state leaf fully replicated on its mesh."
@@ -452,9 +441,9 @@ def _gather_optimizer_state(
     return self.replace(opt_state=_replicate_tree(self.opt_state))
 
 
-@_method("shard_state")
-def _shard_state(
-    self,
+@patch
+def shard_state(
+    self: EasyDeLState,
     partition_rules: tp.Sequence[tuple[str, PartitionSpec]] | None = None,  # None: the model config's rules
     mesh: Mesh | None = None,  # None: the model config's mesh, else the mesh in context
 ) -> EasyDeLState:
@@ -463,21 +452,21 @@ def _shard_state(
     return state.shard_optimizer_state() if state.opt_state is not None else state
 
 
-@_method("gather_state")
-def _gather_state(self) -> EasyDeLState:
+@patch
+def gather_state(self: EasyDeLState) -> EasyDeLState:
     "`gather_model` and (if there is one) `gather_optimizer_state`."
     state = self.gather_model()
     return state.gather_optimizer_state() if state.opt_state is not None else state
 
 # %% ../../nbs/13a_infra.base_state.ipynb #da8b6bf6
-@_method("shardings", kind="property")
-def _shardings(self) -> EasyDeLState:
+@patch(as_prop=True)
+def shardings(self: EasyDeLState) -> EasyDeLState:
     "A state-shaped tree of each leaf's sharding (`None` for leaves that are not arrays)."
     return jax.tree_util.tree_map(lambda x: getattr(x, "sharding", None), self)
 
 
-@_method("shard_with_shape")
-def _shard_with_shape(self, shape: EasyDeLState  # a state-shaped tree of `Sharding`s (`None`: leave that leaf as it is)
+@patch
+def shard_with_shape(self: EasyDeLState, shape: EasyDeLState  # a state-shaped tree of `Sharding`s (`None`: that leaf as it is)
                     ) -> EasyDeLState:
     """The state with each leaf given the sharding at the same place in `shape`: `device_put` outside `jit`, a
     constraint inside."""
@@ -815,9 +804,9 @@ def _commit_version(directory, name: str, meta: dict, generation: int | None, ol
     _drop_replaced(directory, old, name)
 
 # %% ../../nbs/13a_infra.base_state.ipynb #fe3a2804
-@_method("save_state")
-def _save_state(
-    self,
+@patch
+def save_state(
+    self: EasyDeLState,
     save_directory,  # folder to write (local path or gs://)
     float_dtype=None,  # cast floating parameters to this dtype in the saved model (the state is unchanged)
     verbose: bool = True,  # log what was written
@@ -869,8 +858,8 @@ def _save_state(
     return directory
 
 # %% ../../nbs/13a_infra.base_state.ipynb #58659812
-@_method("load_optimizer")
-def _load_optimizer(self, load_directory,  # a folder written by `save_state`
+@patch
+def load_optimizer(self: EasyDeLState, load_directory,  # a folder written by `save_state`
                    ) -> EasyDeLState:
     "The state with the optimizer state saved in `load_directory`, placed like the parameters. Needs `tx`."
     from eformer_nb.serialization.serialization import tree_deserialize_leaves
@@ -968,9 +957,9 @@ def _quantize_loaded(model: tp.Any, method: str, block_size: int, quantize_tenso
 
 
 # %% ../../nbs/13a_infra.base_state.ipynb #95b9b2eb
-@_method("load_state", kind="classmethod")
-def _load_state(
-    cls,
+@patch(cls_method=True)
+def load_state(
+    cls: EasyDeLState,
     load_directory,  # a folder written by `save_state`
     device="cpu",  # where the model goes when not sharded: a `jax.Device`, a platform name, or None (default)
     dtype=jnp.float32,  # computation dtype of the model

@@ -181,9 +181,19 @@ def inference_wrapper(
     return wrapped
 
 # %% ../../nbs/07d_mpric.handler.ipynb #b1de6129
-PrecisionHandler.cast_params = lambda self, params: self.policy.cast_to_param(params)
-PrecisionHandler.cast_for_compute = lambda self, x: self.policy.cast_to_compute(x)
-PrecisionHandler.cast_for_output = lambda self, x: self.policy.cast_to_output(x)
-PrecisionHandler.cast_params.__doc__ = "`params` (float leaves) in the parameter dtype."
-PrecisionHandler.cast_for_compute.__doc__ = "`x` (float leaves) in the compute dtype."
-PrecisionHandler.cast_for_output.__doc__ = "`x` (float leaves) in the output dtype."
+@patch
+def cast_params(self: PrecisionHandler, params):
+    "`params` (float leaves) in the parameter dtype."
+    return self.policy.cast_to_param(params)
+
+
+@patch
+def cast_for_compute(self: PrecisionHandler, x):
+    "`x` (float leaves) in the compute dtype."
+    return self.policy.cast_to_compute(x)
+
+
+@patch
+def cast_for_output(self: PrecisionHandler, x):
+    "`x` (float leaves) in the output dtype."
+    return self.policy.cast_to_output(x)

@@ -165,12 +165,10 @@ def get_policy(
     p, c, o = names
     return Policy("f32" if p is None else p, c, o)  # params default to f32; the constructor cascades the rest
 
-def _from_string(
-    cls,
+@patch(cls_method=True)
+def from_string(
+    cls: Policy,
     policy_str: str,  # e.g. 'p=f32,c=bf16,o=f32', or one dtype name for all three
 ) -> Policy:
     "The `Policy` a string such as `'p=f32,c=bf16,o=f32'` names (see `get_policy`)."
     return get_policy(policy_str)
-
-
-Policy.from_string = classmethod(_from_string)

@@ -666,11 +666,6 @@ def generate_template(
     "The default config of `optimizer_type` as a plain dict: a starting point for a YAML/JSON file."
     return cls.make_config(optimizer_type).to_dict()
 
-
-# fastcore's `cls_method=True` installs its own descriptor; make these real classmethods, as eformer's are
-for _name in ('create', 'generate_template'):
-    setattr(OptimizerFactory, _name, classmethod(vars(OptimizerFactory)[_name].f))
-
 # %% ../../nbs/08e_optimizers.factory.ipynb #43c46bba
 import abc
 import json
@@ -759,8 +754,9 @@ _OPTIMIZER_BUILDER_REGISTRY = _RegistryView(
     "optimizer")
 
 # %% ../../nbs/08e_optimizers.factory.ipynb #19baa5d2
-def _serialize_config(
-    cls,
+@patch(cls_method=True)
+def serialize_config(
+    cls: OptimizerFactory,
     config,  # an optimizer config
     format: str = "dict",  # 'dict', 'json' or 'yaml'
 ):
@@ -778,8 +774,9 @@ def _serialize_config(
     return yaml.safe_dump({k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}, sort_keys=False)
 
 
-def _deserialize_config(
-    cls,
+@patch(cls_method=True)
+def deserialize_config(
+    cls: OptimizerFactory,
     optimizer_type: str,  # a registered optimizer name, e.g. 'adamw'
     data,  # a dict, or JSON / YAML text
     format: str = "dict",  # 'dict', 'json' or 'yaml'
@@ -798,8 +795,9 @@ def _deserialize_config(
     return cls.make_config(optimizer_type, data)
 
 
+@patch(cls_method=True)
 def _convert_dtypes(
-    cls,
+    cls: OptimizerFactory,
     config,  # an optimizer config (changed in place)
 ):
     """eformer's `_convert_dtypes`: each `*dtype` field of `config` that holds a dtype name becomes that dtype, in
@@ -814,11 +812,6 @@ def _convert_dtypes(
                                  f"of {sorted(STRING_TO_DTYPE_MAP)}")
             setattr(config, f.name, STRING_TO_DTYPE_MAP[value])
     return config
-
-
-OptimizerFactory._convert_dtypes = classmethod(_convert_dtypes)
-OptimizerFactory.serialize_config = classmethod(_serialize_config)
-OptimizerFactory.deserialize_config = classmethod(_deserialize_config)
 
 # %% ../../nbs/08e_optimizers.factory.ipynb #c3e5a7b8
 def get_base_optimizer(

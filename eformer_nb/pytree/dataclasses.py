@@ -248,15 +248,13 @@ def to_json(
     return json.dumps(self.to_dict(), default=_json_default, **kwargs)
 
 
-def _from_json(
-    cls: type[_T],
+@patch(cls_method=True)
+def from_json(
+    cls: _PyTreeMethods,
     text: str | bytes,  # `to_json()` output
 ) -> _T:
     "Build an instance from `to_json()` output."
     return cls.from_dict(json.loads(text, object_hook=_json_object_hook))
-
-
-_PyTreeMethods.from_json = classmethod(_from_json)
 
 # %% ../../nbs/03c_pytree.dataclasses.ipynb #23371255
 _JSON_METHODS = ["to_dict", "from_dict", "to_json", "from_json"]
@@ -361,29 +359,27 @@ def dataclass(
     return auto_pytree(frozen=kwargs["frozen"], cls=clz)
 
 
-def _xtree_to_state_dict(self) -> dict[str, tp.Any]:
+@patch
+def to_state_dict(self: xTree) -> dict[str, tp.Any]:
     "This tree's state dict (see `pytree.serialization.to_state_dict`)."
     from eformer_nb.pytree.serialization import to_state_dict
     return to_state_dict(self)
 
 
-def _xtree_from_state_dict(
-    cls,
+@patch(cls_method=True)
+def from_state_dict(
+    cls: xTree,
     state: tp.Mapping[str, tp.Any],  # `{field: value}` as `to_state_dict()` returns it
 ):
     "An instance from `to_state_dict()` output; meta fields are not in a state dict, so they take their defaults."
     return cls.from_dict(state)
 
 
-def _xtree_init(
-    self,
+@patch
+def __init__(
+    self: xTree,
     *args: tp.Any,  # refused: `xTree` itself has no fields
     **kwargs: tp.Any,  # refused likewise
 ):
     "`xTree` itself is a base class: subclasses get their dataclass `__init__`."
     raise TypeError(f"{type(self).__name__} is a base class: subclass it with fields and construct the subclass")
-
-
-xTree.to_state_dict = _xtree_to_state_dict
-xTree.from_state_dict = classmethod(_xtree_from_state_dict)
-xTree.__init__ = _xtree_init

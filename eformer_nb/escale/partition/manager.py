@@ -202,11 +202,6 @@ def from_json(
     "Rebuild from `to_json`'s output."
     return cls.from_dict(json.loads(text))
 
-
-# fastcore's `cls_method=True` installs its own descriptor; make these real classmethods, as eformer's are
-for _name in ('from_dict', 'from_json'):
-    setattr(PartitionAxis, _name, classmethod(vars(PartitionAxis)[_name].f))
-
 # %% ../../../nbs/09c_escale.partition.manager.ipynb #7ae51175
 def _known_semantic_axes() -> list[str]:
     return list(_SEMANTIC_FIELDS) + [n for n in PartitionAxis._registry if n not in _SEMANTIC_FIELDS]
@@ -391,11 +386,6 @@ def clear_registered_axes(cls: PartitionAxis) -> None:
     with cls._registry_lock:
         cls._registry.clear()
         cls._registry_version += 1
-
-
-# fastcore's `cls_method=True` installs its own descriptor; make these real classmethods, as eformer's are
-for _name in ('register', 'unregister', 'get_registered_axes', 'clear_registered_axes'):
-    setattr(PartitionAxis, _name, classmethod(vars(PartitionAxis)[_name].f))
 
 # %% ../../../nbs/09c_escale.partition.manager.ipynb #6b0f400e
 PartitionAxis._SEMANTIC_MAP = _SEMANTIC_FIELDS  # eformer's names for our one table of each (not copies)

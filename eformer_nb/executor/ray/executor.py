@@ -13,7 +13,7 @@ import time
 import typing as tp
 import weakref
 
-from fastcore.basics import patch
+from fastcore.basics import patch, patch_to
 
 from .pool_manager import SlicePoolManager
 from eformer_nb.executor.ray.resource_manager import (
@@ -349,8 +349,9 @@ def _resumable(run_one: tp.Callable[[int], JobStatus], max_retries_preemption: i
         time.sleep(retry_delay_s)
 
 
+@patch(cls_method=True, nm="execute_resumable")  # (the module's name: its decorator)
 def _execute_resumable(
-    cls,
+    cls: RayExecutor,
     remote_fn: tp.Any,  # the function (or Ray remote function) to run
     accelerator_config: ComputeResourceConfig,  # where it runs: a CPU, GPU or TPU config
     max_retries_preemption: int = int(1e6),  # retries after a preemption (a worker or node died)
@@ -369,12 +370,10 @@ def _execute_resumable(
                                                        schedule_timeout_s=schedule_timeout_s),
                                     max_retries_preemption, max_retries_failure, retry_delay_s), accelerator_config)
 
-
-RayExecutor.execute_resumable = classmethod(_execute_resumable)
-
 # %% ../../../nbs/14d_executor.ray.executor.ipynb #c1457c3e
+@patch(cls_method=True, nm="execute_multislice")  # (the module's name: its decorator)
 def _execute_multislice(
-    cls,
+    cls: RayExecutor,
     remote_fn: tp.Any,  # the function (or Ray remote function) to run
     accelerator_config: TpuAcceleratorConfig,  # where it runs: a CPU, GPU or TPU config
     *,
@@ -390,12 +389,10 @@ def _execute_multislice(
     return _attempt(remote_fn, accelerator_config, tuple(fn_args), kwargs, job_name=job_name, timeout_s=timeout_s,
                     schedule_timeout_s=schedule_timeout_s, multislice=True)
 
-
-RayExecutor.execute_multislice = classmethod(_execute_multislice)
-
 # %% ../../../nbs/14d_executor.ray.executor.ipynb #58013908
+@patch(cls_method=True, nm="execute_multislice_resumable")  # (the module's name: its decorator)
 def _execute_multislice_resumable(
-    cls,
+    cls: RayExecutor,
     remote_fn: tp.Any,  # the function (or Ray remote function) to run
     accelerator_config: TpuAcceleratorConfig,  # where it runs: a CPU, GPU or TPU config
     max_retries_preemption: int = int(1e6),  # retries after a preemption (a worker or node died)
@@ -417,9 +414,6 @@ def _execute_multislice_resumable(
                                          multislice=True),
                       max_retries_preemption, max_retries_failure, retry_delay_s)
 
-
-RayExecutor.execute_multislice_resumable = classmethod(_execute_multislice_resumable)
-
 # %% ../../../nbs/14d_executor.ray.executor.ipynb #865f9ac0
 def _flat(status: JobStatus, flatten: bool, nested: bool) -> JobStatus:
     if status.ok and nested and flatten:
@@ -429,6 +423,7 @@ def _flat(status: JobStatus, flatten: bool, nested: bool) -> JobStatus:
     return status
 
 
+@patch_to(RayExecutor, static_method=True, nm="autoscale_execute")  # (the module's name: its decorator)
 def _autoscale_execute(
     remote_fn: tp.Any,  # the function (or Ray remote function) to run
     accelerator_config: ComputeResourceConfig,  # where it runs: a CPU, GPU or TPU config
@@ -446,12 +441,10 @@ def _autoscale_execute(
                   schedule_timeout_s=schedule_timeout_s, autoscale=tpu)
     return _flat(st, flatten, nested=tpu)
 
-
-RayExecutor.autoscale_execute = staticmethod(_autoscale_execute)
-
 # %% ../../../nbs/14d_executor.ray.executor.ipynb #ac8e33e2
+@patch(cls_method=True, nm="autoscale_execute_resumable")  # (the module's name: its decorator)
 def _autoscale_execute_resumable(
-    cls,
+    cls: RayExecutor,
     remote_fn: tp.Any,  # the function (or Ray remote function) to run
     accelerator_config: ComputeResourceConfig,  # where it runs: a CPU, GPU or TPU config
     max_retries_preemption: int = int(1e6),  # retries after a preemption (a worker or node died)
@@ -462,11 +455,8 @@ def _autoscale_execute_resumable(
     **kwargs,  # keyword arguments of `remote_fn`
 ) -> JobStatus:
     "`autoscale_execute` with retries by kind."
-    return _resumable(lambda i: _autoscale_execute(remote_fn, accelerator_config, flatten, **kwargs),
+    return _resumable(lambda i: cls.autoscale_execute(remote_fn, accelerator_config, flatten, **kwargs),
                       max_retries_preemption, max_retries_failure, retry_delay_s)
-
-
-RayExecutor.autoscale_execute_resumable = classmethod(_autoscale_execute_resumable)
 
 # %% ../../../nbs/14d_executor.ray.executor.ipynb #20ece783
 def _decorator(run: tp.Callable[..., JobStatus]) -> tp.Callable:

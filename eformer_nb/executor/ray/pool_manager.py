@@ -9,7 +9,7 @@ import dataclasses as dc
 import os
 import typing as tp
 
-from fastcore.basics import patch
+from fastcore.basics import patch, patch_to
 
 from .resource_manager import _merge_env, tpu_spec
 from .types import RefBox, SliceInfo
@@ -362,7 +362,7 @@ def execute_on_each_host_flat(
     return [r for row in self.execute_on_each_slice(remote_fn, env=env, runtime_env=runtime_env, **kw) for r in row]
 
 
-SlicePoolManager.schedule_on_each_host = SlicePoolManager.execute_on_each_host_flat  # eformer's other name
+patch_to(SlicePoolManager, nm="schedule_on_each_host")(SlicePoolManager.execute_on_each_host_flat)  # eformer's other name
 
 
 @patch

@@ -11,7 +11,7 @@ import os
 import typing as tp
 import uuid
 
-from fastcore.basics import patch
+from fastcore.basics import patch, patch_to
 
 from .types import ExceptionInfo, MultisliceInfo
 
@@ -55,7 +55,7 @@ class TpuSpec:
         "The Ray resource on the first host of each slice of this type."
         return f"TPU-{self.tpu_type}-head"
 
-# %% ../../../nbs/14b_executor.ray.resource_manager.ipynb #09d415af
+# %% ../../../nbs/14b_executor.ray.resource_manager.ipynb #13a3c4e7
 def tpu_spec(
     tpu_type: str,  # '<generation>-<size>', such as 'v4-8' or 'v6e-32' (aliases such as 'v5litepod-16')
 ) -> TpuSpec:
@@ -154,8 +154,9 @@ with os.fdopen(fd, 'wb') as f:
     f.write(data)
 """
 
-# %% ../../../nbs/14b_executor.ray.resource_manager.ipynb #264d5306
-def _separate_process_fn(
+
+@patch_to(RayResources, static_method=True)
+def separate_process_fn(
     underlying_function: tp.Callable,  # the function to run
     args: tuple,  # its positional arguments
     kwargs: dict,  # its keyword arguments
@@ -190,7 +191,8 @@ def _separate_process_fn(
     return value
 
 # %% ../../../nbs/14b_executor.ray.resource_manager.ipynb #b05ddeef
-def _forkify_remote_fn(
+@patch_to(RayResources, static_method=True)
+def forkify_remote_fn(
     remote_fn: tp.Any,  # a Ray remote function (`ray.remote(f)`)
 ) -> tp.Any:
     "A remote function with `remote_fn`'s options whose body runs in a fresh child process."
@@ -202,12 +204,13 @@ def _forkify_remote_fn(
 
     @functools.wraps(fn)
     def in_child(*args, **kwargs):
-        return _separate_process_fn(fn, args, kwargs)
+        return RayResources.separate_process_fn(fn, args, kwargs)
 
     return ray.remote(**(remote_fn._default_options or {}))(in_child)
 
 
-def _update_fn_resource_env(
+@patch_to(RayResources, static_method=True)
+def update_fn_resource_env(
     remote_fn: tp.Any,  # a Ray remote function
     runtime_env: tp.Mapping | None,  # a Ray runtime env merged into its own
     **extra_env,  # environment variables added to it
@@ -221,7 +224,8 @@ def _update_fn_resource_env(
     return remote_fn.options(runtime_env=merged)
 
 
-def _cancel_all_futures(
+@patch_to(RayResources, static_method=True)
+def cancel_all_futures(
     futures: tp.Iterable[tp.Any],  # Ray object refs
 ) -> None:
     "Force-cancel every ref in `futures` (their workers are killed); finished refs are left as they are."
@@ -238,12 +242,6 @@ def _fresh_process_fn(remote_fn: tp.Any) -> tp.Any:
     if (remote_fn._default_options or {}).get("max_calls") == 1:
         return remote_fn
     return ray.remote(**{**(remote_fn._default_options or {}), "max_calls": 1})(remote_fn._function)
-
-
-RayResources.separate_process_fn = staticmethod(_separate_process_fn)
-RayResources.forkify_remote_fn = staticmethod(_forkify_remote_fn)
-RayResources.update_fn_resource_env = staticmethod(_update_fn_resource_env)
-RayResources.cancel_all_futures = staticmethod(_cancel_all_futures)
 
 # %% ../../../nbs/14b_executor.ray.resource_manager.ipynb #af1fef55
 def _check_positive_int(owner: str, name: str, value: tp.Any) -> None:
@@ -276,7 +274,7 @@ def _check_env(owner: str, execution_env: tp.Any) -> None:
         raise TypeError(f"{owner}: execution_env must be a Ray runtime env (a dict or ray.runtime_env.RuntimeEnv), "
                         f"got {type(execution_env).__name__}")
 
-# %% ../../../nbs/14b_executor.ray.resource_manager.ipynb #17ee3ab3
+# %% ../../../nbs/14b_executor.ray.resource_manager.ipynb #dc01159d
 @tp.runtime_checkable
 class ComputeResourceConfig(tp.Protocol):
     """What the executor needs of an accelerator config; `CpuAcceleratorConfig`, `GpuAcceleratorConfig` and

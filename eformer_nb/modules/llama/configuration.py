@@ -10,6 +10,8 @@ import difflib
 import math
 import typing as tp
 
+from fastcore.basics import patch
+
 from ...infra.base_config import EasyDeLBaseConfig
 from ...infra.factory import register_config
 from ...loggings import get_logger
@@ -101,7 +103,8 @@ class LlamaConfig(EasyDeLBaseConfig):
         self.validate()
 
 # %% ../../../nbs/12a_modules.llama.configuration.ipynb #46e7f5f9
-def _validate(self: LlamaConfig) -> LlamaConfig:
+@patch
+def validate(self: LlamaConfig) -> LlamaConfig:
     "Raise ValueError naming the bad field, its value and what is expected; returns the config."
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "max_position_embeddings"):
@@ -140,9 +143,6 @@ def _validate_rope_scaling(rs: dict, kind: str) -> None:
     if kind == "llama3" and not rs.get("low_freq_factor", 1.0) < rs.get("high_freq_factor", 4.0):
         raise ValueError(f"LlamaConfig.rope_scaling={rs!r}: low_freq_factor must be below high_freq_factor (the "
                          "llama3 ramp divides by their difference)")
-
-
-LlamaConfig.validate = _validate
 
 # %% ../../../nbs/12a_modules.llama.configuration.ipynb #093b265e
 def _validate_training(self: LlamaConfig) -> LlamaConfig:
@@ -209,8 +209,9 @@ def _validate_values(self: LlamaConfig) -> LlamaConfig:
     return self
 
 # %% ../../../nbs/12a_modules.llama.configuration.ipynb #a85a31b8
-def _llama_from_dict(
-    cls,
+@patch(cls_method=True)
+def from_dict(
+    cls: LlamaConfig,
     data: dict,  # the config's fields, as in a `config.json`
     strict: bool = False,  # True: an unknown key is an error, not tolerated
     **overrides,  # fields that replace the ones in `data`
@@ -222,11 +223,9 @@ def _llama_from_dict(
     finally:
         _READING_FILE.reset(token)
 
-
-LlamaConfig.from_dict = classmethod(_llama_from_dict)
-
 # %% ../../../nbs/12a_modules.llama.configuration.ipynb #7851c2ba
-def _llama_partition_rules(
+@patch
+def get_partition_rules(
     self: LlamaConfig,
     fully_sharded_data_parallel: bool = True,  # shard the weights over the fsdp axis too (False: tensor parallel only)
 ) -> tuple[tuple[str, tp.Any], ...]:
@@ -246,6 +245,3 @@ def _llama_partition_rules(
         (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/bias$", P(tp_)),
         (r".*", P()),  # norms, biases of row-parallel layers, LoRA factors, quantized blocks
     )
-
-
-LlamaConfig.get_partition_rules = _llama_partition_rules

@@ -13,6 +13,7 @@ import typing as tp
 import jax
 import jax.numpy as jnp
 import numpy as np
+from fastcore.basics import patch, patch_to
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -21,9 +22,8 @@ from ...jaximus import ImplicitArray, materialize, register
 # %% auto #0
 __all__ = ['GRANULARITIES', 'NONFINITE_MODES', 'BLOCK_MULTIPLE', 'SMALL_ROW_BLOCK', 'QuantizationType', 'QuantizationConfig',
            'check_float_input', 'split_nonfinite', 'restore_nonfinite', 'check_block_size', 'pad_last',
-           'QuantizedArray', 'leaf_shardings', 'with_sharding', 'with_mesh_and_axis', 'delete', 'eformer_quantize_args',
-           'register_kernels', 'kernels_module', 'dot_out_dtype', 'plain_matmul_kind', 'jaxpr_equations',
-           'check_matmul_program']
+           'QuantizedArray', 'eformer_quantize_args', 'register_kernels', 'kernels_module', 'dot_out_dtype',
+           'plain_matmul_kind', 'jaxpr_equations', 'check_matmul_program']
 
 # %% ../../../nbs/06a_ops.quantization.config.ipynb #d9500117
 class QuantizationType(str, enum.Enum):
@@ -61,7 +61,7 @@ BLOCK_MULTIPLE: dict[QuantizationType, int] = {
     QuantizationType.NF4: 2, QuantizationType.INT8: 1, QuantizationType.BINARY: 8, QuantizationType.TERNARY: 4,
 }  # `block_size` must be a multiple of this (whole bytes per block)
 
-# %% ../../../nbs/06a_ops.quantization.config.ipynb #c58ff669
+# %% ../../../nbs/06a_ops.quantization.config.ipynb #280c3334
 @dataclasses.dataclass(frozen=True)
 class QuantizationConfig:
     "How to quantize: the format, the block size and scale granularity, and NF4 double quantization."
@@ -132,7 +132,7 @@ def check_float_input(
                              "or pass nonfinite='keep' to keep them exactly where they are")
     return x
 
-# %% ../../../nbs/06a_ops.quantization.config.ipynb #5fa7eaba
+# %% ../../../nbs/06a_ops.quantization.config.ipynb #75ed313c
 def split_nonfinite(
     x: tp.Any,  # the array to check and split
     fmt: str,  # the format's name, for the error message
@@ -234,7 +234,7 @@ class QuantizedArray(ImplicitArray):
         "Alias of `materialize()`."
         return self.materialize()
 
-# %% ../../../nbs/06a_ops.quantization.config.ipynb #b145aa0c
+# %% ../../../nbs/06a_ops.quantization.config.ipynb #9c4fc188
 @register(lax.dot_general_p)
 def _dot_general_dense_rhs(lhs: tp.Any, rhs: QuantizedArray, **params):
     return lax.dot_general_p.bind(materialize(lhs), rhs.materialize(), **params)
@@ -252,12 +252,14 @@ def _convert_quantized(x: QuantizedArray, *, new_dtype, **params):
     return x.astype(new_dtype)
 
 # %% ../../../nbs/06a_ops.quantization.config.ipynb #cb8edf8f
-def _leaf_spec(self, name: str, leaf: jax.Array, spec: tuple) -> tuple:
+@patch
+def _leaf_spec(self: QuantizedArray, name: str, leaf: jax.Array, spec: tuple) -> tuple:
     """The PartitionSpec entries of leaf `name` for the logical array's `spec`: its axes if it has the array's rank,
     else replicated."""
     return spec if leaf.ndim == len(spec) else ()
 
 
+@patch
 def leaf_shardings(
     self: QuantizedArray,
     sharding: NamedSharding,  # a sharding of the logical array (its spec names at most `ndim` axes)
@@ -276,6 +278,7 @@ def leaf_shardings(
             for k, v in leaves.items() if v is not None}
 
 
+@patch
 def with_sharding(
     self: QuantizedArray,
     sharding: NamedSharding,  # the `NamedSharding` of the logical (dense) array
@@ -287,7 +290,8 @@ def with_sharding(
         placed["sharding"] = sharding
     return dataclasses.replace(self, **placed)
 
-# %% ../../../nbs/06a_ops.quantization.config.ipynb #122401a7
+
+@patch
 def with_mesh_and_axis(
     self: QuantizedArray,
     mesh_and_axis: tuple,  # `(mesh, spec)`: spec a PartitionSpec, or an axis name (or None) per axis
@@ -300,7 +304,8 @@ def with_mesh_and_axis(
     return self.with_sharding(NamedSharding(mesh, spec))
 
 # %% ../../../nbs/06a_ops.quantization.config.ipynb #2e79d629
-def _is_sharded(self: QuantizedArray) -> bool:
+@patch(as_prop=True)
+def is_sharded(self: QuantizedArray) -> bool:
     "True when a leaf is split over devices (for traced leaves: when the recorded `sharding` splits the array)."
     leaves = [v for v in jax.tree_util.tree_leaves(self)
               if isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer)]
@@ -310,6 +315,7 @@ def _is_sharded(self: QuantizedArray) -> bool:
     return recorded is not None and not recorded.is_fully_replicated
 
 
+@patch
 def delete(self: QuantizedArray) -> None:
     "Free the device buffers of every leaf (using the array afterwards is an error, as for a deleted `jax.Array`)."
     for v in jax.tree_util.tree_leaves(self):
@@ -317,10 +323,7 @@ def delete(self: QuantizedArray) -> None:
             v.delete()
 
 
-QuantizedArray._leaf_spec, QuantizedArray.leaf_shardings = _leaf_spec, leaf_shardings
-QuantizedArray.with_sharding = QuantizedArray.reshard = with_sharding
-QuantizedArray.with_mesh_and_axis, QuantizedArray.delete = with_mesh_and_axis, delete
-QuantizedArray.is_sharded = property(_is_sharded)
+patch_to(QuantizedArray, nm="reshard")(QuantizedArray.with_sharding)  # eformer's other name
 
 # %% ../../../nbs/06a_ops.quantization.config.ipynb #b5184990
 def eformer_quantize_args(
@@ -372,7 +375,7 @@ def dot_out_dtype(
     spec = lambda a: jax.ShapeDtypeStruct(tuple(a.shape), a.dtype)
     return jax.eval_shape(functools.partial(lax.dot_general_p.bind, **params), spec(lhs), spec(rhs)).dtype
 
-# %% ../../../nbs/06a_ops.quantization.config.ipynb #1e385acb
+# %% ../../../nbs/06a_ops.quantization.config.ipynb #64713c82
 def plain_matmul_kind(
     lhs,  # the activations
     rhs,  # the (quantized) weight
@@ -404,7 +407,7 @@ def jaxpr_equations(
                 todo += [s for s in subs if isinstance(s, (jcore.Jaxpr, jcore.ClosedJaxpr))]
     return out
 
-# %% ../../../nbs/06a_ops.quantization.config.ipynb #0ed61082
+# %% ../../../nbs/06a_ops.quantization.config.ipynb #175d10a8
 def check_matmul_program(
     w: QuantizedArray,  # a 2-D quantized weight (K, N), K != N
     m: int,  # rows of the input `x` (M, K): 1 for a GEMV, more for a GEMM; not K or N

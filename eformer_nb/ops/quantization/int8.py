@@ -9,6 +9,7 @@ import typing as tp
 
 import jax
 import jax.numpy as jnp
+from fastcore.basics import patch
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
@@ -138,8 +139,9 @@ def _int8_axis_layout(shape: tuple, axis, block_size) -> tuple[int | None, bool]
                      f"(-1: one per row), or over every axis ({tuple(range(nd))}: one for the array)")
 
 
-def _int8_quantize(
-    cls,
+@patch(cls_method=True)
+def quantize(
+    cls: Array8B,
     array: jax.Array,  # the float array
     dtype=None,  # logical dtype (what materialize() returns); None: array.dtype
     axis=None,  # eformer's argument: the axes one scale is shared over (see `_int8_axis_layout`); None: per channel
@@ -160,9 +162,6 @@ def _int8_quantize(
         q = jnp.clip(jnp.round(x.astype(jnp.float32) / scale), -127, 127).astype(jnp.int8)
     return cls(q, scale, block_size=None if block_size is None else int(block_size),
                dtype=jnp.dtype(x.dtype if dtype is None else dtype), nonfinite=keep)
-
-
-Array8B.quantize = classmethod(_int8_quantize)
 
 # %% ../../../nbs/06c_ops.quantization.int8.ipynb #5aa0f372
 def _scale_grad(x, g, q: jax.Array) -> jax.Array:

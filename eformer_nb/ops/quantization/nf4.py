@@ -11,6 +11,7 @@ import typing as tp
 import jax
 import jax.numpy as jnp
 import numpy as np
+from fastcore.basics import patch
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
@@ -285,20 +286,23 @@ class ArrayNF4(QuantizedArray):
 
 
 # %% ../../../nbs/06b_ops.quantization.nf4.ipynb #b7a1e0d4
-def _nf4_absmax_f32(self) -> jax.Array:
+@patch
+def absmax_f32(self: ArrayNF4) -> jax.Array:
     "The float32 absmax per block (decoded from the 8-bit dynamic codes when double-quantized)."
     if self.qabsmax is None:
         return self.absmax
     return dequantize_absmax(self.qabsmax, self.absmax_scale, self.absmax_offset)
 
 
-def _nf4_materialize(self) -> jax.Array:
+@patch
+def materialize(self: ArrayNF4) -> jax.Array:
     "The dense logical array: the stored codes decoded (and their last two axes swapped back when `transposed`)."
     dense = nf4_decode(self.packed, self.absmax_f32(), self.block_size, self.n, self.dtype)
     return restore_nonfinite(jnp.swapaxes(dense, -1, -2) if self.transposed else dense, self.nonfinite)
 
 
-def _nf4_slices_along_axis0(self) -> bool:
+@patch
+def slices_along_axis0(self: ArrayNF4) -> bool:
     # double quantization scales blocks of the flattened absmax: they do not follow axis 0; a transposed 2-D array
     # stores its logical axis 1 first
     if self.double_quant or (self.transposed and self.ndim == 2):
@@ -306,15 +310,12 @@ def _nf4_slices_along_axis0(self) -> bool:
     return QuantizedArray.slices_along_axis0(self)
 
 
-def _nf4_leaf_spec(self, name: str, leaf: jax.Array, spec: tuple) -> tuple:
+@patch
+def _leaf_spec(self: ArrayNF4, name: str, leaf: jax.Array, spec: tuple) -> tuple:
     "A transposed array's codes and scales take the logical spec with its last two entries swapped."
     if self.transposed and name != "nonfinite" and leaf.ndim == len(spec):
         spec = (*spec[:-2], spec[-1], spec[-2])
     return QuantizedArray._leaf_spec(self, name, leaf, spec)
-
-
-ArrayNF4.absmax_f32, ArrayNF4.materialize = _nf4_absmax_f32, _nf4_materialize
-ArrayNF4.slices_along_axis0, ArrayNF4._leaf_spec = _nf4_slices_along_axis0, _nf4_leaf_spec
 
 
 # %% ../../../nbs/06b_ops.quantization.nf4.ipynb #fa6fe4a2
@@ -333,8 +334,9 @@ def _block_axis_transposed(
                      f"last axis){other}")
 
 
-def _nf4_quantize(
-    cls,
+@patch(cls_method=True)
+def quantize(
+    cls: ArrayNF4,
     array: jax.Array,  # the float array
     block_size: int = 64,  # values per absmax (even)
     double_quant: bool = False,  # also quantize the absmax values (QLoRA double quantization)
@@ -353,9 +355,6 @@ def _nf4_quantize(
         q, s, o = quantize_absmax(absmax)
         return cls(nf4_pack(codes), None, qabsmax=q, absmax_scale=s, absmax_offset=o, **kw)
     return cls(nf4_pack(codes), absmax, **kw)
-
-
-ArrayNF4.quantize = classmethod(_nf4_quantize)
 
 
 # %% ../../../nbs/06b_ops.quantization.nf4.ipynb #c55c8f7d

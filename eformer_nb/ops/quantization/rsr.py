@@ -75,10 +75,6 @@ def quantize(
     return cls.from_matrix((A > 0).astype(jnp.int8), k, org)
 
 
-# fastcore's `cls_method=True` installs its own descriptor; make it a real classmethod, as eformer's is
-RSROperatorBinary.quantize = classmethod(vars(RSROperatorBinary)["quantize"].f)
-
-
 # %% ../../../nbs/06f_ops.quantization.rsr.ipynb #d4e5f6a7
 @patch
 def dot(
