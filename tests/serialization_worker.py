@@ -128,7 +128,7 @@ def multiprocess_gcs(port: int, pid: int, url: str, root: str) -> None:
 
     set_gcs_filesystem(make_gcs_filesystem(endpoint_url=url))
     wrote, chunks = [], []
-    real_json, real_arrays = ser._write_json, ser._write_arrays
+    real_json, real_arrays = ser.write_json, ser._write_arrays
 
     def spy_json(f, obj):  # records, then writes for real
         wrote.append(ePath(f).name)
@@ -138,14 +138,14 @@ def multiprocess_gcs(port: int, pid: int, url: str, root: str) -> None:
         chunks.append(sum(len(owned) for _, _, owned in plan.writes))
         return real_arrays(tree_dir, plan, compression)
 
-    real_if = bm._write_json_if_generation
+    real_if = bm.write_json_if_generation
 
     def spy_if(f, obj, generation):  # gs://: the commit, metadata.json written only at the generation read first
         wrote.append(ePath(f).name)
         return real_if(f, obj, generation)
 
-    ser._write_json, bm._write_json, ser._write_arrays = spy_json, spy_json, spy_arrays
-    bm._write_json_if_generation = spy_if
+    ser.write_json, bm.write_json, ser._write_arrays = spy_json, spy_json, spy_arrays
+    bm.write_json_if_generation = spy_if
     mesh = jax.make_mesh((4, 2), ("x", "y"), devices=jax.devices())
     full = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
     arr = jax.make_array_from_callback(full.shape, NamedSharding(mesh, P("x", "y")), lambda idx: full[idx])
@@ -264,8 +264,8 @@ def gcs_kill(url: str, root: str, point: str) -> None:
     mgr = CheckpointManager(root)
     mgr.save(expected(1), 1, prefix="model")
     kill = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
-    real_arrays, real_ser_json, real_bm_json, real_drop = ser._write_arrays, ser._write_json, \
-        bm._write_json_if_generation, ser._drop_arrays
+    real_arrays, real_ser_json, real_bm_json, real_drop = ser._write_arrays, ser.write_json, \
+        bm.write_json_if_generation, ser._drop_arrays
 
     def arrays(*a):  # every chunk of the new version is written, nothing committed
         real_arrays(*a)
@@ -287,7 +287,7 @@ def gcs_kill(url: str, root: str, point: str) -> None:
             kill()
         return real_drop(*a)
 
-    ser._write_arrays, ser._write_json, bm._write_json_if_generation, ser._drop_arrays = arrays, ser_json, bm_json, drop
+    ser._write_arrays, ser.write_json, bm.write_json_if_generation, ser._drop_arrays = arrays, ser_json, bm_json, drop
     print("re-saving", flush=True)
     mgr.save(expected(2), 1, prefix="model")
     print("not killed", flush=True)
@@ -300,7 +300,7 @@ def state_gcs_kill(url: str, root: str, point: str) -> None:
 
     import eformer_nb.infra.base_state as bs
     import eformer_nb.modules.llama.files as files
-    import eformer_nb.serialization.base_manager as bm
+    import eformer_nb.serialization.durable as durable
     from eformer_nb.paths import ePath, make_gcs_filesystem, set_gcs_filesystem
 
     set_gcs_filesystem(make_gcs_filesystem(endpoint_url=url))
@@ -320,7 +320,7 @@ def state_gcs_kill(url: str, root: str, point: str) -> None:
             kill()
         return out
 
-    real_commit = bm._write_json_if_generation
+    real_commit = durable.write_json_if_generation
 
     def commit(f, obj, generation):  # the commit: the folder's own state file naming the new version (conditional)
         if point == "commit" and ePath(f) == ePath(root) / bs.STATE_FILE:
@@ -333,7 +333,7 @@ def state_gcs_kill(url: str, root: str, point: str) -> None:
         return real_drop(*a)
 
     files._write_files, bs._write_optimizer_file = model, optimizer
-    bs._drop_replaced, bm._write_json_if_generation = drop, commit
+    bs._drop_replaced, durable.write_json_if_generation = drop, commit
     print("re-saving", flush=True)
     state_of(2).save_state(root, verbose=False)
     print("not killed", flush=True)

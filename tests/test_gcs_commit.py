@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import eformer_nb.serialization.base_manager as bm
+import eformer_nb.serialization.durable as durable
 import eformer_nb.serialization.serialization as ser
 from eformer_nb.paths import ePath
 from eformer_nb.serialization import tree_deserialize_leaves, tree_serialize_leaves
@@ -32,21 +33,21 @@ def _objects(root: ePath) -> dict[str, bytes]:
 def test_emulator_honours_generation_preconditions(gcs_root):
     "The precondition the commit relies on really holds on the emulator: a stale or absent generation is refused."
     f = gcs_root / "probe.json"
-    assert bm._object_generation(f) == 0
-    assert bm._write_json_if_generation(f, {"v": 1}, 0)
-    g1 = bm._object_generation(f)
+    assert durable.object_generation(f) == 0
+    assert durable.write_json_if_generation(f, {"v": 1}, 0)
+    g1 = durable.object_generation(f)
     assert g1 > 0
-    assert not bm._write_json_if_generation(f, {"v": 2}, 0)  # not absent any more
-    assert not bm._write_json_if_generation(f, {"v": 2}, g1 + 1)  # a generation it never had
-    assert bm._write_json_if_generation(f, {"v": 2}, g1)
-    assert not bm._write_json_if_generation(f, {"v": 3}, g1)  # stale now
+    assert not durable.write_json_if_generation(f, {"v": 2}, 0)  # not absent any more
+    assert not durable.write_json_if_generation(f, {"v": 2}, g1 + 1)  # a generation it never had
+    assert durable.write_json_if_generation(f, {"v": 2}, g1)
+    assert not durable.write_json_if_generation(f, {"v": 3}, g1)  # stale now
     assert json.loads(f.read_bytes())["v"] == 2
-    assert not bm._write_json_if_generation(gcs_root / "absent.json", {"v": 1}, g1)  # a replace of nothing
+    assert not durable.write_json_if_generation(gcs_root / "absent.json", {"v": 1}, g1)  # a replace of nothing
     assert not (gcs_root / "absent.json").exists()
-    g2 = bm._object_generation(f)
+    g2 = durable.object_generation(f)
     # gcsfs retries a request whose answer was lost: the retry's 412 over our own bytes is our write, not a lost race
-    assert bm._write_json_if_generation(f, {"v": 2}, g1)
-    assert bm._object_generation(f) == g2
+    assert durable.write_json_if_generation(f, {"v": 2}, g1)
+    assert durable.object_generation(f) == g2
 
 
 def test_lost_race_keeps_the_winner(gcs_root, monkeypatch):
@@ -55,7 +56,7 @@ def test_lost_race_keeps_the_winner(gcs_root, monkeypatch):
     byte-identical), the loser's own arrays are removed, and the next save works."""
     step = gcs_root / "step-3"
     bm.save_checkpoint_dir({"w": np.full(N, 1.0)}, step, step=3, prefix="model")()
-    real, seen = bm._write_json_if_generation, {}
+    real, seen = bm.write_json_if_generation, {}
 
     def another_writer_first(f, obj, generation):
         if not seen:
@@ -68,13 +69,13 @@ def test_lost_race_keeps_the_winner(gcs_root, monkeypatch):
             seen["winner"] = _objects(step)
         return real(f, obj, generation)
 
-    monkeypatch.setattr(bm, "_write_json_if_generation", another_writer_first)
+    monkeypatch.setattr(bm, "write_json_if_generation", another_writer_first)
     with pytest.raises(CheckpointLockedError) as e:
         bm.save_checkpoint_dir({"w": np.full(N, 2.0)}, step, step=3, prefix="model")()
     msg = str(e.value)
     assert f"checkpoint {str(step)!r} (step 3) was committed by another writer" in msg, msg
     assert str(step / "metadata.json") in msg, msg
-    monkeypatch.setattr(bm, "_write_json_if_generation", real)
+    monkeypatch.setattr(bm, "write_json_if_generation", real)
     after = _objects(step)
     assert after == seen["winner"]  # nothing of the winner's was touched, nothing of the loser's is left
     assert not any(k.startswith(f"model/{seen['loser']}") for k in after)
@@ -96,7 +97,7 @@ def test_commit_precondition_is_read_before_the_committed_version(gcs_root, monk
     def then_someone_commits(dest, prefix):
         out = real(dest, prefix)
         meta = bm.read_metadata(dest)
-        bm._write_json(dest / bm.METADATA_FILE, {k: v for k, v in meta.items() if k != "digest"})  # a new generation
+        durable.write_json(dest / bm.METADATA_FILE, {k: v for k, v in meta.items() if k != "digest"})  # new generation
         return out
 
     monkeypatch.setattr(bm, "_committed_state", then_someone_commits)
@@ -136,7 +137,7 @@ def test_gcs_failed_commit_keeps_the_old_prefix_tree(gcs_root, monkeypatch):
     def disk_on_fire(f, obj, generation):
         raise OSError("injected: the commit write failed")
 
-    monkeypatch.setattr(bm, "_write_json_if_generation", disk_on_fire)
+    monkeypatch.setattr(bm, "write_json_if_generation", disk_on_fire)
     with pytest.raises(OSError, match="injected"):
         bm.save_checkpoint_dir({"w": np.zeros(N)}, step, step=1, prefix="params")()
     after = _objects(step)
@@ -212,7 +213,7 @@ def test_gcs_prefix_record_update_is_never_lost(gcs_root, monkeypatch):
     so a record update landing in between (a writer whose lock object was deleted) is merged on the next attempt."""
     folder = gcs_root / "state"
     bm.save_prefix_tree({"mu": np.arange(4.0)}, folder, "tx")()
-    real, seen = bm._write_json_if_generation, []
+    real, seen = bm.write_json_if_generation, []
 
     def another_update_first(f, obj, generation):
         if not seen and f.name == "tensorstore_index.json":  # the record's update (the tree's index commits before it)
@@ -222,7 +223,7 @@ def test_gcs_prefix_record_update_is_never_lost(gcs_root, monkeypatch):
                 ex.submit(bm._record_prefix, folder, "other", {"step": 9, "time": 0.0, "user": {}}).result()
         return real(f, obj, generation)
 
-    monkeypatch.setattr(bm, "_write_json_if_generation", another_update_first)
+    monkeypatch.setattr(bm, "write_json_if_generation", another_update_first)
     bm.save_prefix_tree({"w": np.ones(3)}, folder, "model", step=7)()
     monkeypatch.undo()
     record = bm.read_prefix_index(folder)["prefixes"]
@@ -234,7 +235,7 @@ def test_gcs_prefix_record_update_is_never_lost(gcs_root, monkeypatch):
 def _race(gcs_root: ePath, locks: list[ePath], save_a, save_b, monkeypatch) -> BaseException | None:
     """Writer A saves; at A's commit its lock objects are deleted (taken for a dead writer's) and writer B, another
     thread, saves the same thing up to its own commit and waits there; A commits first, then B goes on. B's error."""
-    real = bm._write_json_if_generation
+    real = bm.write_json_if_generation
     b_at_commit, a_done, box = threading.Event(), threading.Event(), {}
 
     def run_b():
@@ -260,7 +261,7 @@ def _race(gcs_root: ePath, locks: list[ePath], save_a, save_b, monkeypatch) -> B
         return real(f, obj, generation)
 
     for module in (bm, ser):  # a checkpoint commits through base_manager's name, a bare tree through serialization's
-        monkeypatch.setattr(module, "_write_json_if_generation", gate)
+        monkeypatch.setattr(module, "write_json_if_generation", gate)
     try:
         save_a()
     finally:
@@ -268,7 +269,7 @@ def _race(gcs_root: ePath, locks: list[ePath], save_a, save_b, monkeypatch) -> B
         if "b" in box:
             box["b"].join(120)
         for module in (bm, ser):
-            monkeypatch.setattr(module, "_write_json_if_generation", real)
+            monkeypatch.setattr(module, "write_json_if_generation", real)
     return box.get("err")
 
 
@@ -309,7 +310,7 @@ def test_bare_gcs_tree_commit_is_conditional(gcs_root, monkeypatch):
 
 def test_lock_release_leaves_another_writers_lock(gcs_root):
     "A save whose lock object was replaced by another writer's does not delete that one when it finishes."
-    from eformer_nb.serialization.serialization import _remote_lock
+    from eformer_nb.serialization.durable import _remote_lock
 
     d = gcs_root / "x"
     with _remote_lock(d, "tree"):

@@ -117,7 +117,7 @@ def test_durable_before_the_commit(tmp_path, monkeypatch, where):
     """Before `index.json` is written, every chunk file was fsync'd after its last write, and so was every directory
     the save created below the tree (the commit's own fsync covers the tree directory); a relative path too."""
     synced, events = set(), []
-    real_fsync, real_write_json = os.fsync, ser._write_json
+    real_fsync, real_write_json = os.fsync, ser.write_json
 
     def fsync(fd):
         path = os.readlink(f"/proc/self/fd/{fd}")
@@ -130,7 +130,7 @@ def test_durable_before_the_commit(tmp_path, monkeypatch, where):
         return real_write_json(f, obj)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(ser, "_write_json", write_json)
+    monkeypatch.setattr(ser, "write_json", write_json)
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
     root = tmp_path / "t"
     monkeypatch.chdir(tmp_path)

@@ -25,6 +25,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eformer_nb.serialization.base_manager as base_manager
+import eformer_nb.serialization.durable as durable
 import eformer_nb.serialization.serialization as ser_format
 from eformer_nb.paths import ePath
 from eformer_nb.serialization import (AsyncCheckpointManager, CheckpointInterval, CheckpointManager, Checkpointer,
@@ -122,21 +123,21 @@ def test_injected_failure_keeps_previous(any_root, fault, resave, monkeypatch):
         monkeypatch.setattr(ser_format, "_write_arrays", failing)
     elif fault in ("index.json", "metadata.json"):
         module = ser_format if fault == "index.json" else base_manager
-        real = module._write_json
+        real = module.write_json
 
         def failing_write_json(path, *a, **k):
             if ePath(path).name == fault:
                 raise OSError(f"injected failure writing {fault}")
             return real(path, *a, **k)
-        monkeypatch.setattr(module, "_write_json", failing_write_json)
+        monkeypatch.setattr(module, "write_json", failing_write_json)
         if fault == "metadata.json":  # gs://: the commit is the conditional write of metadata.json
-            real_if = base_manager._write_json_if_generation
+            real_if = base_manager.write_json_if_generation
 
             def failing_commit(path, *a, **k):
                 if ePath(path).name == fault:
                     raise OSError(f"injected failure writing {fault}")
                 return real_if(path, *a, **k)
-            monkeypatch.setattr(base_manager, "_write_json_if_generation", failing_commit)
+            monkeypatch.setattr(base_manager, "write_json_if_generation", failing_commit)
     else:
         real_replace = os.replace
 
@@ -148,7 +149,7 @@ def test_injected_failure_keeps_previous(any_root, fault, resave, monkeypatch):
         def failing_exchange(a, b):  # a re-save swaps the two directories in one renameat2 call
             raise OSError("injected failure exchanging the work directory")
         monkeypatch.setattr(os, "replace", failing_replace)
-        monkeypatch.setattr(base_manager, "_exchange", failing_exchange)
+        monkeypatch.setattr(durable, "_exchange", failing_exchange)
     state2 = dict(_state(step, mesh), big=np.zeros((60, 50)))
     with pytest.raises(OSError, match="injected failure"):
         mgr.save(state2, step)
@@ -527,9 +528,9 @@ def test_gcs_old_format_and_later_tree_saves(gcs_root):
     meta = json.loads(meta_file.read_bytes())
     assert meta["indexes"][""]["arrays"] == ser_format.read_index(gcs_root / "step-1")["arrays"]
     old = {k: v for k, v in meta.items() if k not in ("indexes", "digest")}  # as this format was written before
-    base_manager._write_json(meta_file, old)
+    base_manager.write_json(meta_file, old)
     idx_file = gcs_root / "step-1" / "index.json"
-    ser_format._write_json(idx_file, {k: v for k, v in json.loads(idx_file.read_bytes()).items()
+    ser_format.write_json(idx_file, {k: v for k, v in json.loads(idx_file.read_bytes()).items()
                                       if k not in ("seq", "digest")})
     assert np.asarray(mgr.load(1)["w"]).tolist() == list(np.arange(2048.0))
     mgr.save({"w": np.arange(2048.0) + 1}, 1)  # a re-save over the old format

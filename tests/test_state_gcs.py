@@ -21,11 +21,11 @@ import pytest
 
 import eformer_nb.infra.base_state as bs
 import eformer_nb.modules.llama.files as files
-import eformer_nb.serialization.base_manager as bm
+import eformer_nb.serialization.durable as durable
 import eformer_nb.serialization.serialization as ser
 from eformer_nb.infra.base_state import STATE_FILE, EasyDeLState
 from eformer_nb.modules.llama import LlamaForCausalLM
-from eformer_nb.serialization.base_manager import MARKER_FILE
+from eformer_nb.serialization.durable import MARKER_FILE
 
 pytestmark = pytest.mark.timeout(300)
 HERE = Path(__file__).parent
@@ -93,22 +93,22 @@ def _fail_at(point: str, root, monkeypatch) -> None:
     elif point == "optimizer":
         monkeypatch.setattr(bs, "_write_optimizer_file", raiser)
     elif point in ("version_file", "commit"):  # the version folder's own state file; the folder's (the commit)
-        real = ser._write_json
+        real = durable.write_json
         target = root / STATE_FILE
 
         def json_write(f, obj):
             if (f == target) == (point == "commit") and f.name == STATE_FILE:
                 raise boom
             return real(f, obj)
-        monkeypatch.setattr(ser, "_write_json", json_write)
+        monkeypatch.setattr(durable, "write_json", json_write)
         if point == "commit":  # the commit is a write conditional on the state file's generation (only that write:
-            real_if = bm._write_json_if_generation  # the model's save_pretrained commits its index the same way)
+            real_if = durable.write_json_if_generation  # the model's save_pretrained commits its index the same way)
 
             def commit_fails(f, obj, generation):
                 if f == target:
                     raise boom
                 return real_if(f, obj, generation)
-            monkeypatch.setattr(bm, "_write_json_if_generation", commit_fails)
+            monkeypatch.setattr(durable, "write_json_if_generation", commit_fails)
     else:
         raise ValueError(point)
 
@@ -198,7 +198,7 @@ def test_gcs_state_broken_lock_first_commit_wins_whole(gcs_root, monkeypatch):
     import threading
 
     state_of(1).save_state(gcs_root, verbose=False)
-    real, box = bm._write_json_if_generation, {}
+    real, box = durable.write_json_if_generation, {}
     b_at_commit, a_done = threading.Event(), threading.Event()
     lock = gcs_root.parent / f".{gcs_root.name}.lock"
 
@@ -221,13 +221,13 @@ def test_gcs_state_broken_lock_first_commit_wins_whole(gcs_root, monkeypatch):
             assert b_at_commit.wait(240) and "err" not in box, box.get("err")
         return real(f, obj, generation)
 
-    monkeypatch.setattr(bm, "_write_json_if_generation", gate)
+    monkeypatch.setattr(durable, "write_json_if_generation", gate)
     try:
         state_of(2).save_state(gcs_root, verbose=False)
     finally:
         a_done.set()
         box["b"].join(240)
-        monkeypatch.setattr(bm, "_write_json_if_generation", real)
+        monkeypatch.setattr(durable, "write_json_if_generation", real)
     assert isinstance(box.get("err"), ser.CheckpointLockedError), box.get("err")
     assert _bits(_load(gcs_root)) == _bits(state_of(2))
     assert len(_versions(gcs_root)) == 1 and not lock.exists()

@@ -26,6 +26,7 @@ from ..loggings import get_logger
 from ..optimizers.factory import nonfinite_skips
 from ..pytree.dataclasses import auto_pytree, field
 from ..pytree.tree_util import tree_bytes
+from ..serialization.durable import MARKER_FILE, Ownership, fsync_path, is_marked, mark, write_file
 
 _logger = get_logger(__name__)
 
@@ -523,7 +524,7 @@ def _state_folder(directory, meta: dict):
 def _read_state_file(directory, check_weights: bool = False) -> dict:
     "The checked state file of `directory`; with `check_weights`, the model's files against their recorded digests."
     from eformer_nb.paths import ePath, load_dict
-    from eformer_nb.serialization.serialization import CorruptCheckpointError, _check_digest
+    from eformer_nb.serialization.serialization import CorruptCheckpointError, check_digest
     path = ePath(directory) / STATE_FILE
     if not path.exists():
         hint = (" It holds a model (config.json) but no saved training state: load the model with "
@@ -539,7 +540,7 @@ def _read_state_file(directory, check_weights: bool = False) -> dict:
             f"{str(path)!r} has format {meta.get('format')!r} version {meta.get('version')!r}; "
             f"expected {STATE_FORMAT!r} version 1 to {STATE_FORMAT_VERSION} (a newer eformer_nb wrote it: upgrade)"
         )
-    _check_digest(meta, path, "state file")
+    check_digest(meta, path, "state file")
     if meta.get("dir") is not None and not _VERSION_DIR.fullmatch(str(meta["dir"])):
         raise CorruptCheckpointError(f"{str(path)!r} names the version folder {meta['dir']!r}; expected 'state.<hex>'")
     if check_weights:  # the model's files against the digests recorded at save
@@ -547,16 +548,15 @@ def _read_state_file(directory, check_weights: bool = False) -> dict:
     return meta
 
 # %% ../../nbs/13a_infra.base_state.ipynb #6bab507b
-_STATE_OWNED = re.compile(r"^(easydel_state\.json|config\.json|generation_config\.json"
-                          r"|model(-[0-9a-f]{8})?(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|optimizer|optimizer\.safetensors|state\.[0-9a-f]{8}"
-                          r"|\.eformer_nb|\.state\.[0-9a-f]{8}\.lock)$")  # what save_state writes (gs://: a version's lock)
+_STATE_OWNED = Ownership(  # what save_state writes (gs://: version folders and their lock objects)
+    r"easydel_state\.json", r"config\.json", r"generation_config\.json", r"model(-[0-9a-f]{8})?(-\d+-of-\d+)?\.safetensors",
+    r"model\.safetensors\.index\.json", r"optimizer", r"optimizer\.safetensors", r"state\.[0-9a-f]{8}", re.escape(MARKER_FILE),
+    r"\.state\.[0-9a-f]{8}\.lock")
 
 
 def _state_foreign(directory, overwrite: bool) -> list[str]:
     "The user's entries of `directory` (kept by a save); an error when it is not a saved state and `overwrite` is off."
-    if not directory.is_dir():
-        return []
-    foreign = sorted(p.name for p in directory.iterdir() if not _STATE_OWNED.match(p.name))
+    foreign = _STATE_OWNED.foreign(directory)
     if foreign and not overwrite and not (directory / STATE_FILE).exists():
         raise FileExistsError(f"save_state: {str(directory)!r} is not a saved state and holds {foreign[:10]}; save into "
                               "a new folder, or pass overwrite=True to save beside them (they are never deleted)")
@@ -646,18 +646,14 @@ def _write_optimizer_file(work, opt_state,
     has waited for the fsync added there); its entry for the state file."""
     import google_crc32c
     from eformer_nb.modules.llama.files import safetensors_parts
-    from eformer_nb.paths import atomic_write_local, is_remote_path
     parts = safetensors_parts({p: np.asarray(jax.device_get(x)) for p, x in _leaf_paths(opt_state).items()})
     crc = 0
     for part in parts:  # the file's bytes in order, without joining them
         crc = google_crc32c.extend(crc, part)
     f = work / OPTIMIZER_FILE
-    if is_remote_path(f):
-        f.write_bytes(b"".join(bytes(p) for p in parts))  # one object, replaced whole
-    else:
-        atomic_write_local(os.fspath(f), parts, fsync=syncs is None)
-        if syncs is not None:
-            syncs.append(_BackgroundSync(f))
+    write_file(f, parts, fsync=syncs is None)  # gs://: one object, replaced whole (the caller passes no `syncs`)
+    if syncs is not None:
+        syncs.append(_BackgroundSync(f))
     return {"file": OPTIMIZER_FILE, "bytes": sum(len(memoryview(p).cast("B")) for p in parts), "crc32c": crc}
 
 
@@ -689,11 +685,7 @@ def _sync_files(work) -> None:
     "fsync the model's files in local folder `work`: on disk before the state that names them is committed."
     for p in list(work.glob("model*.safetensors*")) + [work / "config.json"]:
         if p.exists():
-            fd = os.open(os.fspath(p), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(p)
 
 
 def _file_identity(p) -> tuple | None:
@@ -709,7 +701,8 @@ def _write_state(state, work, float_dtype, save_optimizer: bool) -> tuple[int, d
     """Write the model, the optimizer state and (process 0, last) the state file into `work`; the step, the optimizer
     entry and (process 0) the state file's contents."""
     from eformer_nb.paths import is_remote_path
-    from eformer_nb.serialization.serialization import _write_json, tree_serialize_leaves
+    from eformer_nb.serialization.durable import write_json
+    from eformer_nb.serialization.serialization import tree_serialize_leaves
 
     step = int(jax.device_get(state.step))
     optimizer, syncs, first = None, [], None
@@ -743,7 +736,7 @@ def _write_state(state, work, float_dtype, save_optimizer: bool) -> tuple[int, d
         meta = {"format": STATE_FORMAT, "version": STATE_FORMAT_VERSION, "step": step,
                 "skipped_steps": int(jax.device_get(state.skipped_steps)), "optimizer": optimizer,
                 "weights": _weight_digests(work)}
-        _write_json(work / STATE_FILE, meta)
+        write_json(work / STATE_FILE, meta)
     return step, optimizer, meta
 
 # %% ../../nbs/13a_infra.base_state.ipynb #9f3a5b28
@@ -757,10 +750,9 @@ def _committed_state(directory) -> dict | None:
 
 def _drop_versions(directory, keep: str | None) -> None:
     "Remove the version folders of `directory` that a save of ours marked, except `keep` (the committed one)."
-    from eformer_nb.serialization.base_manager import MARKER_FILE
     if directory.is_dir():
         for p in directory.iterdir():
-            if _VERSION_DIR.fullmatch(p.name) and p.name != keep and (p / MARKER_FILE).exists():
+            if _VERSION_DIR.fullmatch(p.name) and p.name != keep and is_marked(p):
                 p.rmtree()
                 (directory / f".{p.name}.lock").unlink(missing_ok=True)  # its save_pretrained's, if a SIGKILL left it
 
@@ -768,9 +760,8 @@ def _drop_versions(directory, keep: str | None) -> None:
 def _begin_version(directory, name: str):
     """A new, marked version folder `directory/name` for a gs:// save. Other saves' marked folders stay until this save's
     commit lands (`_drop_replaced`): one of a live writer whose lock object was deleted may be about to commit."""
-    from eformer_nb.serialization.base_manager import MARKER_FILE
     work = directory / name
-    (work / MARKER_FILE).write_text(json.dumps({"format": STATE_FORMAT, "pid": os.getpid()}))
+    mark(work, STATE_FORMAT)
     return work
 
 
@@ -793,9 +784,8 @@ def _commit_version(directory, name: str, meta: dict, generation: int | None, ol
     still at `generation` (read under the lock when the save began; None: a filesystem without generations, a plain
     write). A lost race removes only our own new version folder and raises `CheckpointLockedError` naming the folder;
     the winner's files are untouched. After the commit, the replaced version is removed."""
-    from eformer_nb.serialization.base_manager import _write_json_if_generation
-    from eformer_nb.serialization.serialization import CheckpointLockedError
-    if not _write_json_if_generation(directory / STATE_FILE, dict(meta, dir=name), generation):
+    from eformer_nb.serialization.durable import CheckpointLockedError, write_json_if_generation
+    if not write_json_if_generation(directory / STATE_FILE, dict(meta, dir=name), generation):
         (directory / name).rmtree(missing_ok=True)
         raise CheckpointLockedError(
             f"save_state: {str(directory)!r} was committed by another writer while this save ran: its {STATE_FILE} "
@@ -821,9 +811,9 @@ def save_state(
     import secrets
 
     from eformer_nb.paths import ePath, is_remote_path
-    from eformer_nb.serialization.base_manager import _object_generation, fresh_work_dir, rename_into_place
-    from eformer_nb.serialization.serialization import (broadcast_from_first, exclusive_writer, refuse_destination,
-                                                        sync_processes)
+    from eformer_nb.serialization.durable import (exclusive_writer, fresh_work_dir, object_generation,
+                                                   refuse_destination, rename_into_place)
+    from eformer_nb.serialization.serialization import broadcast_from_first, sync_processes
     if enable is False:
         return None
     if not callable(getattr(self.model, "save_pretrained", None)):
@@ -840,9 +830,9 @@ def save_state(
         if first:
             foreign = _state_foreign(directory, overwrite)
             if local:
-                fresh_work_dir(directory, foreign)
+                fresh_work_dir(directory, foreign, STATE_FORMAT)
             else:  # the state file's generation first: a commit landing after this read makes ours lose
-                generation = _object_generation(directory / STATE_FILE)
+                generation = object_generation(directory / STATE_FILE)
                 old = _committed_state(directory)
                 _begin_version(directory, name)
         sync_processes("state-begin")

@@ -5,60 +5,52 @@
 # %% ../../nbs/10b_serialization.base_manager.ipynb #f6d0bbc0
 from __future__ import annotations
 
-import ctypes
-import errno
 import json
-import os
 import re
-import shutil
-import tempfile
 import time
 import typing as tp
 from collections.abc import Callable, Mapping
 
 from fastcore.basics import patch
 
-from ..paths import LocalPath, ePath, is_remote_path, make_gcs_filesystem
+from ..paths import ePath, is_remote_path, make_gcs_filesystem
 from ..pytree.tree_util import tree_path_to_string
+from .durable import (MARKER_FILE, OLD_SUFFIX, PARTIAL_SUFFIX, CheckpointLockedError,
+                                               exclusive_writer, fresh_work_dir, mark, object_generation, process_info,
+                                               refuse_destination, remove_marked, rename_into_place, restore_moved_aside,
+                                               write_json, write_json_if_generation)
+# the old names, for modules.llama.files until it imports these from serialization.durable (issue 38): then remove
+from .durable import object_generation as _object_generation  # noqa: F401
+from .durable import write_json_if_generation as _write_json_if_generation  # noqa: F401
 from eformer_nb.serialization.serialization import (
-    _ARRAYS_MARKER,
-    _ARRAYS_RE,
     INDEX_FILE,
     READ_VERSIONS,
-    CheckpointLockedError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     TornCheckpointError,
-    _check_digest,
     _commit_tree,
     _drop_arrays,
-    _object_generation,
     _plan_save,
-    _read_json,
     _tree_dir,
     _tree_foreign,
-    _write_json,
-    _write_json_if_generation,
-    exclusive_writer,
+    check_digest,
     leaf_key_paths,
-    process_info,
+    marked_arrays,
     read_index,
-    refuse_destination,
+    read_json,
     sync_processes,
     tree_deserialize_leaves,
 )
 
 # %% auto #0
-__all__ = ['METADATA_FILE', 'PARTIAL_SUFFIX', 'CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'MARKER_FILE', 'DEFAULT_STEP_FORMAT',
-           'PREFIX_INDEX_FILE', 'PREFIX_INDEX_FORMAT', 'PREFIX_INDEX_VERSION', 'parse_step', 'read_metadata',
-           'fresh_work_dir', 'rename_into_place', 'save_checkpoint_dir', 'list_checkpoints', 'clean_stale',
-           'read_prefix_index', 'save_prefix_tree', 'load_prefix_tree', 'apply_by_key', 'CheckpointManager']
+__all__ = ['METADATA_FILE', 'CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'DEFAULT_STEP_FORMAT', 'PREFIX_INDEX_FILE',
+           'PREFIX_INDEX_FORMAT', 'PREFIX_INDEX_VERSION', 'parse_step', 'read_metadata', 'save_checkpoint_dir',
+           'list_checkpoints', 'clean_stale', 'read_prefix_index', 'save_prefix_tree', 'load_prefix_tree',
+           'apply_by_key', 'CheckpointManager']
 
 # %% ../../nbs/10b_serialization.base_manager.ipynb #65da9aa0
 METADATA_FILE = "metadata.json"
-PARTIAL_SUFFIX = ".partial"
 CHECKPOINT_FORMAT, CHECKPOINT_VERSION = "eformer_nb.checkpoint", 2  # 2: metadata.json carries its digest
-MARKER_FILE = ".eformer_nb"  # written first into every checkpoint directory we create: proof that it is ours
 DEFAULT_STEP_FORMAT = "step-{step}"
 
 
@@ -86,7 +78,7 @@ def read_metadata(
     `CorruptCheckpointError`."""
     p = path if isinstance(path, ePath) else ePath(path)
     try:
-        meta = _read_json(p / METADATA_FILE, "checkpoint metadata")
+        meta = read_json(p / METADATA_FILE, "checkpoint metadata")
     except FileNotFoundError:
         if p.is_dir():
             raise TornCheckpointError(f"checkpoint {str(p)!r} has no {METADATA_FILE}: it was never committed (a save "
@@ -98,25 +90,17 @@ def read_metadata(
     if meta["version"] not in READ_VERSIONS:
         raise CorruptCheckpointError(f"{str(p / METADATA_FILE)!r} has version {meta['version']}; this eformer_nb reads "
                                      f"versions {READ_VERSIONS} (a newer eformer_nb wrote it: upgrade to read it)")
-    _check_digest(meta, p / METADATA_FILE, "checkpoint metadata")
+    check_digest(meta, p / METADATA_FILE, "checkpoint metadata")
     return meta
 
 # %% ../../nbs/10b_serialization.base_manager.ipynb #1b15f49a
-def _fsync_dir(p: LocalPath) -> None:
-    fd = os.open(str(p), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _our_leftover(d: ePath) -> bool:
     """True for a directory holding only marked `arrays.<token>/` of ours (and lock files): what a save that died before
     its tree's index, or a drop of an old tree that died after removing its index, leaves."""
     if not d.is_dir():
         return False
     names = [(p.name, p) for p in d.iterdir()]
-    arrays = [p for n, p in names if _ARRAYS_RE.match(n) and (p / _ARRAYS_MARKER).exists()]
+    arrays = marked_arrays(d)
     return bool(arrays) and len(arrays) == sum(1 for n, _ in names if not (n.startswith(".") and n.endswith(".lock")))
 
 
@@ -146,49 +130,6 @@ def _checkpoint_foreign(dest: ePath) -> list[str]:
     return sorted(set(foreign) | {p.name for p in dest.iterdir() if (p / METADATA_FILE).exists()})
 
 
-def _link_into(src: ePath, names: list[str], dst: ePath) -> None:
-    "Hard-link the user's entries `names` of `src` into `dst` (directories recreated, symlinks copied): kept by a swap."
-    for name in names:
-        s, d = os.path.join(os.fspath(src), name), os.path.join(os.fspath(dst), name)
-        os.makedirs(os.path.dirname(d), exist_ok=True)  # 'model/notes.txt': a user's file inside a tree of ours
-        if os.path.islink(s):
-            os.symlink(os.readlink(s), d)
-        elif os.path.isdir(s):
-            os.mkdir(d)
-            _link_into(ePath(s), os.listdir(s), ePath(d))
-        else:
-            os.link(s, d)
-
-
-# %% ../../nbs/10b_serialization.base_manager.ipynb #233155d0
-def fresh_work_dir(
-    dest: ePath,  # the local directory about to be replaced (hold `exclusive_writer(dest)` around the whole save)
-    keep: list[str] = (),  # the user's entries of `dest`: hard-linked into the work directory, so the swap keeps them
-) -> ePath:
-    """A new, marked, empty `dest.partial` to write the next version of `dest` in (what a crashed save left there is
-    removed only if marked as ours); `rename_into_place(work, dest)` commits it."""
-    work = dest.parent / (dest.name + PARTIAL_SUFFIX)
-    if work.exists():
-        if not (work / MARKER_FILE).exists():
-            raise FileExistsError(f"{str(work)!r} exists and was not made by eformer_nb; move it away first")
-        work.rmtree()
-    # made whole or not at all: a hidden temp directory is marked first, then renamed to `.partial` (a SIGKILL between
-    # a plain mkdir and the marker left an unmarked `.partial` that blocked every later save of that step)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{dest.name}{PARTIAL_SUFFIX}.", dir=os.fspath(dest.parent))
-    try:
-        with open(os.path.join(tmp, MARKER_FILE), "w") as f:
-            f.write(json.dumps({"format": CHECKPOINT_FORMAT, "pid": os.getpid()}))
-        os.rename(tmp, os.fspath(work))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # made by this call a moment ago, holding at most our marker
-        raise
-    keep = [n for n in keep if n != MARKER_FILE]  # the new directory has its own
-    if keep:
-        _link_into(dest, keep, work)
-    return work
-
-
 # %% ../../nbs/10b_serialization.base_manager.ipynb #4a8f8b6d
 def _begin_checkpoint(dest: ePath, overwrite: bool = False) -> ePath:
     """The directory a checkpoint is written into: locally a fresh `.partial` sibling holding our marker and links to
@@ -207,89 +148,21 @@ def _begin_checkpoint(dest: ePath, overwrite: bool = False) -> ePath:
                                   f"{foreign[:10]}; save into a new directory, or pass overwrite=True to save beside "
                                   "them (they are never deleted)")
         if local:
-            fresh_work_dir(dest, foreign)
+            fresh_work_dir(dest, foreign, CHECKPOINT_FORMAT)
         else:
             work.mkdir(parents=True, exist_ok=True)
-            (work / MARKER_FILE).write_text(json.dumps({"format": CHECKPOINT_FORMAT, "pid": os.getpid()}))
+            mark(work, CHECKPOINT_FORMAT)
     sync_processes("ckpt-begin")
     return work
 
 
-# %% ../../nbs/10b_serialization.base_manager.ipynb #2f55620e
-_OLD_SUFFIX = ".old" + PARTIAL_SUFFIX  # where a re-save moves the committed checkpoint aside (no renameat2 only)
-
-
-def _restore_old(dest: ePath) -> bool:
-    """Put back a committed `dest` that a crashed re-save left moved aside (`dest.old.partial`, no `dest`); True if it
-    did."""
-    old = dest.parent / (dest.name + _OLD_SUFFIX)
-    if old.exists() and not dest.exists() and (old / METADATA_FILE).exists():
-        os.replace(old.path, dest.path)
-        return True
-    return False
-
-
-def _exchange(a: str, b: str) -> bool:
-    "Swap two directories in one atomic step (Linux `renameat2(RENAME_EXCHANGE)`); False where that is unavailable."
-    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-    if fn is None:
-        return False
-    if fn(-100, os.fsencode(a), -100, os.fsencode(b), 2) == 0:  # AT_FDCWD, RENAME_EXCHANGE
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), a)
-
-
-def _remove_marker_last(d: ePath) -> None:
-    """Remove our marked directory `d`, its marker last: a crash part-way leaves a directory still marked as ours (which
-    `clean_stale` removes), never an unmarked one that every later save of its step must refuse as not ours."""
-    for p in d.iterdir():  # sorted by name: the marker (".eformer_nb") would otherwise be among the first to go
-        if p.name != MARKER_FILE:
-            p.rmtree() if p.is_dir() else p.unlink(missing_ok=True)
-    (d / MARKER_FILE).unlink(missing_ok=True)
-    if is_remote_path(d):  # an object store may hold a placeholder of the prefix, and fsspec caches listings
-        d.rmtree(missing_ok=True)
-    else:
-        d.rmdir()
-
-
 # %% ../../nbs/10b_serialization.base_manager.ipynb #4f5abe4f
-def rename_into_place(
-    work: ePath,  # a finished local directory or file
-    dest: ePath,  # where it goes, on the same filesystem
-) -> None:
-    """Put local `work` at `dest` atomically: a rename, or a swap with a committed `dest` (whose old version is then
-    removed); without renameat2, two renames, the old one put back if the second fails."""
-    _restore_old(dest)
-    if not dest.exists():
-        os.replace(work.path, dest.path)
-    elif _exchange(os.fspath(work), os.fspath(dest)):
-        _fsync_dir(dest.parent)
-        _remove_marker_last(work)  # now the old version (a crash here leaves a marked .partial: clean_stale removes it)
-        return
-    else:
-        old = dest.parent / (dest.name + _OLD_SUFFIX)
-        if old.exists():
-            _remove_marker_last(old)
-        os.replace(dest.path, old.path)
-        try:
-            os.replace(work.path, dest.path)
-        except BaseException:
-            os.replace(old.path, dest.path)
-            raise
-        _fsync_dir(dest.parent)
-        _remove_marker_last(old)
-    _fsync_dir(dest.parent)
-
-
 def _commit_checkpoint(work: ePath, dest: ePath, metadata: dict) -> None:
     """After every process wrote: locally, process 0 writes metadata.json and renames the work directory into place
     (remotely `_commit_tree` already wrote metadata.json, carrying the tree's index, as the commit)."""
     sync_processes("ckpt-written")
     if process_info()[0] == 0 and work != dest:  # local: metadata.json, then the rename is the commit
-        _write_json(work / METADATA_FILE, metadata)
+        write_json(work / METADATA_FILE, metadata)
         rename_into_place(work, dest)
     sync_processes("ckpt-committed")
 
@@ -299,7 +172,7 @@ def _committed_state(dest: ePath, prefix: str | None) -> tuple[int | None, list[
     """`(generation, old trees)` of the checkpoint committed at remote `dest` when a save starts: its `metadata.json`'s
     generation (read first: a commit landing after it makes ours fail), and `(tree_dir, index)` of each tree that
     metadata names other than `prefix`'s, each proven ours by its checked index (one we cannot read is kept)."""
-    generation = _object_generation(dest / METADATA_FILE)
+    generation = object_generation(dest / METADATA_FILE)
     try:
         meta = read_metadata(dest)
     except (CheckpointNotFoundError, TornCheckpointError, CorruptCheckpointError):
@@ -322,9 +195,8 @@ def _drop_trees(dest: ePath, old: list[tuple[ePath, dict]]) -> None:
     for tree_dir, index in old:
         (tree_dir / INDEX_FILE).unlink(missing_ok=True)
         _drop_arrays(tree_dir, index)
-        for p in tree_dir.iterdir() if tree_dir.is_dir() else []:
-            if _ARRAYS_RE.match(p.name) and (p / _ARRAYS_MARKER).exists():
-                p.rmtree()
+        for p in marked_arrays(tree_dir):
+            p.rmtree()
         if tree_dir != dest and tree_dir.is_dir() and not any(True for _ in tree_dir.iterdir()):
             tree_dir.rmdir()
 
@@ -339,7 +211,7 @@ def _drop_orphan_trees(
         if d.name in named or not d.is_dir() or (d / INDEX_FILE).exists():
             continue
         kids = list(d.iterdir())
-        if kids and all(_ARRAYS_RE.match(k.name) and (k / _ARRAYS_MARKER).exists() for k in kids):
+        if kids and len(marked_arrays(d)) == len(kids):
             for k in kids:
                 k.rmtree()
 
@@ -350,7 +222,7 @@ def _gcs_commit(dest: ePath, meta: dict, prefix: str | None, generation: int | N
     (named by no commit) and raises `CheckpointLockedError`, touching nothing of the writer that won."""
     def commit(index: dict) -> None:
         f = dest / METADATA_FILE
-        if _write_json_if_generation(f, dict(meta, indexes={prefix or "": index}), generation):
+        if write_json_if_generation(f, dict(meta, indexes={prefix or "": index}), generation):
             return
         (_tree_dir(dest, prefix) / index["arrays"]).rmtree(missing_ok=True)
         raise CheckpointLockedError(
@@ -444,8 +316,8 @@ def clean_stale(
     if process_info()[0] != 0 or not base.is_dir():
         return []
     for child in base.iterdir():  # a re-save killed between its two renames: the committed one goes back first
-        if child.name.endswith(_OLD_SUFFIX) and not is_remote_path(base):
-            _restore_old(base / child.name[: -len(_OLD_SUFFIX)])
+        if child.name.endswith(OLD_SUFFIX) and not is_remote_path(base):
+            restore_moved_aside(base / child.name[: -len(OLD_SUFFIX)])
     committed = {p.name for _, p in list_checkpoints(base, step_format)}
     removed = []
     for child in base.iterdir():
@@ -455,7 +327,7 @@ def clean_stale(
         if (stale or torn) and (child / MARKER_FILE).exists():  # never a directory we did not make
             try:
                 with exclusive_writer(base / child.name.split(".")[0]):  # skip one a live writer is writing
-                    _remove_marker_last(child)
+                    remove_marked(child)
             except CheckpointLockedError:
                 continue
             removed.append(child.name)
@@ -475,14 +347,14 @@ def read_prefix_index(
     f = folder / PREFIX_INDEX_FILE
     if not f.exists():
         return None
-    idx = _read_json(f, "prefix index")
+    idx = read_json(f, "prefix index")
     if idx.get("format") != PREFIX_INDEX_FORMAT or not isinstance(idx.get("prefixes"), dict):
         raise CorruptCheckpointError(f"{str(f)!r} is not an {PREFIX_INDEX_FORMAT} record (format={idx.get('format')!r}):"
                                      " another program wrote it; save the trees into another folder")
     if idx.get("version") != PREFIX_INDEX_VERSION:
         raise CorruptCheckpointError(f"{str(f)!r} has version {idx.get('version')!r}; this eformer_nb reads version "
                                      f"{PREFIX_INDEX_VERSION} (a newer eformer_nb wrote it: upgrade to read it)")
-    _check_digest(idx, f, "prefix index")
+    check_digest(idx, f, "prefix index")
     return idx
 
 
@@ -493,14 +365,12 @@ def _record_prefix(folder: ePath, prefix: str, entry: dict, attempts: int = 5) -
     f = folder / PREFIX_INDEX_FILE
     with exclusive_writer(f, "prefix index"):
         for _ in range(attempts):
-            generation = _object_generation(f) if is_remote_path(f) else None
+            generation = object_generation(f)  # None: a filesystem without generations, a plain atomic write
             idx = read_prefix_index(folder) or {"format": PREFIX_INDEX_FORMAT, "version": PREFIX_INDEX_VERSION,
                                                 "prefixes": {}}
             idx.pop("digest", None)
             idx["prefixes"][prefix] = entry
-            if generation is None:
-                return _write_json(f, idx)
-            if _write_json_if_generation(f, idx, generation):
+            if write_json_if_generation(f, idx, generation):
                 return
     raise CheckpointLockedError(f"prefix record {str(f)!r}: {attempts} attempts to record {prefix!r} each lost to another "
                                 "writer updating it; the tree itself is committed: save again to record it")

@@ -8,14 +8,12 @@ from __future__ import annotations
 import base64
 import contextlib
 import errno
-import hashlib
 import itertools
 import json
 import math
 import os
 import re
 import secrets
-import socket
 import threading
 import typing as tp
 import urllib.parse
@@ -24,18 +22,22 @@ from collections.abc import Callable
 import numpy as np
 
 from ..loggings import ProgressLogger, get_logger
-from ..paths import _TMP_TAG, atomic_write_local, ePath, is_remote_path
+from ..paths import ePath, is_remote_path
 from ..pytree.serialization import dtype_from_tag, dtype_to_tag
 from ..pytree.tree_util import tree_path_to_string
+from .durable import (LOCK_PATTERN, MARKER_FILE, TEMP_PATTERN, CheckpointLockedError,
+                                               Ownership, exclusive_writer, fsync_path, is_marked, json_digest, mark,
+                                               object_generation, process_info, refuse_destination, write_json,
+                                               write_json_if_generation)
+
 
 # %% auto #0
 __all__ = ['INLINE_BYTES', 'MAX_CHUNK_BYTES', 'FORMAT_NAME', 'FORMAT_VERSION', 'READ_VERSIONS', 'INDEX_FILE', 'ARRAYS_DIR',
            'BARRIER_TIMEOUT_S', 'LOCAL_FAST_WRITE', 'PROGRESS_BYTES', 'WRITE_IO_CONCURRENCY', 'LOCAL_FAST_READ',
-           'is_array_like', 'join_key', 'leaf_key_paths', 'barrier_timeout_s', 'process_info', 'sync_processes',
-           'broadcast_from_first', 'static_fields', 'CheckpointNotFoundError', 'TornCheckpointError',
-           'CorruptCheckpointError', 'CheckpointLockedError', 'read_index', 'refuse_destination', 'exclusive_writer',
-           'tree_serialize_leaves', 'tree_deserialize_leaves', 'derive_base_prefix_from_path', 'shard_filename',
-           'index_filename', 'group_keys_by_shard_size']
+           'is_array_like', 'join_key', 'leaf_key_paths', 'barrier_timeout_s', 'sync_processes', 'broadcast_from_first',
+           'static_fields', 'CheckpointNotFoundError', 'TornCheckpointError', 'CorruptCheckpointError', 'check_digest',
+           'read_json', 'read_index', 'marked_arrays', 'tree_serialize_leaves', 'tree_deserialize_leaves',
+           'derive_base_prefix_from_path', 'shard_filename', 'index_filename', 'group_keys_by_shard_size']
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #f6e2ad16
 def is_array_like(
@@ -83,7 +85,6 @@ FORMAT_NAME, FORMAT_VERSION = "eformer_nb.tree", 3  # 2: crc32c chunks, array di
 READ_VERSIONS = (1, 2, 3)  # index versions this eformer_nb reads (1: before checksums; still restores)
 INDEX_FILE, ARRAYS_DIR = "index.json", "arrays"
 _ARRAYS_RE = re.compile(r"^arrays\.[0-9a-f]{8}$")  # the array directory of one save: arrays.<token>
-_ARRAYS_MARKER = ".eformer_nb"  # written first into each arrays.<token>: only marked ones are ever cleaned
 _ts_dtype_ok: dict[str, bool] = {}
 
 
@@ -207,13 +208,6 @@ def _next_name(tag: str) -> str:
     with _barrier_lock:
         n = _barrier_seq[thread] = _barrier_seq.get(thread, 0) + 1
     return f"eformer_nb.serialization.{thread}.{n}.{tag}"
-
-
-def process_info() -> tuple[int, int]:
-    "`(process_index, process_count)` of this JAX process."
-    import jax
-
-    return jax.process_index(), jax.process_count()
 
 
 def sync_processes(
@@ -422,10 +416,6 @@ class CorruptCheckpointError(ValueError):
     "A checkpoint's file is damaged: JSON that does not parse or match its digest, a chunk failing its crc32c, a missing chunk."
 
 
-class CheckpointLockedError(RuntimeError):
-    "Another writer is saving the same checkpoint or tree right now."
-
-
 def _tree_dir(checkpoint_dir: str | ePath, prefix: str | None) -> ePath:
     root = checkpoint_dir if isinstance(checkpoint_dir, ePath) else ePath(checkpoint_dir)
     if prefix is None or prefix == "":
@@ -438,20 +428,14 @@ def _tree_dir(checkpoint_dir: str | ePath, prefix: str | None) -> ePath:
     return root / prefix
 
 
-def _digest(obj: dict) -> str:
-    "sha256 of the canonical JSON of `obj` without its own `digest` field (index.json and metadata.json carry it)."
-    body = {k: v for k, v in obj.items() if k != "digest"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def _check_digest(obj: dict, f: ePath, what: str) -> None:
+def check_digest(obj: dict, f: ePath, what: str) -> None:
     "`CorruptCheckpointError` naming `f` when `obj` (version 2 and later) lacks its digest or does not match it."
-    if obj.get("version", 0) >= 2 and obj.get("digest") != _digest(obj):
+    if obj.get("version", 0) >= 2 and obj.get("digest") != json_digest(obj):
         raise CorruptCheckpointError(f"{what} {str(f)!r} does not match its digest (stored {obj.get('digest')!r}, "
-                                     f"computed {_digest(obj)!r}): the file was modified or is damaged")
+                                     f"computed {json_digest(obj)!r}): the file was modified or is damaged")
 
 
-def _read_json(f: ePath, what: str) -> dict:
+def read_json(f: ePath, what: str) -> dict:
     "The JSON object in `f`; `CorruptCheckpointError` naming the file when it is not valid JSON or not an object."
     blob = f.read_bytes()
     try:
@@ -474,7 +458,7 @@ def _embedded_index(d: ePath) -> tuple[dict, ePath] | None:
             continue  # no checkpoint here, or not JSON (read_metadata names that file)
         if not isinstance(meta, dict) or meta.get("format") != "eformer_nb.checkpoint":
             continue  # another program's metadata.json: not a commit of ours
-        _check_digest(meta, f, "checkpoint metadata")
+        check_digest(meta, f, "checkpoint metadata")
         index = (meta.get("indexes") or {}).get(key)
         if isinstance(index, dict):
             return index, f
@@ -490,7 +474,7 @@ def read_index(
     d = _tree_dir(tree_dir, prefix)
     f = d / INDEX_FILE
     try:
-        index = _read_json(f, "index")
+        index = read_json(f, "index")
     except FileNotFoundError:
         index = None
     embedded = _embedded_index(d)
@@ -512,7 +496,7 @@ def read_index(
             f"{str(f)!r} has format version {index.get('version')!r}; this eformer_nb reads versions {READ_VERSIONS} "
             "(a newer eformer_nb wrote it: upgrade, or re-save it from there with that version's reader)"
         )
-    _check_digest(index, f, "index")
+    check_digest(index, f, "index")
     return index
 
 
@@ -594,7 +578,7 @@ def _write_local(tree_dir: ePath, files: list[tuple[str, np.ndarray, list[int]]]
         for fut in as_completed([pool.submit(_chunk_file, *f) for f in files]):
             fut.result()
             done()
-        for fut in [pool.submit(_fsync_dir, d) for d in dirs]:
+        for fut in [pool.submit(fsync_path, d) for d in dirs]:
             fut.result()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
@@ -656,146 +640,14 @@ def _write_arrays(tree_dir: ePath, plan: _SavePlan, compression: str | None) -> 
             bar.update()
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #42237702
-def refuse_destination(
-    d: ePath,  # where a checkpoint, tree or state is about to be written
-    what: str = "save",  # the calling function, for the message
-) -> None:
-    "A `ValueError` for a destination that must never hold a checkpoint: '', '.', a root, home, the cwd or a bucket root."
-    why = d._protected_reason()
-    if why is not None:
-        raise ValueError(f"{what}: refusing to write into {str(d)!r}: it is {why}; an empty or '.' path is the usual "
-                         "cause: pass a directory of its own, such as 'checkpoints/run-1'")
+_TREE_OWNED = Ownership(r"index\.json", r"metadata\.json", r"arrays\.[0-9a-f]{8}", re.escape(MARKER_FILE), LOCK_PATTERN,
+                        TEMP_PATTERN)  # what saves of ours write into a tree directory (and a checkpoint's)
 
 
 def _tree_foreign(d: ePath, index: dict | None) -> list[str]:
-    """Names in `d` that no save of ours made (ours: index.json, array dirs, checkpoint files, lock files, sub-trees,
-    the temporaries of an atomic write that was killed)."""
-    if not d.is_dir():
-        return []
-    ours = {INDEX_FILE, "metadata.json", ".eformer_nb"} | ({index.get("arrays", ARRAYS_DIR)} if index else set())
-    ours_by_name = lambda n: (n in ours or _ARRAYS_RE.match(n) or n.startswith(".") and n.endswith(".lock")  # noqa: E731
-                              or n.endswith(_TMP_TAG))
-    return [p.name for p in d.iterdir() if not (ours_by_name(p.name) or (p / INDEX_FILE).is_file())]
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json(f: ePath, obj: dict) -> None:
-    "Write `obj` (with its digest) to `f` atomically and durably: a temporary, fsync, rename, fsync of the directory."
-    blob = json.dumps(dict(obj, digest=_digest(obj)), indent=1).encode()
-    if is_remote_path(f):
-        f.write_bytes(blob)  # an object store replaces an object whole
-        return
-    atomic_write_local(os.fspath(f), [blob], fsync=True)
-    _fsync_dir(os.path.dirname(os.path.abspath(os.fspath(f))))
-
-
-# %% ../../nbs/10a_serialization.serialization.ipynb #b889372d
-_REMOTE_HELD = threading.local()  # the lock objects this thread holds
-
-
-@contextlib.contextmanager
-def _remote_lock(d: ePath, what: str) -> tp.Iterator[None]:
-    """Hold `d`'s lock object `.{name}.lock` (beside it in the bucket) while writing `d`: created only if absent (GCS's
-    `ifGenerationMatch=0`), so exactly one writer gets it; deleted when done. A writer that dies keeps it: the next
-    save of `d` is refused, naming the object to delete once no writer is alive (never broken silently)."""
-    lock = d.parent / f".{d.name}.lock"
-    held = _REMOTE_HELD.__dict__.setdefault("locks", set())
-    if str(lock) in held:  # re-entered by this thread (a remote checkpoint's tree is written in the step directory)
-        yield
-        return
-    fs = lock._fs_obj
-    token = f"pid {os.getpid()} on {socket.gethostname()} (save {secrets.token_hex(8)})".encode()
-    try:
-        fs.pipe_file(lock.path, token, mode="create")
-    except FileExistsError:
-        try:
-            holder = fs.cat_file(lock.path).decode(errors="replace")
-        except FileNotFoundError:
-            holder = "it just finished"
-        raise CheckpointLockedError(f"{what} {str(d)!r} is being saved by another writer ({holder}, lock object "
-                                    f"{str(lock)!r}); wait for it to finish or save elsewhere (if no writer is alive, "
-                                    "a save crashed: delete that object)") from None
-    held.add(str(lock))
-    try:
-        yield
-    finally:
-        held.discard(str(lock))
-        _release_remote_lock(lock, token)
-
-
-def _release_remote_lock(lock: ePath, token: bytes) -> None:
-    """Delete lock object `lock` only while it is still the one this save created (its `token`, and on GCS its
-    generation as a delete precondition): if an operator deleted it mid-save and another writer then took the lock,
-    that writer's lock object stays."""
-    fs = lock._fs_obj
-    try:
-        generation = _object_generation(lock)  # read before the content: a later re-create has another generation
-        ours = fs.cat_file(lock.path) == token
-    except FileNotFoundError:
-        return
-    finally:
-        fs.invalidate_cache(lock.path)
-    if not ours:
-        _log.warning(f"lock object {str(lock)!r} was replaced by another writer while this save held it; left in place")
-        return
-    if not generation:
-        with contextlib.suppress(FileNotFoundError):
-            fs.rm_file(lock.path)
-        return
-    bucket, key, _ = fs.split_path(lock.path)
-    with contextlib.suppress(FileNotFoundError, FileExistsError):  # gone, or 412: re-created by another writer
-        fs.call("DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=str(generation))
-    fs.invalidate_cache(lock.path)
-
-# %% ../../nbs/10a_serialization.serialization.ipynb #dab82807
-@contextlib.contextmanager
-def exclusive_writer(
-    d: ePath,  # the directory about to be written (its lock file `.{name}.lock` sits beside it)
-    what: str = "directory",  # what `d` is, for the message
-) -> tp.Iterator[None]:
-    """Hold an exclusive `flock` on `d`'s lock file while writing `d` (process 0; remote paths: `_remote_lock`). A
-    second writer gets `CheckpointLockedError`; the kernel drops the lock when the holder dies, even by SIGKILL."""
-    if process_info()[0] != 0:
-        yield
-        return
-    if is_remote_path(d):
-        with _remote_lock(d, what):
-            yield
-        return
-    import fcntl
-
-    path = os.path.join(os.path.dirname(os.path.abspath(os.fspath(d))), f".{d.name}.lock")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace") or "unknown"
-            os.close(fd)
-            raise CheckpointLockedError(f"{what} {str(d)!r} is being saved by another writer ({holder}, lock file "
-                                        f"{path!r}); wait for it to finish or save elsewhere") from None
-        try:
-            if os.fstat(fd).st_ino == os.stat(path).st_ino:  # not a lock file a finishing writer just unlinked
-                break
-        except FileNotFoundError:
-            pass
-        os.close(fd)
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
-        yield
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        os.close(fd)
+    """Names in `d` that no save of ours made (ours: `_TREE_OWNED`, the array directory `index` names, sub-trees)."""
+    arrays = index.get("arrays", ARRAYS_DIR) if index else None
+    return [n for n in _TREE_OWNED.foreign(d) if n != arrays and not (d / n / INDEX_FILE).is_file()]
 
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #3220ce2f
@@ -815,16 +667,23 @@ def _begin_tree(tree_dir: ePath, arrays: str, overwrite: bool) -> dict | None:
     if not is_remote_path(tree_dir):  # a crashed save's arrays; on gs:// only after the commit (`_commit_tree`)
         _drop_other_arrays(tree_dir, (index or {}).get("arrays"))
     (tree_dir / arrays).mkdir(parents=True, exist_ok=False)
-    (tree_dir / arrays / _ARRAYS_MARKER).write_text(str(os.getpid()))  # proof that a save of ours made it
+    mark(tree_dir / arrays, FORMAT_NAME)  # proof that a save of ours made it
     return index
+
+
+def marked_arrays(
+    tree_dir: ePath,  # a tree directory
+) -> list[ePath]:
+    "The `arrays.<token>/` directories of `tree_dir` that carry our marker: made by saves of ours (committed or not)."
+    return [p for p in tree_dir.iterdir() if _ARRAYS_RE.match(p.name) and is_marked(p)] if tree_dir.is_dir() else []
 
 
 def _drop_other_arrays(tree_dir: ePath, keep: str | None) -> None:
     """Remove every `arrays.<token>/` of `tree_dir` but `keep` that carries our marker: a crashed (or, on gs://, a
     beaten) save's. Only while no other save of `tree_dir` can still commit: under the local `flock`, or on gs://
     after this save's conditional commit landed."""
-    for p in tree_dir.iterdir() if tree_dir.is_dir() else []:
-        if _ARRAYS_RE.match(p.name) and p.name != keep and (p / _ARRAYS_MARKER).exists():
+    for p in marked_arrays(tree_dir):
+        if p.name != keep:
             p.rmtree()
 
 
@@ -843,59 +702,14 @@ def _drop_arrays(tree_dir: ePath, old: dict) -> None:
 
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #5b6656ba
-def _object_generation(
-    f: ePath,  # an object on a remote filesystem
-) -> int | None:
-    """The GCS generation of object `f` now (0 when it does not exist: what `ifGenerationMatch` expects for a create);
-    None on a filesystem that has no generations (only GCS has them)."""
-    from gcsfs.core import GCSFileSystem  # the base class (gcsfs.GCSFileSystem may be a subclass of it)
-
-    if not isinstance(getattr(f, "fs", None), GCSFileSystem):  # a local path has no fsspec filesystem
-        return None
-    bucket, key, _ = f.fs.split_path(f.path)
-    try:
-        return int(f.fs.call("GET", "b/{}/o/{}", bucket, key, json_out=True)["generation"])
-    except FileNotFoundError:
-        return 0
-
-
-def _write_json_if_generation(
-    f: ePath,  # the object to replace (or create)
-    obj: dict,  # written with its digest, as `_write_json` does
-    generation: int | None,  # replace only the object of this generation (0: only create); None: no precondition
-) -> bool:
-    """Write `obj` to `f` only if `f` is still at `generation` (GCS JSON API upload with `ifGenerationMatch`); False when
-    another writer replaced it since (HTTP 412). gcsfs's `pipe_file` offers this precondition only for a create."""
-    blob = json.dumps(dict(obj, digest=_digest(obj)), indent=1).encode()
-    if generation is None:
-        f.write_bytes(blob)
-        return True
-    fs, sep = f.fs, "eformer-nb-commit"
-    bucket, key, _ = fs.split_path(f.path)
-    head = json.dumps({"name": key, "contentType": "application/json"})
-    body = (f"--{sep}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{head}\r\n--{sep}\r\n"
-            "Content-Type: application/json\r\n\r\n").encode() + blob + f"\r\n--{sep}--".encode()
-    try:
-        fs.call("POST", f"{fs._location}/upload/storage/v1/b/{bucket}/o", uploadType="multipart",
-                ifGenerationMatch=str(generation), headers={"Content-Type": f'multipart/related; boundary="{sep}"'},
-                data=body, json_out=True)
-    except FileExistsError:  # 412: the object changed; or our own write, answered 412 when gcsfs retried it
-        try:
-            return fs.cat_file(f.path) == blob
-        except FileNotFoundError:
-            return False
-    finally:
-        fs.invalidate_cache(f.path)
-    return True
-
 def _commit_index(tree_dir: ePath, body: dict, generation: int | None) -> None:
     """Write `index.json`, the commit of a bare tree: atomically, and on gs:// only if it is still at `generation`.
     A lost race removes this save's own new arrays and raises `CheckpointLockedError`; the winner is untouched."""
     f = tree_dir / INDEX_FILE
     if generation is None:
-        _write_json(f, body)
+        write_json(f, body)
         return
-    if _write_json_if_generation(f, body, generation):
+    if write_json_if_generation(f, body, generation):
         return
     (tree_dir / body["arrays"]).rmtree(missing_ok=True)
     raise CheckpointLockedError(
@@ -916,7 +730,7 @@ def _commit_tree(tree_dir: ePath, plan: _SavePlan, compression: str | None, over
     remote = is_remote_path(tree_dir)
     with exclusive_writer(tree_dir, "the tree"):
         # gs://: the generation of index.json before the committed version is read (a commit after it makes ours fail)
-        generation = _object_generation(tree_dir / INDEX_FILE) if first and remote and commit is None else None
+        generation = object_generation(tree_dir / INDEX_FILE) if first and remote and commit is None else None
         old = _begin_tree(tree_dir, arrays, overwrite) if first else None
         sync_processes("tree-begin")
         _write_arrays(tree_dir, plan._replace(records=records), compression)
@@ -926,8 +740,8 @@ def _commit_tree(tree_dir: ePath, plan: _SavePlan, compression: str | None, over
                     "tree": plan.structure, "static": plan.static,
                     "seq": (old or {}).get("seq", 0) + 1}  # the newest committed wins
             if commit is not None:
-                commit(dict(body, digest=_digest(body)))
-                _write_json(tree_dir / INDEX_FILE, body)
+                commit(dict(body, digest=json_digest(body)))
+                write_json(tree_dir / INDEX_FILE, body)
             else:
                 _commit_index(tree_dir, body, generation)
             if old is not None and old.get("arrays") != arrays:
