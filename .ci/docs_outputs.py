@@ -94,9 +94,8 @@ SILENT: dict = {}  # none today: every page with examples shows a result
 # from this list when its run shows a result. `silent` marks the ones measured silent on main before issue 38.
 SILENT_PENDING = {
     "nbs/04_paths.ipynb": "issue 38: being rewritten (silent)",
-    "nbs/10_serialization.durable.ipynb": "issue 38: a new chapter (not measured by this change)",
     **{f"nbs/{n}.ipynb": "issue 38: being rewritten" for n in (
-        "10a_serialization.serialization", "10b_serialization.base_manager", "10c_serialization.checkpointer",
+        "10a_serialization.serialization", "10c_serialization.checkpointer",
         "10d_serialization.async_manager", "10e_serialization.fsspec_utils", "10f_serialization.__init__",
         "11a_infra.mixins.protocol", "11b_infra.base_config", "11c_infra.factory",
         "12a_modules.llama.configuration", "12b_modules.llama.modeling", "12c_modules.llama.generation",
