@@ -70,7 +70,7 @@ class ArgumentTypeError(argparse.ArgumentTypeError, TypeError, ValueError):
 class UnknownKeyError(KeyError, ValueError):
     "A config key that no dataclass field has: a `KeyError` (a missing name) and a `ValueError` (bad input), as eformer raises."
 
-
+# %% ../nbs/02_aparser.ipynb #8ca0dbc0
 MAX_CONFIG_DEPTH = 64  # nesting depth of a config value (lists/dicts inside each other)
 MAX_CONFIG_NODES = 1_000_000  # values in a config once YAML aliases are expanded (an alias bomb stops here)
 
@@ -241,7 +241,7 @@ def _number_expected(kind: str, value) -> str:
     return f"{kind} in ASCII digits (not full-width or other Unicode digits)" if isinstance(value, str) and not \
         value.isascii() and any(c.isdigit() for c in value) else kind
 
-
+# %% ../nbs/02_aparser.ipynb #e5db7c4d
 def _convert_int(value, where: str, from_string: bool) -> int:
     "An int (not a bool) that fits in 64 bits; from a CLI, its decimal string (underscores allowed)."
     out = None
@@ -366,7 +366,7 @@ def _unknown_key_message(cls, key, valid, where) -> str:
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return f"{where}: unknown key {key!r}{hint}; valid keys are {sorted(valid)}"
 
-
+# %% ../nbs/02_aparser.ipynb #a68bd481
 def _build_dataclass(cls, data: Mapping, where: str, *, allow_extra_keys: bool, extra: dict | None,
                      from_string: bool = False, numeric_strings: bool = False):
     _check_keys(data, where)
@@ -474,7 +474,7 @@ def _add_dataclass_arguments(self: DataClassArgumentParser, dtype, prefix: str, 
             continue
         self._add_field(field, ann, dest, group)
 
-
+# %% ../nbs/02_aparser.ipynb #b5f2042b
 @patch
 def _add_field(self: DataClassArgumentParser, field, ann, dest: str, group):
     "The `add_argument` call(s) for one field: its names, help, default and converter."
@@ -634,7 +634,7 @@ def _strict_yaml_loader():
 
     return StrictLoader
 
-
+# %% ../nbs/02_aparser.ipynb #59b5abc3
 def _load_yaml(text: str):
     "The YAML document in `text`; `RecursionError` for nesting beyond `MAX_CONFIG_DEPTH`, `ValueError` for bad YAML."
     import yaml

@@ -29,7 +29,7 @@ def _refused(reason: str, names: str) -> dict[str, str]:
     "{eformer name: '!reason'}: names of eformer's that eformer_nb refuses, reading one raises `ImportError(reason)`."
     return {name: "!" + reason for name in names.split()}
 
-
+# %% ../nbs/97_eformer_paths.ipynb #a658acb9
 _Q = "ops__quantization"
 _IMPLICIT = {"jaximus": "ImplicitArray register ste aux_field", "common_types": "Array"}  # what they build on
 EFORMER_PATHS: dict[str, dict[str, str]] = {
@@ -124,7 +124,7 @@ class _Promote(importlib.abc.Loader):
         if not hasattr(module, "__path__"):
             module.__path__ = []
 
-
+# %% ../nbs/97_eformer_paths.ipynb #48f3e6e6
 class EformerPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     "Serves eformer's module paths listed in EFORMER_PATHS as thin modules."
 

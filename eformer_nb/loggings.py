@@ -369,7 +369,7 @@ def _is_interactive(stream) -> bool:
             return True
     return bool(getattr(stream, "isatty", None)) and stream.isatty()
 
-
+# %% ../nbs/01_loggings.ipynb #c85a66d3
 class ProgressLogger:
     "A `tqdm.auto` bar on process 0 in a terminal/notebook; quiet elsewhere, with one summary line in non-TTY logs."
 

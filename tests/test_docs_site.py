@@ -629,3 +629,42 @@ def test_package_init_names_link():
     for n in api.__all__:
         assert getattr(q, n) is getattr(api, n) and n in q.__all__, n  # the package re-exports its one home
         assert inspect.getmodule(getattr(q, n)) is api, n
+
+
+def test_silent_page_fails_nbtest(tmp_path, monkeypatch):
+    "`make nbtest` fails a documented page whose passing run shows its reader no output, unless `SILENT` names it "
+    "(with why); a hidden cell's output, a `show_doc` entry and a warning are not output a reader sees"
+    import json
+    import nbdev.test as nt
+    monkeypatch.syspath_prepend(str(ROOT / ".ci"))
+    import docs_outputs
+    for name in ("test_nb", "write_nb"):  # `_test_nb_kept` sets nbdev's `write_nb`; put both back afterwards
+        monkeypatch.setattr(nt, name, getattr(nt, name))
+    monkeypatch.setattr(nt, "_test_nb_orig", getattr(nt, "_test_nb_orig", nt.test_nb), raising=False)
+    monkeypatch.setattr(nt, "_write_nb_orig", getattr(nt, "_write_nb_orig", nt.write_nb), raising=False)
+    monkeypatch.setattr(docs_outputs, "documented", lambda nb: True)
+    monkeypatch.setattr(docs_outputs, "CACHE", tmp_path / "cache")
+    monkeypatch.delenv("XLA_FLAGS", raising=False)  # not the docs' flags: the run is checked, not kept
+
+    def page(*sources) -> Path:
+        cells = [{"cell_type": "code", "execution_count": None, "id": f"c{i}", "metadata": {}, "outputs": [],
+                  "source": s} for i, s in enumerate(sources)]
+        kernel = {"name": "python3", "display_name": "Python 3", "language": "python"}
+        nb = {"cells": cells, "metadata": {"kernelspec": kernel}, "nbformat": 4, "nbformat_minor": 5}
+        p = tmp_path / f"page{len(list(tmp_path.glob('page*')))}.ipynb"
+        p.write_text(json.dumps(nb), encoding="utf-8")
+        return p
+
+    quiet = ["x = 41", "#| hide\nprint('set-up only')", "import warnings\nwarnings.warn('careful')",
+             "def show_doc(f): return f.__name__\nshow_doc(print)"]
+    silent = page(*quiet)
+    ok, _ = docs_outputs._test_nb_kept(silent, profile=False)
+    assert ok is False, "a page that shows nothing passed"
+    ok, _ = docs_outputs._test_nb_kept(page(*quiet, "x + 1"), profile=False)
+    assert ok is True, "a page that shows a value failed"
+    monkeypatch.setitem(docs_outputs.SILENT, docs_outputs._rel(silent), "nothing to compute (this test)")
+    ok, _ = docs_outputs._test_nb_kept(silent, profile=False)
+    assert ok is True, "a page SILENT names failed"
+    assert all(why.strip() for why in docs_outputs.SILENT.values()), "every page SILENT names says why"
+    gone = [p for p in docs_outputs.SILENT if not (ROOT / p).exists() and p != docs_outputs._rel(silent)]
+    assert not gone, f"SILENT names pages that do not exist: {gone}"

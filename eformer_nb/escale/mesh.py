@@ -35,7 +35,7 @@ def _check_names(axis_names: Sequence[str]) -> tuple[str, ...]:
         raise ValueError(f"axis_names {names!r} repeat {dup!r}; every mesh axis needs its own name")
     return names
 
-
+# %% ../../nbs/09a_escale.mesh.ipynb #fd9485f6
 def resolve_axis_dims(
     axis_dims: Sequence[int],  # sizes, one of them may be -1 (the rest of the devices)
     axis_names: Sequence[str],  # the axis names
@@ -81,7 +81,7 @@ def count_granules(
     "Number of slices (or processes, with `process_is_granule`) the `devices` belong to."
     return len({_granule_key(d, process_is_granule) for d in devices})
 
-
+# %% ../../nbs/09a_escale.mesh.ipynb #06221f9e
 def split_dcn_dims(
     dims: Sequence[int],  # the full size of each mesh axis
     num_granules: int,  # how many slices the devices span
@@ -152,7 +152,7 @@ def _axis_types(axis_types, n: int) -> tuple[AxisType, ...]:
         return (one(axis_types),) * n
     return tuple(one(t) for t in axis_types)
 
-
+# %% ../../nbs/09a_escale.mesh.ipynb #0d81964b
 def create_mesh(
     axis_dims: Sequence[int] = DEFAULT_AXIS_DIMS,  # size of each mesh axis; one `-1` takes the remaining devices
     axis_names: Sequence[str] = DEFAULT_AXIS_NAMES,  # one name per axis
@@ -226,7 +226,7 @@ def parse_mesh_spec(
         raise ValueError(f"mesh string {axis_dims!r} has {len(dims)} sizes but names={list(names)} has {len(names)}")
     return dims, names
 
-
+# %% ../../nbs/09a_escale.mesh.ipynb #051eb858
 def parse_mesh_from_string(
     axis_dims: str,  # a string such as "dp:2,tp:4"
     names: Sequence[str] | None = None,  # axis names for a string of bare sizes

@@ -79,7 +79,7 @@ def check_choice(
 
 _DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
 
-
+# %% ../../nbs/08a_optimizers.configs.ipynb #5c73c7d1
 def check_dtype(
     owner: str,  # the config class name
     name: str,  # the field name
@@ -159,7 +159,7 @@ _UNUSED_BY = {  # fields a built-in schedule ignores: setting one is an error, n
     "warmup_stable_decay": ("exponent",),
 }
 
-
+# %% ../../nbs/08a_optimizers.configs.ipynb #73f416ad
 def _check_schedule(self, o: str) -> None:
     "The cross-field rules of a `SchedulerConfig` (which fields a schedule type needs or ignores)."
     t = self.scheduler_type
@@ -239,7 +239,7 @@ class AdamWConfig(ConfigMixin):
         check_range(o, "eps_root", self.eps_root, 0)
         check_dtype(o, "mu_dtype", self.mu_dtype)
 
-
+# %% ../../nbs/08a_optimizers.configs.ipynb #7f2b36dc
 @dataclasses.dataclass
 class AdafactorConfig(ConfigMixin):
     "Adafactor (`optax.adafactor`)."
@@ -264,7 +264,6 @@ class AdafactorConfig(ConfigMixin):
         check_dtype(o, "dtype_momentum", self.dtype_momentum)
         check_range(o, "weight_decay_rate", self.weight_decay_rate, 0, allow_none=True)
         check_range(o, "eps", self.eps, 0)
-
 
 # %% ../../nbs/08a_optimizers.configs.ipynb #b19c7e6f
 @dataclasses.dataclass

@@ -94,7 +94,7 @@ def cosine_scheduler(
                                        exponent=c.exponent)
     return _with_warmup(c, main)
 
-
+# %% ../../nbs/08b_optimizers.schedulers.ipynb #fdb0750f
 @register_scheduler("warmup_cosine")
 def warmup_cosine_scheduler(
     c: SchedulerConfig,  # the schedule's settings
@@ -193,7 +193,7 @@ class CosineSchedulerBuilder(SchedulerBuilder):
     "Optional linear warmup, then cosine decay (with `exponent`) to `learning_rate_end` (default 0)."
     scheduler_type: tp.ClassVar[str] = "cosine"
 
-
+# %% ../../nbs/08b_optimizers.schedulers.ipynb #4435e063
 def create_linear_scheduler(
     steps: int,  # total steps, warmup included
     learning_rate_start: float,  # the peak (start) rate
@@ -247,7 +247,7 @@ class _RegistryView(collections.abc.MutableMapping):
     def __len__(self):
         return len(self._store)
 
-
+# %% ../../nbs/08b_optimizers.schedulers.ipynb #53c798d2
 def _scheduler_class(name: str) -> type:
     cls = type(f"{name.title().replace('_', '')}SchedulerBuilder", (SchedulerBuilder,),
                {"__doc__": f"The registered {name!r} schedule.", "scheduler_type": name, "__module__": __name__})

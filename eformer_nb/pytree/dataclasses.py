@@ -81,7 +81,7 @@ class PyTreeFields(tp.NamedTuple):
     data: tuple[str, ...]  # children: leaves/subtrees, traced and saved
     meta: tuple[str, ...]  # static: part of the tree structure
 
-
+# %% ../../nbs/03c_pytree.dataclasses.ipynb #9adcd8f0
 def _split_fields(cls: type, meta_fields: tp.Iterable[str]) -> tuple[PyTreeFields, tuple[str, ...]]:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(meta_fields) - names)
@@ -270,7 +270,7 @@ class _NoJson:
         raise AttributeError(f"{(cls or type(obj)).__name__} was made with json_serializable=False: it has no "
                              f"{self.name}")
 
-
+# %% ../../nbs/03c_pytree.dataclasses.ipynb #a80c1614
 @tp.dataclass_transform(field_specifiers=(field, dataclasses.field))
 def auto_pytree(
     meta_fields: tp.Iterable[str] | None = None,  # fields kept static (the class itself for a bare `@auto_pytree`)

@@ -168,7 +168,7 @@ def _restore_leaf(target: tp.Any, value: tp.Any, path: str) -> tp.Any:
                          f"the state has a subtree with keys {sorted(value)}")
     return value
 
-
+# %% ../../nbs/03b_pytree.serialization.ipynb #87593e21
 def from_state_dict(
     target: tp.Any,  # supplies the structure, container types and static fields
     state: tp.Any,  # `to_state_dict` output
@@ -277,7 +277,7 @@ def encode(
     raise TypeError(f"cannot serialize the leaf at {path or '<root>'!r} of type {ty.__qualname__}; "
                     f"supported: {_SUPPORTED} (containers other than these go through to_state_dict)")
 
-
+# %% ../../nbs/03b_pytree.serialization.ipynb #7b505fe9
 @patch
 def _encode_container(self: _Encoder, obj: tp.Any, path: str) -> tp.Any:
     if isinstance(obj, dict):
@@ -321,7 +321,7 @@ def _serialize_parts(tree: tp.Any, checksum: bool = True) -> list[tp.Any]:
     hcrc = _HCRC.pack(zlib.crc32(header, zlib.crc32(prefix)))
     return [prefix, hcrc, header, b"\0" * _pad(PREFIX_SIZE + len(header))] + data_parts
 
-
+# %% ../../nbs/03b_pytree.serialization.ipynb #28487040
 def msgpack_serialize(
     pytree: tp.Any,  # a tree of plain containers (dict/list/tuple) and leaves
     in_place: bool = False,  # eformer's flag; the input is never modified, so it changes nothing
@@ -466,7 +466,7 @@ def _check_prefix(buf: memoryview, verify: bool) -> tuple[memoryview, int, int]:
         raise ValueError("corrupted input: the data checksum does not match")
     return header, data_start, data_len
 
-
+# %% ../../nbs/03b_pytree.serialization.ipynb #348a5c7f
 def _array_at(ref: _Ref, entries: list, buf: memoryview, data_start: int, copy: bool) -> tp.Any:
     "The array, scalar or PRNG key array that `ref` points at (a view of `buf`, or a copy)."
     if ref.index >= len(entries):
@@ -528,7 +528,7 @@ def msgpack_restore(
     except RecursionError as e:
         raise ValueError("corrupted input: the header nests containers too deeply to rebuild") from e
 
-
+# %% ../../nbs/03b_pytree.serialization.ipynb #9c2b01e9
 def from_bytes(
     target: tp.Any,  # a pytree of the expected structure (arrays or `ShapeDtypeStruct`s), or None
     encoded_bytes: bytes | bytearray | memoryview,  # `to_bytes` output
@@ -569,7 +569,7 @@ def save_to_file(
 
     return atomic_write_local(path, parts, fsync=fsync)
 
-
+# %% ../../nbs/03b_pytree.serialization.ipynb #1573b347
 def load_from_file(
     target: tp.Any,  # the structure to restore into (None: return the state dict); a path here is the older order
     filepath: str | os.PathLike | None = None,  # the file written by `save_to_file`
@@ -665,7 +665,7 @@ def is_serializable(
         return False
     return True
 
-
+# %% ../../nbs/03b_pytree.serialization.ipynb #4029ae08
 def get_serialization_info(
     pytree: tp.Any,  # the tree to describe
 ) -> dict[str, tp.Any]:  # `num_leaves`, `leaf_types`, `array_bytes`, `serialized_bytes`, `format_version`

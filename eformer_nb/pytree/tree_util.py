@@ -98,7 +98,7 @@ class _EmptyNode:
 
 empty_node = _EmptyNode()
 
-
+# %% ../../nbs/03a_pytree.tree_util.ipynb #43ed7689
 def flatten_dict(
     xs: Mapping,  # nested mappings
     keep_empty_nodes: bool = False,  # an empty mapping below the top becomes an `empty_node` leaf
@@ -199,7 +199,7 @@ def tree_multiply(
     "Leafwise `tree1 * tree2` where `tree2` is a tree of the same structure or a scalar."
     return _otree().scale(tree2, tree1) if _is_scalar(tree2) else _otree().mul(tree1, tree2)
 
-
+# %% ../../nbs/03a_pytree.tree_util.ipynb #8d998f43
 def tree_divide(
     tree1: PyTree,  # the numerators
     tree2: PyTree | complex,  # a tree of the same structure, or a scalar
@@ -248,7 +248,7 @@ def tree_ones_like(
     "Ones with each leaf's shape (and dtype unless `dtype` is given)."
     return _otree().ones_like(tree, dtype=dtype)
 
-
+# %% ../../nbs/03a_pytree.tree_util.ipynb #3fac3801
 def tree_cast(
     tree: PyTree,  # a pytree
     dtype: tp.Any,  # the dtype to cast to
@@ -501,7 +501,7 @@ def _comparable(x: np.ndarray) -> np.ndarray:
         return x
     return x.astype(np.float32 if jnp.issubdtype(x.dtype, jnp.inexact) else np.int16)
 
-
+# %% ../../nbs/03a_pytree.tree_util.ipynb #3b307762
 def _leaf_difference(x, y, rtol: float, atol: float) -> tuple[str, str] | None:
     "`(kind, detail)` of how leaves `x` and `y` differ, or None when they are equal (NaNs in the same places are)."
     if _is_arraylike(x) != _is_arraylike(y) or (not _is_arraylike(x) and type(x) is not type(y)):
@@ -568,7 +568,7 @@ def tree_diff(
             out.append(TreeDifference("", "structure", f"{ta} != {tb}"))
     return out
 
-
+# %% ../../nbs/03a_pytree.tree_util.ipynb #23770a70
 def tree_equal(
     *pytrees: PyTree,  # the trees to compare
     typematch: bool = False,  # also require the same leaf types (a NumPy array is not a `jax.Array`)
@@ -670,7 +670,7 @@ def tree_any(
     "True when some element of some leaf is truthy."
     return jnp.any(jnp.asarray([jnp.any(x) for x in jax.tree.leaves(tree)], bool))
 
-
+# %% ../../nbs/03a_pytree.tree_util.ipynb #f0ccda68
 def tree_reduce(
     reducer: Callable[[tp.Any, tp.Any], tp.Any],  # called as `reducer(acc, leaf)`
     tree: PyTree,  # a pytree
@@ -712,7 +712,7 @@ def tree_transpose(
     "Leafwise `transpose` (reversed axes, or `axes`)."
     return jax.tree.map(lambda x: jnp.transpose(x, axes), tree)
 
-
+# %% ../../nbs/03a_pytree.tree_util.ipynb #7a9a62dd
 def tree_structure_equal(
     tree1: PyTree,  # a pytree
     tree2: PyTree,  # a pytree of the same structure
@@ -778,7 +778,7 @@ def tree_map_with_path(
     "Map `f(key_path, leaf)` over `tree`."
     return jtu.tree_map_with_path(f, tree, is_leaf=is_leaf)
 
-
+# %% ../../nbs/03a_pytree.tree_util.ipynb #2ce42b74
 def tree_flatten_one_level_with_keys(
     pytree: PyTree,  # a pytree
 ) -> tuple[list[tuple[tp.Any, tp.Any]], tp.Any]:
@@ -839,7 +839,7 @@ def is_flatten(
     return isinstance(tree, Mapping) and all(isinstance(k, tuple) and not isinstance(v, Mapping)
                                              for k, v in tree.items())
 
-
+# %% ../../nbs/03a_pytree.tree_util.ipynb #e8d3e662
 def is_iterable(
     obj: tp.Any,  # anything
 ) -> bool:
@@ -881,7 +881,7 @@ def recursive_merge(
         out[k] = recursive_merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
     return out
 
-
+# %% ../../nbs/03a_pytree.tree_util.ipynb #aa714905
 def split(
     pytree: PyTree,  # a pytree
     filter_spec: Where,  # what goes into the first tree: as `where` in `tree_mask`
@@ -940,7 +940,7 @@ def unpack_pytree(
         return packed[s.start:s.start + n].reshape(s.shape).astype(s.dtype)
     return jax.tree.map(take, offset_tree)
 
-
+# %% ../../nbs/03a_pytree.tree_util.ipynb #9115251f
 def specs_to_name_sharding(
     tree: PyTree,  # a pytree of `PartitionSpec`s
     mesh: jax.sharding.Mesh | None = None,  # the mesh (None: the mesh in context)

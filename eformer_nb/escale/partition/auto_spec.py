@@ -26,7 +26,7 @@ def _shape_of(x) -> tuple[int, ...]:
         return tuple(int(d) for d in x.shape)
     raise TypeError(f"expected an array (or anything with .shape) or a shape tuple, got {x!r}")
 
-
+# %% ../../../nbs/09d_escale.partition.spec_inference.ipynb #62dcdae3
 def auto_partition_spec(
     x,  # an array or a shape
     mesh: Mesh | AbstractMesh | None = None,  # the mesh (default: the one in context)
@@ -101,7 +101,7 @@ def auto_shard_array(
     "`x` placed on `mesh` (default: in context) with `auto_partition_spec`."
     return jax.device_put(x, auto_namedsharding(mesh, names, min_sharding_size, reverse)(x))
 
-
+# %% ../../../nbs/09d_escale.partition.spec_inference.ipynb #99e98583
 def vrn_auto_partition_spec(
     x,  # an array or a shape
     mesh: Mesh | AbstractMesh | None = None,  # the mesh (default: the one in context)
@@ -187,7 +187,7 @@ def sharding_problems(
             out.append(f"dim {d} (size {shape[d]}) is not divisible by {k} ({'x'.join(names)})")
     return out
 
-
+# %% ../../../nbs/09d_escale.partition.spec_inference.ipynb #0fa561fb
 def validate_sharding_config(
     pytree,  # the arrays
     partition_specs,  # a pytree of specs like it

@@ -53,7 +53,7 @@ def _absent_axis_is_size_one(name: str, sizes: dict) -> bool:
     dp/fsdp/tp mesh has no sequence parallelism). Any other absent name is a configuration error."""
     return name in DEFAULT_AXIS_NAMES and any(n in DEFAULT_AXIS_NAMES for n in sizes)
 
-
+# %% ../../../nbs/09b_escale.partition.constraints.ipynb #00cb2af0
 def _fit_entry(shape, dim: int, entry, sizes: dict, manual: set, spec, auto_correct: bool):
     "One spec entry fitted to dim `dim`: the mesh axes that divide it (others dropped with a warning, or an error)."
     kept, prod = [], 1
@@ -218,7 +218,7 @@ def tree_path_to_string(
 def _leaf_value(leaf):
     return leaf.get_value() if _is_variable(leaf) else leaf
 
-
+# %% ../../../nbs/09b_escale.partition.constraints.ipynb #1759fd81
 def map_leaves_with_path(
     fn: Callable[[str, tp.Any], tp.Any],  # `(path string, leaf) -> new leaf`
     tree,  # the pytree
@@ -247,7 +247,7 @@ def _compile_rules(rules) -> list[tuple[str, re.Pattern, PartitionSpec]]:
             raise ValueError(f"rule {i}: {rule[0]!r} is not a valid regex ({e})") from None
     return compiled
 
-
+# %% ../../../nbs/09b_escale.partition.constraints.ipynb #4aef32f0
 def match_partition_rules(
     rules: Sequence[tuple[str, PartitionSpec]],  # `(regex, spec)` pairs, first match wins
     tree,  # the pytree (of arrays or shapes)
@@ -398,7 +398,7 @@ def get_names_from_partition_spec(
             out += [n for n in _entry_names(entry) if n not in out]
     return out
 
-
+# %% ../../../nbs/09b_escale.partition.constraints.ipynb #87d7c3f9
 def get_submesh_device_index(
     axis_names: str | Sequence[str],  # the mesh axes to index along
 ) -> int:
@@ -455,7 +455,7 @@ def extract_shardings(
         return getattr(x, "sharding", None)
     return jax.tree_util.tree_map(one, tree, is_leaf=lambda x: isinstance(x, (PartitionSpec, jax.sharding.Sharding)))
 
-
+# %% ../../../nbs/09b_escale.partition.constraints.ipynb #92fe4257
 def create_pattern_based_partition_spec(
     pattern: tp.Mapping[str, PartitionSpec] | Sequence[tuple[str, PartitionSpec]],  # `{regex: spec}` or `(regex, spec)` pairs
     mesh: Mesh | None = None,  # the mesh the specs are fitted to (default: the one in context)
@@ -488,7 +488,7 @@ def shard_nbytes(
             shard[d] //= math.prod(sizes[n] for n in _entry_names(entry))
     return math.prod(shard) * np.dtype(dtype).itemsize
 
-
+# %% ../../../nbs/09b_escale.partition.constraints.ipynb #d14e364e
 def analyze_sharding_strategy(
     pytree,  # a pytree of arrays (or shape/dtype structs)
     partition_specs,  # a matching pytree of `PartitionSpec`s

@@ -118,7 +118,7 @@ def _run(argv: list[str], capture_output: bool = True, timeout_s: float | None =
         raise RuntimeError(f"{shlex.join(argv[:3])} ... exited with {proc.returncode}: {(proc.stderr or '')[-2000:]}")
     return proc
 
-
+# %% ../../../nbs/14e_executor.ray.docker_executor.ipynb #229f4ef1
 def build_and_push_docker_image(
     dockerfile_path: str,  # the Dockerfile
     image_name: str,  # the image's name (and tag)
@@ -163,7 +163,7 @@ def run_docker_on_pod(
     return RayExecutor.execute_resumable(run_docker_container, accelerator_config, config=docker_config,
                                          capture_output=capture_output, **executor_kwargs)
 
-
+# %% ../../../nbs/14e_executor.ray.docker_executor.ipynb #d54b1ea6
 def run_docker_multislice(
     docker_config: DockerConfig,  # the container
     accelerator_config: TpuAcceleratorConfig,  # the slices: one container per host

@@ -55,7 +55,7 @@ class TpuSpec:
         "The Ray resource on the first host of each slice of this type."
         return f"TPU-{self.tpu_type}-head"
 
-
+# %% ../../../nbs/14b_executor.ray.resource_manager.ipynb #13a3c4e7
 def tpu_spec(
     tpu_type: str,  # '<generation>-<size>', such as 'v4-8' or 'v6e-32' (aliases such as 'v5litepod-16')
 ) -> TpuSpec:
@@ -274,7 +274,7 @@ def _check_env(owner: str, execution_env: tp.Any) -> None:
         raise TypeError(f"{owner}: execution_env must be a Ray runtime env (a dict or ray.runtime_env.RuntimeEnv), "
                         f"got {type(execution_env).__name__}")
 
-
+# %% ../../../nbs/14b_executor.ray.resource_manager.ipynb #dc01159d
 @tp.runtime_checkable
 class ComputeResourceConfig(tp.Protocol):
     """What the executor needs of an accelerator config; `CpuAcceleratorConfig`, `GpuAcceleratorConfig` and

@@ -230,7 +230,7 @@ def packed_matmul(
     "`x @ W` for a 1-bit or ternary `W` (K, n), streamed; differentiable in `x` and `scale`."
     return _packed_matmul_xla(x, codes, scale, fmt, block, n, False)
 
-
+# %% ../../../nbs/06d_ops.quantization.binary_ternary.ipynb #a6ccad60
 def _pm_fwd(x, codes, scale, fmt, block, n):
     keep = x.value if scale.perturbed else None  # x is needed only for the scales' gradient
     return packed_matmul(x.value, codes.value, scale.value, fmt, block, n), (keep, codes.value, scale.value)

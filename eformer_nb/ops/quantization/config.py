@@ -61,7 +61,7 @@ BLOCK_MULTIPLE: dict[QuantizationType, int] = {
     QuantizationType.NF4: 2, QuantizationType.INT8: 1, QuantizationType.BINARY: 8, QuantizationType.TERNARY: 4,
 }  # `block_size` must be a multiple of this (whole bytes per block)
 
-
+# %% ../../../nbs/06a_ops.quantization.config.ipynb #280c3334
 @dataclasses.dataclass(frozen=True)
 class QuantizationConfig:
     "How to quantize: the format, the block size and scale granularity, and NF4 double quantization."
@@ -132,7 +132,7 @@ def check_float_input(
                              "or pass nonfinite='keep' to keep them exactly where they are")
     return x
 
-
+# %% ../../../nbs/06a_ops.quantization.config.ipynb #75ed313c
 def split_nonfinite(
     x: tp.Any,  # the array to check and split
     fmt: str,  # the format's name, for the error message
@@ -234,7 +234,7 @@ class QuantizedArray(ImplicitArray):
         "Alias of `materialize()`."
         return self.materialize()
 
-
+# %% ../../../nbs/06a_ops.quantization.config.ipynb #9c4fc188
 @register(lax.dot_general_p)
 def _dot_general_dense_rhs(lhs: tp.Any, rhs: QuantizedArray, **params):
     return lax.dot_general_p.bind(materialize(lhs), rhs.materialize(), **params)
@@ -375,7 +375,7 @@ def dot_out_dtype(
     spec = lambda a: jax.ShapeDtypeStruct(tuple(a.shape), a.dtype)
     return jax.eval_shape(functools.partial(lax.dot_general_p.bind, **params), spec(lhs), spec(rhs)).dtype
 
-
+# %% ../../../nbs/06a_ops.quantization.config.ipynb #64713c82
 def plain_matmul_kind(
     lhs,  # the activations
     rhs,  # the (quantized) weight
@@ -407,7 +407,7 @@ def jaxpr_equations(
                 todo += [s for s in subs if isinstance(s, (jcore.Jaxpr, jcore.ClosedJaxpr))]
     return out
 
-
+# %% ../../../nbs/06a_ops.quantization.config.ipynb #175d10a8
 def check_matmul_program(
     w: QuantizedArray,  # a 2-D quantized weight (K, N), K != N
     m: int,  # rows of the input `x` (M, K): 1 for a GEMV, more for a GEMM; not K or N
