@@ -96,11 +96,11 @@ SILENT: dict = {}  # none today: every page with examples shows a result
 SILENT_PENDING = {
     **{f"nbs/{n}.ipynb": "issue 38: being rewritten; silent on main 52b50a1" for n in (
         "04_paths", "10c_serialization.checkpointer", "10e_serialization.fsspec_utils", "10f_serialization.__init__",
-        "11b_infra.base_config", "11c_infra.factory", "12a_modules.llama.configuration", "12f_modules.llama.interop")},
+        "11b_infra.base_config", "11c_infra.factory", "12a_modules.llama.configuration", "11i_infra.mixins.interop")},
     **{f"nbs/{n}.ipynb": "issue 38: being rewritten; shows results on main 52b50a1" for n in (
         "10a_serialization.serialization", "10d_serialization.async_manager", "11a_infra.mixins.protocol",
-        "12b_modules.llama.modeling", "12c_modules.llama.generation", "12d_modules.llama.adapters",
-        "12e_modules.llama.files", "12g_modules.llama.__init__", "12h_modules.llama.gguf", "13a_infra.base_state")},
+        "12b_modules.llama.modeling", "11g_infra.mixins.generation", "11h_infra.mixins.adapters",
+        "11e_infra.mixins.files", "12g_modules.llama.__init__", "11f_infra.mixins.gguf", "11j_infra.base_state")},
 }
 SILENT.update(SILENT_PENDING)
 
