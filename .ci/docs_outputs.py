@@ -94,8 +94,6 @@ SILENT: dict = {}  # none today: every page with examples shows a result
 # leaves this list. Measured on main 52b50a1 (`python .ci/docs_outputs.py silent`): "silent" pages show nothing yet;
 # the others show results already and can leave the list as soon as their change is merged.
 SILENT_PENDING = {
-    **{f"nbs/{n}.ipynb": "issue 38: being rewritten; silent on main 52b50a1" for n in (
-        "04_paths")},
     **{f"nbs/{n}.ipynb": "issue 38: being rewritten; shows results on main 52b50a1" for n in (
         "10a_serialization.serialization", "10d_serialization.async_manager", "11a_infra.mixins.protocol",
         "12b_modules.llama.modeling", "11g_infra.mixins.generation", "11h_infra.mixins.adapters",
