@@ -90,18 +90,9 @@ def _test_nb_kept(fn, *args, force_flags=None, save=False, **kwargs):
 # cells on the page other than show_doc) show its reader no result fails `make nbtest`: the example is the test, and
 # its value is on the page.
 SILENT: dict = {}  # none today: every page with examples shows a result
-# The chapters other changes of issue 38 rewrite (what -> use -> how): `make nbtest` checks them again once a page
-# leaves this list. Measured on main 52b50a1 (`python .ci/docs_outputs.py silent`): "silent" pages show nothing yet;
-# the others show results already and can leave the list as soon as their change is merged.
-SILENT_PENDING = {
-    **{f"nbs/{n}.ipynb": "issue 38: being rewritten; silent on main 52b50a1" for n in (
-        "04_paths", "10c_serialization.checkpointer", "10e_serialization.fsspec_utils", "10f_serialization.__init__",
-        "11b_infra.base_config", "11c_infra.factory", "12a_modules.llama.configuration", "12f_modules.llama.interop")},
-    **{f"nbs/{n}.ipynb": "issue 38: being rewritten; shows results on main 52b50a1" for n in (
-        "10a_serialization.serialization", "10d_serialization.async_manager", "11a_infra.mixins.protocol",
-        "12b_modules.llama.modeling", "12c_modules.llama.generation", "12d_modules.llama.adapters",
-        "12e_modules.llama.files", "12g_modules.llama.__init__", "12h_modules.llama.gguf", "13a_infra.base_state")},
-}
+# The chapters issue 38 rewrites (what -> use -> how) while they are being rewritten: `make nbtest` checks a page
+# again once it leaves this list. Empty since every rewritten page was run and shows results (issue 38, helper F).
+SILENT_PENDING: dict = {}
 SILENT.update(SILENT_PENDING)
 
 

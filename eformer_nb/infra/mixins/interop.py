@@ -106,8 +106,8 @@ def to_torch(
     d = {k: v for k, v in self.config.to_dict().items() if k not in ("partition_axis", "model_type")}
     hf_cls, hf_config = getattr(transformers, self.hf_model_class), getattr(transformers, self.hf_config_class)
     hf = hf_cls(hf_config(**{**d, **kwargs})).eval()
-    tensors = {
-        k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in to_hf_state_dict(self.split_params_dict()).items()
+    tensors = {  # np.array: a writable copy (torch warns on a read-only view of a JAX buffer)
+        k: torch.from_numpy(np.array(v, np.float32)) for k, v in to_hf_state_dict(self.split_params_dict()).items()
     }
     missing, unexpected = hf.load_state_dict(tensors, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and self.config.tie_word_embeddings)]
