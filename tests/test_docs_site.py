@@ -476,8 +476,8 @@ def test_reader_view(site, chromium):
     r = _probe(chromium, site, "nbs/index.html", search="ArrayNF4")
     assert r["search_box"] and r["results"], r
     assert any(u.endswith("ops.quantization.nf4.html#arraynf4") for u in r["results"][0]), r  # the top hit: its entry
-    # the box shows three sections a page, ranked by Pagefind: an ArrayNF4 entry of the nf4 page (the class or one of its
-    # members; the page's first example, which uses ArrayNF4 most, may outrank the class heading itself)
+    # the box shows three sections a page, ranked by Pagefind: an ArrayNF4 entry of the nf4 page (the class or one of
+    # its members; the page's first example, which uses ArrayNF4 most, may outrank the class heading itself)
     assert any("ops.quantization.nf4.html#arraynf4" in u for u in r["box_results"]), r
     public, plain = _public_names(), []
     for path in sorted(DOCS.glob("nbs/**/*.html")):
