@@ -3,7 +3,8 @@
 GCS: `gcs_emulator` starts fake-gcs-server on a free loopback port once per session and its finalizer stops it,
 also when tests fail. `gcs_fs` points every `gs://` ePath at it (`set_gcs_filesystem`) and creates the bucket
 `GCS_TEST_BUCKET`; `gcs_root` is a fresh, not yet existing `gs://` directory for one test. `any_root` runs a test
-body twice: on a local temporary directory and on a `gs://` directory.
+body twice: on a local temporary directory and on a `gs://` directory. `warnings_seen` collects the warnings that
+`infra.mixins.files` logs during a test.
 """
 from __future__ import annotations
 
@@ -53,3 +54,18 @@ def any_root(request, tmp_path):
     if request.param == "local":
         return ePath(tmp_path) / "root"
     return request.getfixturevalue("gcs_root")
+
+
+@pytest.fixture
+def warnings_seen():
+    import logging
+
+    import eformer_nb.infra.mixins.files as files
+
+    seen, handler = [], logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    files.logger.logger.addHandler(handler)
+    try:
+        yield seen
+    finally:
+        files.logger.logger.removeHandler(handler)

@@ -167,16 +167,6 @@ def _logits(model):
     return np.asarray(model(input_ids=ids).logits)
 
 
-@pytest.fixture
-def warnings_seen():
-    import logging
-    seen, handler = [], logging.Handler(logging.WARNING)
-    handler.emit = lambda record: seen.append(record.getMessage())
-    files.logger.logger.addHandler(handler)
-    yield seen
-    files.logger.logger.removeHandler(handler)
-
-
 @pytest.mark.parametrize("same_weights", [False, True])
 def test_gcs_pretrained_failed_commit_keeps_the_old_config(gcs_root, monkeypatch, warnings_seen, same_weights):
     """A re-save with a shape-neutral config change (rope_theta) that fails at its index write, the commit: the old
