@@ -1372,6 +1372,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                     'eformer_nb/infra/mixins/gguf.py'),
                                               'eformer_nb.infra.mixins.gguf._arch_value': ( 'nbs/infra.mixins.gguf.html#_arch_value',
                                                                                             'eformer_nb/infra/mixins/gguf.py'),
+                                              'eformer_nb.infra.mixins.gguf._check_architecture': ( 'nbs/infra.mixins.gguf.html#_check_architecture',
+                                                                                                    'eformer_nb/infra/mixins/gguf.py'),
                                               'eformer_nb.infra.mixins.gguf._reader': ( 'nbs/infra.mixins.gguf.html#_reader',
                                                                                         'eformer_nb/infra/mixins/gguf.py'),
                                               'eformer_nb.infra.mixins.gguf._rope_scaling': ( 'nbs/infra.mixins.gguf.html#_rope_scaling',

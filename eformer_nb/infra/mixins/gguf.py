@@ -189,6 +189,24 @@ def read_gguf_tensors(
         out[name] = arr
     return out
 
+# %% ../../../nbs/11f_infra.mixins.gguf.ipynb #3a396efd
+def _check_architecture(
+    cls,  # the model class: its `gguf_architecture` names the files it reads
+    reader,  # the open `gguf.GGUFReader`
+    full: str,  # the file, for the message
+) -> None:
+    "Refuse a GGUF file whose `general.architecture` is not `cls.gguf_architecture`, naming both and the class."
+    want = getattr(cls, "gguf_architecture", None)
+    if not isinstance(want, str):
+        raise TypeError(f"{cls.__name__} declares no gguf_architecture (llama.cpp's general.architecture of the files "
+                        f"it reads), so it cannot tell whether a GGUF file holds its kind of model")
+    field = reader.fields.get("general.architecture")
+    arch = field.contents() if field is not None else None
+    if arch != want:
+        raise ValueError(f"{full!r} holds a {arch!r} model (its general.architecture); {cls.__name__} reads "
+                         f"{want!r} files (its gguf_architecture): load it with the model class of {arch!r} "
+                         f"(AutoModelForCausalLM.from_pretrained(folder, gguf_file=...) picks it from the file)")
+
 # %% ../../../nbs/11f_infra.mixins.gguf.ipynb #26e06cfb
 @patch(cls_method=True)
 def from_gguf(
@@ -203,9 +221,11 @@ def from_gguf(
     partition_rules=None,  # `[(regex, PartitionSpec)]` (None: the config's)
     config_kwargs: dict | None = None,  # overrides of the file's config
 ):
-    "A model of class `cls` from a llama GGUF file: config from the metadata, weights dequantized and checked."
+    """A model of class `cls` from a llama GGUF file whose `general.architecture` is `cls.gguf_architecture`: config
+    from the metadata, weights dequantized and checked."""
     full = gguf_path(path, gguf_file)
     reader = _reader(full)
+    _check_architecture(cls, reader, full)
     config = gguf_config(reader, **(config_kwargs or {}))
     sources = [(full, lambda: read_gguf_tensors(reader, config))]
     model = load_weights(cls, config, sources, full, dtype=dtype, param_dtype=param_dtype, precision=precision,
