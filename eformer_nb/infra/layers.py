@@ -22,7 +22,8 @@ from ..jaximus import implicit, is_implicit
 # %% auto #0
 __all__ = ['GRADIENT_CHECKPOINTING', 'Linear', 'Embed', 'RMSNorm', 'rope_inv_freq', 'apply_rotary', 'LayerCache',
            'TransformerCache', 'TransformerMetadata', 'make_attention_mask', 'grouped_attention', 'decode_attention',
-           'gradient_checkpoint_policy', 'stack_layers', 'using_stacked_layers', 'flatten_params', 'param_bytes']
+           'shard_activation', 'attend_heads', 'check_values', 'check_traced_values', 'gradient_checkpoint_policy',
+           'run_layers', 'stack_layers', 'using_stacked_layers', 'flatten_params', 'param_bytes']
 
 # %% ../../nbs/11d_infra.layers.ipynb #60798828
 def _normal(key, shape, std, dtype):
@@ -263,7 +264,7 @@ def decode_attention(
     return out.astype(dtype).reshape(b, 1, h * d)
 
 # %% ../../nbs/11d_infra.layers.ipynb #32755671
-def _shard(config, x, preset):
+def shard_activation(config, x, preset):
     "Constrain `x` with the config's `PartitionManager` when a mesh is active; without one, `x` as it is, silently."
     from eformer_nb.escale import get_current_mesh
     if get_current_mesh() is None:  # a plain single-device call: nothing to constrain, nothing to warn about
@@ -271,7 +272,7 @@ def _shard(config, x, preset):
     return config.partition_manager.shard(x, dynamic_axes=preset)
 
 
-def _attend(c, q, k, v, q_slots, key_valid, segment_ids, dtype, decode: bool, stacked: bool):
+def attend_heads(c, q, k, v, q_slots, key_valid, segment_ids, dtype, decode: bool, stacked: bool):
     """`ops.attention` with `c.attn_mechanism`, or for a one-token step over a cache (`decode`) `ops.decode_attention`
     with `c.decode_attn_mechanism`. A "vanilla" decode step keeps the two dense forms above: `decode_attention` over a
     layer's own cache (generate's dispatched steps on CPU), `grouped_attention` over a slice of the stacked cache
@@ -293,11 +294,11 @@ def _concrete(x) -> bool:
     return x is not None and not isinstance(x, jax.core.Tracer)
 
 
-def _check_values(config, input_ids, position_ids, segment_ids=None):
+def check_values(config, input_ids, position_ids, segment_ids=None):
     """On the host, when the values are known (not under `jit`): ids in `[0, vocab_size)` and positions in
     `[0, max_position_embeddings)`, else a ValueError naming the offending entries. Under `jit` the values are not
     known: set `model.model.check_values_in_jit = True` and wrap the step in `jax.experimental.checkify.checkify`
-    (`_check_traced`), or check the batch before it enters the compiled step."""
+    (`check_traced_values`), or check the batch before it enters the compiled step."""
     import numpy as np
     if position_ids is not None and not jnp.issubdtype(position_ids.dtype, jnp.integer):  # dtype: known under jit too
         raise ValueError(f"position_ids must be integers, got dtype {position_ids.dtype} (a fractional position "
@@ -317,13 +318,13 @@ def _check_values(config, input_ids, position_ids, segment_ids=None):
                              f"({'vocab_size' if name == 'input_ids' else 'max_position_embeddings'}={hi})")
 
 
-def _check_traced(config, input_ids, position_ids):
-    "The same ranges as `_check_values`, for traced values: `checkify.check`s (run under `checkify.checkify`)."
+def check_traced_values(config, input_ids, position_ids):
+    "The same ranges as `check_values`, for traced values: `checkify.check`s (run under `checkify.checkify`)."
     from jax.experimental import checkify
     for name, value, hi in (("input_ids", input_ids, config.vocab_size),
                             ("position_ids", position_ids, config.max_position_embeddings)):
         if value is None or _concrete(value):
-            continue  # absent, or known on the host: `_check_values` has checked it
+            continue  # absent, or known on the host: `check_values` has checked it
         bad = ((value < 0) | (value >= hi)).reshape(-1)
         first = jnp.argmax(bad)
         checkify.check(~jnp.any(bad), f"{name} out of range at {{n}} place(s), the first at flat index {{i}} = {{v}}; "
@@ -364,7 +365,7 @@ def _remat_layer(layer, policy, h, positions, key_valid, segment_ids):
     return jax.checkpoint(run, policy=policy)(state, h)
 
 
-def _run_layers(model, h, positions, key_valid, segment_ids, kv, index, keep_states: bool):
+def run_layers(model, h, positions, key_valid, segment_ids, kv, index, keep_states: bool):
     """The decoder layers over `h`: one `jax.lax.scan` step over their stacked parameters when `model.scan_layers`
     and the layers share one structure (compile time independent of depth), else a Python loop (unrolled). A
     one-token step with a cache (decode) runs unrolled when `model.scan_decode` is False: a scan step slices each

@@ -19,7 +19,7 @@ from flax import nnx
 
 from .protocol import GenerateOutput
 from ...common_types import HiddenStateSharding
-from ..layers import (LayerCache, TransformerCache, TransformerMetadata, _check_values, _shard,
+from ..layers import (LayerCache, TransformerCache, TransformerMetadata, check_values, shard_activation,
                                      grouped_attention, param_bytes, stack_layers, using_stacked_layers)
 from fastcore.basics import patch
 
@@ -405,7 +405,7 @@ def _step_in(graphdef, treedef, leaves, seqs, key_mask, index):
     positions = jnp.sum(key_mask, axis=-1, keepdims=True)
     key_valid = jax.lax.dynamic_update_slice(key_mask, jnp.ones((b, 1), bool), (0, index))
     h = parts.embed_tokens(jax.lax.dynamic_slice(seqs, (0, index), (b, 1)))
-    return _shard(parts.config, h, HiddenStateSharding), positions, key_valid
+    return shard_activation(parts.config, h, HiddenStateSharding), positions, key_valid
 
 
 def _step_layer(graphdef, treedef, leaves, h, positions, key_valid, key, value, index):
@@ -518,7 +518,7 @@ def _check_budget(model, input_ids, g: GenerationConfig):
         raise ValueError(f"prompt length {input_ids.shape[1]} + max_new_tokens={g.max_new_tokens} = {total} is more "
                          f"than max_position_embeddings={c.max_position_embeddings}; lower max_new_tokens to at most "
                          f"{c.max_position_embeddings - input_ids.shape[1]}")
-    _check_values(c, input_ids, None)
+    check_values(c, input_ids, None)
     if g.use_cache:
         check_kv_cache_memory(model, input_ids.shape[0] * g.num_beams, total)
 

@@ -16,8 +16,8 @@ from flax import nnx
 
 from ...common_types import AttnKVSharding, AttnQSharding, HiddenStateSharding
 from ...infra.factory import TaskType, register_module
-from ...infra.layers import (Embed, LayerCache, Linear, RMSNorm, TransformerCache, _attend, _check_traced,
-                                     _check_values, _run_layers, _shard, apply_rotary, rope_inv_freq)
+from ...infra.layers import (Embed, LayerCache, Linear, RMSNorm, TransformerCache, attend_heads, check_traced_values,
+                                     check_values, run_layers, shard_activation, apply_rotary, rope_inv_freq)
 from ...infra.mixins.adapters import AdaptersMixin
 from ...infra.mixins.files import FilesMixin
 from ...infra.mixins.generation import GenerationMixin
@@ -71,7 +71,8 @@ class LlamaAttention(nnx.Module):
                  index=None, layer=None):
         c, t = self.config, h.shape[1]
         q, k, v = self.qkv(h, positions)
-        q, k, v = _shard(c, q, AttnQSharding), _shard(c, k, AttnKVSharding), _shard(c, v, AttnKVSharding)
+        q = shard_activation(c, q, AttnQSharding)
+        k, v = shard_activation(c, k, AttnKVSharding), shard_activation(c, v, AttnKVSharding)
         q, k, v = checkpoint_name(q, "attn_query"), checkpoint_name(k, "attn_key"), checkpoint_name(v, "attn_value")
         q_slots = jnp.arange(t)
         if layer_cache is not None:  # write this step's keys/values at slots [index, index + t) (of layer `layer`)
@@ -81,7 +82,7 @@ class LlamaAttention(nnx.Module):
             layer_cache = LayerCache(key=put(layer_cache.key, k), value=put(layer_cache.value, v))
             read = lambda buf: buf if layer is None else jax.lax.dynamic_index_in_dim(buf, layer, 0, keepdims=False)
             k, v, q_slots = read(layer_cache.key), read(layer_cache.value), index + q_slots
-        out = _attend(c, q, k, v, q_slots, key_valid, segment_ids, self.dtype, t == 1 and layer_cache is not None,
+        out = attend_heads(c, q, k, v, q_slots, key_valid, segment_ids, self.dtype, t == 1 and layer_cache is not None,
                       layer is not None)
         return self.o_proj(checkpoint_name(out, "attn_output")), layer_cache
 
@@ -152,8 +153,8 @@ class LlamaDecoderLayer(nnx.Module):
         attn, layer_cache = self.self_attn(
             self.input_layernorm(h), positions, key_valid, segment_ids, layer_cache, index, layer
         )
-        h = checkpoint_name(_shard(self.config, h + attn, HiddenStateSharding), "attn_residual")
-        h = _shard(self.config, h + self.mlp(self.post_attention_layernorm(h)), HiddenStateSharding)
+        h = checkpoint_name(shard_activation(self.config, h + attn, HiddenStateSharding), "attn_residual")
+        h = shard_activation(self.config, h + self.mlp(self.post_attention_layernorm(h)), HiddenStateSharding)
         return h, layer_cache
 
 
@@ -198,7 +199,7 @@ def _check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids
             raise ValueError(f"{shape[1]} tokens do not fit a cache of max_length {cache.max_length}")
     if position_ids is None and cache is None and shape[1] > config.max_position_embeddings:
         raise ValueError(f"{shape[1]} tokens are more than max_position_embeddings={config.max_position_embeddings}")
-    _check_values(config, input_ids, position_ids, segment_ids)
+    check_values(config, input_ids, position_ids, segment_ids)
     return shape
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #4b718f2e
@@ -232,7 +233,7 @@ class LlamaModel(nnx.Module):
         cache = past_key_values
         b, t = _check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, segment_ids, cache)
         if self.check_values_in_jit:
-            _check_traced(self.config, input_ids, position_ids)
+            check_traced_values(self.config, input_ids, position_ids)
         mask = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
         if position_ids is None:
             before = 0 if cache is None else jnp.sum(cache.key_mask, axis=-1, keepdims=True)
@@ -243,9 +244,9 @@ class LlamaModel(nnx.Module):
             index = cache.index
             key_valid = jax.lax.dynamic_update_slice(cache.key_mask, mask, (0, index))
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.astype(self.dtype)
-        h = _shard(self.config, h, HiddenStateSharding)
+        h = shard_activation(self.config, h, HiddenStateSharding)
         kv = None if cache is None else LayerCache(key=cache.key, value=cache.value)
-        h, kv, states = _run_layers(self, h, position_ids, key_valid, segment_ids, kv, index, output_hidden_states)
+        h, kv, states = run_layers(self, h, position_ids, key_valid, segment_ids, kv, index, output_hidden_states)
         h = self.norm(h)
         new_cache = None if cache is None else TransformerCache(key=kv.key, value=kv.value, key_mask=key_valid,
                                                                  index=index + t)
