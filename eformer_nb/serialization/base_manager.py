@@ -116,7 +116,7 @@ def _checkpoint_foreign(dest: ePath) -> list[str]:
             read_metadata(dest)
         except CorruptCheckpointError:
             foreign.append(METADATA_FILE)  # someone else's metadata.json
-    for sub in dest.iterdir():  # the user's files inside a tree of ours (a re-save used to drop them with the tree)
+    for sub in dest.iterdir():  # the user's files inside a tree of ours (a re-save keeps them, never drops them with the tree)
         if not sub.name.startswith(".") and (sub / INDEX_FILE).is_file() and not (sub / METADATA_FILE).exists():
             try:
                 sub_index = read_index(sub)
@@ -137,7 +137,7 @@ def _begin_checkpoint(dest: ePath, overwrite: bool = False) -> ePath:
         refuse_destination(dest, "save checkpoint")
         foreign = _checkpoint_foreign(dest)
         steps = [n for n in foreign if (dest / n / METADATA_FILE).exists()]
-        if steps:  # Checkpointer(base).save_checkpoint(tree, destination='.') used to replace base and its steps
+        if steps:  # Checkpointer(base).save_checkpoint(tree, destination='.'): never replaces base and its steps
             raise FileExistsError(f"{str(dest)!r} holds other checkpoints ({steps[:5]}): it is a directory of "
                                   "checkpoints, not one; save into a new directory such as one of its step-N")
         if foreign and not overwrite:
