@@ -293,6 +293,36 @@ def test_checkpointer_and_async(any_root):
         assert _bits(ck.load_checkpoint()) == _bits(_state(8, mesh))
 
 
+def test_async_background_error_is_raised_once(tmp_path, monkeypatch):
+    """A background save that fails part-way (here after its first chunk) leaves no trace in the listing and the
+    previous checkpoint byte-identical; the next call to the manager raises it once, with the original as its cause,
+    and so does `wait_until_finished` when no other call comes first."""
+    from eformer_nb.serialization.async_manager import BackgroundSaveError
+    mesh, root = _mesh(), ePath(tmp_path)
+    with AsyncCheckpointManager(checkpoint_dir=root) as mgr:
+        mgr.save(_state(1, mesh), 1)
+        mgr.wait_until_finished()
+        before = _hashes(root / "step-1")
+        monkeypatch.setattr(ser_format, "_write_arrays", _chunks_then_fail(ser_format._write_arrays, 1))
+        mgr.save(_state(2, mesh), 2)  # returns: the failure happens in the background
+        with pytest.raises(BackgroundSaveError, match="a background checkpoint save failed: OSError: injected") as e:
+            mgr.save(_state(3, mesh), 3)
+        assert isinstance(e.value.__cause__, OSError)
+        mgr.wait_until_finished()  # raised once: nothing pending now
+        mgr.save(_state(4, mesh), 4)
+        with pytest.raises(BackgroundSaveError) as e:
+            mgr.wait_until_finished()
+        assert isinstance(e.value.__cause__, OSError)
+        monkeypatch.undo()
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1]
+        assert _hashes(root / "step-1") == before
+        assert _bits(mgr.load(1)) == _bits(_state(1, mesh))
+        mgr.save(_state(5, mesh), 5)  # and saving works again
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 5]
+
+
 def test_corrupt_metadata_is_named(any_root):
     mgr = CheckpointManager(any_root)
     mgr.save({"x": 1}, 5)
