@@ -29,7 +29,7 @@ __all__ = ['GRADIENT_CHECKPOINTING', 'Linear', 'Embed', 'RMSNorm', 'rope_inv_fre
 def _normal(key, shape, std, dtype):
     return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
 
-
+# %% ../../nbs/11d_infra.layers.ipynb #9b47b990
 class Linear(nnx.Module):
     "`y = x @ kernel (+ bias) (+ scale * x @ lora_a @ lora_b)`; the kernel may be a quantized implicit array."
 
@@ -97,7 +97,7 @@ class Embed(nnx.Module):
     ) -> jax.Array:
         return jnp.matmul(x.astype(self.dtype), self.embedding.get_value().astype(self.dtype).T, precision=precision)
 
-
+# %% ../../nbs/11d_infra.layers.ipynb #5a8ec3a8
 class RMSNorm(nnx.Module):
     "`x / sqrt(mean(x**2) + eps) * weight`, computed in float32 and cast back to `dtype`."
 
@@ -115,7 +115,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         return _rms_norm(x, self.weight.get_value(), self.eps, self.dtype)
 
-
+# %% ../../nbs/11d_infra.layers.ipynb #e82c4869
 def _rms_norm_impl(x, weight, eps: float, dtype):
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -148,7 +148,7 @@ def rope_inv_freq(
         inv = jnp.where(is_mid, mid, scaled)
     return inv
 
-
+# %% ../../nbs/11d_infra.layers.ipynb #ad345680
 def apply_rotary(
     x: jax.Array,  # the input
     positions: jax.Array,  # positions `(batch, length)`
@@ -221,7 +221,7 @@ def make_attention_mask(
         mask = mask & (q_segments[:, :, None] == k_segments[:, None, :])
     return mask[:, None, None]
 
-
+# %% ../../nbs/11d_infra.layers.ipynb #c7cdfe9f
 def grouped_attention(
     q,  # queries
     k,  # keys
@@ -239,7 +239,7 @@ def grouped_attention(
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(dtype))
     return out.reshape(b, t, h * d)
 
-
+# %% ../../nbs/11d_infra.layers.ipynb #06f47115
 def decode_attention(
     q,  # queries of one step `(b, 1, h, d)`
     k,  # keys
@@ -357,14 +357,14 @@ def _scannable(layers) -> bool:
     first = sig(layers[0])
     return all(sig(m) == first for m in layers[1:])
 
-
+# %% ../../nbs/11d_infra.layers.ipynb #93140812
 def _remat_layer(layer, policy, h, positions, key_valid, segment_ids):
     "One decoder layer of a forward without a cache under `jax.checkpoint(policy)` (the unrolled path)."
     graphdef, state = nnx.split(layer)
     run = lambda state, h: nnx.merge(graphdef, state)(h, positions, key_valid, segment_ids)[0]
     return jax.checkpoint(run, policy=policy)(state, h)
 
-
+# %% ../../nbs/11d_infra.layers.ipynb #a46a9b77
 def run_layers(model, h, positions, key_valid, segment_ids, kv, index, keep_states: bool):
     """The decoder layers over `h`: one `jax.lax.scan` step over their stacked parameters when `model.scan_layers`
     and the layers share one structure (compile time independent of depth), else a Python loop (unrolled). A
@@ -429,7 +429,7 @@ def stack_layers(
     _STACK_CACHE[inner] = (flat, stacked)
     return stacked
 
-
+# %% ../../nbs/11d_infra.layers.ipynb #c988dcb3
 @contextlib.contextmanager
 def using_stacked_layers(
     stacked: list | None,  # `stack_layers(model)` (passed into the `jit` as an argument), or None: stack per call
@@ -441,7 +441,7 @@ def using_stacked_layers(
     finally:
         _PRESTACKED.reset(token)
 
-
+# %% ../../nbs/11d_infra.layers.ipynb #de796500
 def _prestacked(layers) -> list | None:
     "The stacked leaves of `using_stacked_layers`, checked against `layers` (count, shapes, dtypes), or None."
     stacked = _PRESTACKED.get()
@@ -453,7 +453,6 @@ def _prestacked(layers) -> list | None:
         raise ValueError(f"using_stacked_layers got leaves of (shape, dtype) {got[:3]}...; these {len(layers)} layers "
                          f"need {want[:3]}... ({len(want)} leaves): stack_layers(model) of this model")
     return stacked
-
 
 # %% ../../nbs/11d_infra.layers.ipynb #383b7203
 def flatten_params(

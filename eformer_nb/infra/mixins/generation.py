@@ -55,7 +55,7 @@ def create_cache_metadata(
         pad_token_id=c.pad_token_id if pad_token_id is None else pad_token_id,
     )
 
-
+# %% ../../../nbs/11g_infra.mixins.generation.ipynb #3038f3dd
 def _stacked_sharding(s):
     "A one-layer `NamedSharding` (4 axes) lifted to the stacked cache (layers first, not split); others as given."
     if isinstance(s, jax.sharding.NamedSharding) and len(s.spec) == 4:
@@ -111,7 +111,7 @@ def prepare_inputs_for_generation(
         "attention_mask": mask,
     }
 
-
+# %% ../../../nbs/11g_infra.mixins.generation.ipynb #2afc517b
 @patch
 def update_inputs_for_generation(
     self: GenerationMixin,
@@ -127,7 +127,7 @@ def update_inputs_for_generation(
         "position_ids": None,
     }
 
-
+# %% ../../../nbs/11g_infra.mixins.generation.ipynb #e8ff9251
 @patch(cls_method=True)
 def can_generate(cls: GenerationMixin) -> bool:
     "True: a class with this mixin generates."
@@ -387,7 +387,7 @@ class _DecodeParts(nnx.Module):
         self.config, self.precision = model.model.config, model.precision
         self.embed_tokens, self.norm, self.lm_head = model.model.embed_tokens, model.model.norm, model.lm_head
 
-
+# %% ../../../nbs/11g_infra.mixins.generation.ipynb #79e4f5f7
 def _prefill_split(graphdef, state, input_ids, attention_mask, key, eos, pad, g, processor, stream_id, stacked):
     "Prefill and first pick; the stacked cache handed back as one key and one value array per layer."
     with using_stacked_layers(stacked):
@@ -396,7 +396,7 @@ def _prefill_split(graphdef, state, input_ids, attention_mask, key, eos, pad, g,
     layers = range(cache.key.shape[0])
     return carry, tuple(cache.key[i] for i in layers), tuple(cache.value[i] for i in layers), cache.key_mask
 
-
+# %% ../../../nbs/11g_infra.mixins.generation.ipynb #335e74f0
 def _step_in(graphdef, treedef, leaves, seqs, key_mask, index):
     """One decode step's input, as `LlamaModel` computes it for one real token: the last token, at column `index`
     of `seqs` (sequences and cache share columns), embedded; its position (the real slots before it); the key mask
@@ -407,20 +407,19 @@ def _step_in(graphdef, treedef, leaves, seqs, key_mask, index):
     h = parts.embed_tokens(jax.lax.dynamic_slice(seqs, (0, index), (b, 1)))
     return shard_activation(parts.config, h, HiddenStateSharding), positions, key_valid
 
-
+# %% ../../../nbs/11g_infra.mixins.generation.ipynb #733ff47f
 def _step_layer(graphdef, treedef, leaves, h, positions, key_valid, key, value, index):
     "One decoder layer of a decode step over its own cache `key, value (b, slots, kv_heads, head_dim)`."
     layer = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     h, c = layer(h, positions, key_valid, None, LayerCache(key=key, value=value), index, None)
     return h, c.key, c.value
 
-
+# %% ../../../nbs/11g_infra.mixins.generation.ipynb #a69d64f6
 def _step_out(graphdef, treedef, g, processor, leaves, h, carry, i, t, eos, pad, stream_id):
     "The final norm, the head and the pick of step `i` (new-token column `t + i`)."
     parts = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     h = parts.norm(h)
     return _pick(i, _head(parts, parts.embed_tokens, h[:, -1]), carry, g, t, processor, eos, pad, stream_id)
-
 
 # %% ../../../nbs/11g_infra.mixins.generation.ipynb #3eb55317
 _prefill_split_jit = jax.jit(_prefill_split, static_argnums=(0, 7, 8))
@@ -493,7 +492,7 @@ def decode_dispatched(
     seqs, _, _, scores, ngen, _ = carry
     return GenerateOutput(sequences=seqs, scores=scores, num_generated=ngen)
 
-
+# %% ../../../nbs/11g_infra.mixins.generation.ipynb #470e426f
 def _dispatches(model, g: GenerationConfig) -> bool:
     """Whether `generate` runs `decode_dispatched`: a cached greedy/sampling decode of our own Llama forward (not
     overridden, values not checked in the jit), where `model.model.dispatch_decode` says so (None: on CPU)."""
@@ -533,7 +532,7 @@ def kv_cache_bytes(
     return 2 * c.num_hidden_layers * batch_size * max_length * c.num_key_value_heads * c.head_dim * jnp.dtype(
         model.dtype).itemsize
 
-
+# %% ../../../nbs/11g_infra.mixins.generation.ipynb #21ce2224
 def available_memory_bytes(
     device=None,  # the device to ask (None: the first device)
 ) -> int:  # the device's free memory (default: the first device)
@@ -548,7 +547,7 @@ def available_memory_bytes(
     except (OSError, StopIteration):
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
-
+# %% ../../../nbs/11g_infra.mixins.generation.ipynb #fde4aeaa
 def check_kv_cache_memory(
     model,  # the model
     batch_size: int,  # sequences (times beams)
@@ -589,7 +588,7 @@ def _check_prompt(input_ids, attention_mask):
             raise ValueError("every row of the prompt needs at least one real token (attention_mask[:, -1] must be 1)")
     return jnp.asarray(attention_mask).astype(bool)
 
-
+# %% ../../../nbs/11g_infra.mixins.generation.ipynb #ee36ee37
 @patch
 def generate(
     self: GenerationMixin,
@@ -756,7 +755,7 @@ class RaggedPagesMetadata:
             * jnp.dtype(self.dtype).itemsize
         )
 
-
+# %% ../../../nbs/11g_infra.mixins.generation.ipynb #c4eb3468
 @flax.struct.dataclass
 class RaggedPagesCache:
     "Keys/values of every layer in pages `(num_pages, page_size, kv_heads, head_dim)`, the page table and lengths."
@@ -766,7 +765,7 @@ class RaggedPagesCache:
     page_table: jax.Array  # (max_num_seqs, pages_per_sequence) int32, -1 = unassigned
     seq_lens: jax.Array  # (max_num_seqs,) int32 tokens held per sequence
 
-
+# %% ../../../nbs/11g_infra.mixins.generation.ipynb #08149bbb
 def _memory_bytes() -> int:
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
@@ -774,7 +773,6 @@ def _memory_bytes() -> int:
     import os
 
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # CPU: host memory
-
 
 # %% ../../../nbs/11g_infra.mixins.generation.ipynb #919e54e3
 @patch
@@ -804,7 +802,7 @@ def create_paged_metadata(
     seqs = max_num_seqs if max_num_seqs is not None else max(1, num_pages // pps)
     return dataclasses.replace(meta, num_pages=num_pages, max_num_seqs=seqs)
 
-
+# %% ../../../nbs/11g_infra.mixins.generation.ipynb #e228f929
 @patch
 def init_ragged_pages(
     self: GenerationMixin,
@@ -824,7 +822,6 @@ def init_ragged_pages(
                             value_pages=tuple(jnp.zeros(shape, m.dtype) for _ in range(m.num_hidden_layers)),
                             page_table=jnp.full((m.max_num_seqs, m.pages_per_sequence), -1, jnp.int32),
                             seq_lens=jnp.zeros((m.max_num_seqs,), jnp.int32))
-
 
 # %% ../../../nbs/11g_infra.mixins.generation.ipynb #990e602f
 def allocate_pages(
