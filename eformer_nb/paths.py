@@ -59,7 +59,7 @@ def is_remote_path(
     "True when `path` is not on the local filesystem."
     return path_protocol(path) != "file"
 
-
+# %% ../nbs/04_paths.ipynb #1fbf855a
 def is_local_path(
     path: str | os.PathLike | "ePath",  # any path `path_protocol` accepts
 ) -> bool:  # True for no protocol, `file://` or `local://`
@@ -116,7 +116,7 @@ def make_gcs_filesystem(
         storage_options["token"] = token
     return gcsfs.GCSFileSystem(**storage_options)
 
-
+# %% ../nbs/04_paths.ipynb #e938fe8a
 def set_gcs_filesystem(
     fs: tp.Any = None,  # an fsspec filesystem for every `gs://` path without its own; `None` restores the default
 ) -> tp.Any:  # the previous one (None when the default was in use)
@@ -168,7 +168,7 @@ class PathStat(tp.NamedTuple):
             raise KeyError(f"PathStat has no {key!r}; keys are ['size', 'mtime'] (or {list(self._fields)})")
         return getattr(self, field)
 
-
+# %% ../nbs/04_paths.ipynb #f5136457
 class ePath:
     """A local or remote path with one pathlib-like API: `ePath('gs://b/x')` is a `GCSPath`, `ePath('/tmp/x')`
     a `LocalPath`, `ePath('memory://x')` (any other fsspec protocol whose backend is installed) an `FsspecPath`."""
@@ -213,15 +213,18 @@ def exists(self: ePath) -> bool:  # True when a file or directory exists here
     "Whether anything is here."
     _not_here(self, "exists")
 
+
 @patch
 def is_dir(self: ePath) -> bool:  # True for a directory (on object stores: a prefix or placeholder)
     "Whether this is a directory."
     _not_here(self, "is_dir")
 
+
 @patch
 def is_file(self: ePath) -> bool:  # True for a regular file (an object)
     "Whether this is a file."
     _not_here(self, "is_file")
+
 
 @patch
 def mkdir(self: ePath,
@@ -231,10 +234,12 @@ def mkdir(self: ePath,
     "Create this directory (like `pathlib.Path.mkdir`)."
     _not_here(self, "mkdir")
 
+# %% ../nbs/04_paths.ipynb #53ef73f7
 @patch
 def iterdir(self: ePath) -> tp.Iterator[ePath]:  # the entries of this directory, sorted by name
     "The entries of this directory."
     _not_here(self, "iterdir")
+
 
 @patch
 def open(self: ePath,
@@ -386,7 +391,7 @@ def __getnewargs_ex__(self: ePath):  # pickling (e.g. to Ray workers) keeps the 
 def _newkwargs(self: ePath) -> dict:
     return {}
 
-
+# %% ../nbs/04_paths.ipynb #9eb05bf6
 @patch
 def as_posix(self: ePath) -> str:  # the path with `/` separators (the URL for remote paths)
     "The path as a string."
@@ -639,7 +644,7 @@ def _protected_reason(self: LocalPath) -> str | None:
             return f"{real}, which contains {what}"
     return None
 
-
+# %% ../nbs/04_paths.ipynb #ae6260cd
 @patch
 def rmtree(self: LocalPath,
            missing_ok: bool = False,  # no `FileNotFoundError` when the directory is missing
@@ -820,7 +825,7 @@ def _chunks(f: tp.IO, size: int = 8 << 20) -> tp.Iterator[bytes]:
     while chunk := f.read(size):
         yield chunk
 
-
+# %% ../nbs/04_paths.ipynb #b68d4cb9
 @patch
 def _copy_file_to(self: ePath, dst: ePath) -> None:
     if self._same_fs(dst):
@@ -1031,7 +1036,7 @@ def name(self: FsspecPath) -> str:  # `''` for the root
         return ""
     return posixpath.basename(self._path)
 
-
+# %% ../nbs/04_paths.ipynb #1fdf3326
 @patch(as_prop=True)
 def parent(self: FsspecPath) -> FsspecPath:  # the root, or a bucket, is its own parent
     "The directory containing this path."
@@ -1076,7 +1081,7 @@ def is_file(self: FsspecPath) -> bool:  # True for a file (an object)
     self._fs_obj.invalidate_cache(self._path)
     return self._fs_obj.isfile(self._path)
 
-
+# %% ../nbs/04_paths.ipynb #c063acae
 @patch
 def stat(self: FsspecPath) -> PathStat:  # size and modification time; `FileNotFoundError` when nothing is here
     "Size and modification time."
@@ -1335,7 +1340,7 @@ def _remove_dir(self: GCSPath) -> None:
         self._fs_obj.rm_file(self._path + "/")  # an empty directory is just its placeholder
     self._fs_obj.invalidate_cache(self._path)
 
-
+# %% ../nbs/04_paths.ipynb #d46d43e3
 @patch
 def _protected_reason(self: GCSPath) -> str | None:
     return f"the whole bucket {self.bucket!r}" if not self.key else None
@@ -1469,7 +1474,7 @@ def _read_npy(blob: bytes, where: str) -> np.ndarray:
     a = np.frombuffer(blob, dtype=dtype, count=math.prod(shape), offset=f.tell())
     return a.reshape(shape[::-1]).T if fortran else a.reshape(shape)
 
-
+# %% ../nbs/04_paths.ipynb #35664717
 def load_jax_array(
     path: str | os.PathLike | ePath,  # an `.npy` file written by `save_jax_array` (or `np.save`)
     sharding: tp.Any = None,  # a `jax.sharding.Sharding` to place the array with; default device otherwise
@@ -1649,7 +1654,7 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not supported; expected one of {list(choices)}")
 
-
+# %% ../nbs/04_paths.ipynb #d6145eb5
 class MLUtilPath(PathManager):
     "`PathManager` with eformer's array and dict helpers (arrays as `.npy`, dicts as JSON or msgpack)."
     def save_jax_array(self, array: tp.Any,  # the array
