@@ -12,7 +12,7 @@ NBDEV_TEST_FLAGS ?= multidevice
 NBDEV_WORKERS ?= 2
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: help install test bench-gpu gpu-wheels lint check-sync check-notebooks check-readme nbtest pytest docs readme bench bench-llamacpp bench-check demo mutate clean client peer-suite
+.PHONY: help install test bench-gpu bench-gpu-tiny gpu-wheels lint check-sync check-notebooks check-readme nbtest pytest docs readme bench bench-llamacpp bench-check demo mutate clean client peer-suite
 
 help:
 	@echo "make install  - create $(VENV) and install eformer-nb with its dev extras"
@@ -24,7 +24,7 @@ help:
 	@echo "make bench    - run the benchmark notebooks in nbs/benchmarks/ and save their outputs"
 	@echo "make bench-llamacpp - build llama-cpp-python (the [llamacpp] extra, compiles llama.cpp: minutes) and run the llama.cpp page"
 	@echo "make gpu-wheels - download (here, with a network) the wheels a CUDA host without network needs for make bench-gpu, into .gpu-wheels/"
-	@echo "make bench-gpu  - on a CUDA host with JAX, torch and transformers: run the GPU pages nbs/benchmarks/gpu_*.ipynb and save them"
+	@echo "make bench-gpu PAGE=quantization|train OUT=<dir> [TINY=1] - on a CUDA host with JAX, torch and transformers: one GPU page, its results into <dir>"
 	@echo "make bench-check - re-judge the saved benchmark verdicts and re-run the cheap headline rows (BENCH_PAGES=all: every page)"
 	@echo "make mutate   - apply each mutation in tests/mutations/*.yaml in a scratch copy; fails if one survives (MUTATE_ARGS=\"-j 2 --only NAME\")"
 	@echo "make peer-suite EFORMER_SRC=<eformer tree> - eformer's own tests/ against eformer_nb (.ci/peer_suite.py); fails under PEER_MIN_PASS=0.90 passing or a file that cannot be collected; summary in _peer/; not in CI (CI has no copy of eformer)"
@@ -71,7 +71,7 @@ lint: install
 	$(BIN)/ruff check tests .ci
 	$(BIN)/ruff check --line-length 130 eformer_nb
 
-test: check-sync check-notebooks check-readme lint nbtest pytest bench-check client
+test: check-sync check-notebooks check-readme lint nbtest pytest bench-check bench-gpu-tiny client
 
 # The real client: EasyDeL from PyPI (pinned, --no-deps), then its own requirements except `eformer`, then eformer_nb
 # (non-editable, from this checkout) and the test tools, in one resolve so EasyDeL's pins (jax 0.9.2) win. EasyDeL
@@ -154,25 +154,32 @@ demo: install
 clean:
 	rm -rf _proc _docs _mutate build dist *.egg-info .pytest_cache
 
-# The GPU pages (nbs/benchmarks/gpu_*.ipynb, their cells flagged `gpu`) run on a CUDA host that has JAX with CUDA,
-# torch and transformers but may have no network and no nbdev (../shared/GPU-HOST.md). `make gpu-wheels` (here) downloads
-# nbdev, fastcore, google-crc32c and their dependencies for that host's Python into .gpu-wheels/ (ignored; carry it);
-# `make bench-gpu` (there) installs them into $(GPU_SITE), never over the host's own JAX, and runs the pages with this
-# checkout first on PYTHONPATH (no pip install of the checkout: settings.ini's jax pin would try to replace the host's).
+# The GPU pages (nbs/benchmarks/gpu_<PAGE>.ipynb) on a CUDA host that has JAX with CUDA, torch and transformers but
+# may have no network and no nbdev/IPython (../shared/GPU-HOST.md). One page per command, each within ~4 minutes:
+#   make gpu-wheels                                   (here, with a network: execnb, IPython, fastcore, google-crc32c
+#                                                      for the host's Python, into .gpu-wheels/; git-ignored: carry it)
+#   make bench-gpu PAGE=quantization OUT=$$OUT/q       (there; PAGE=train for the other page)
+# .ci/gpu_bench.py unpacks the wheels into $(GPU_SITE), searched AFTER the host's own packages (never over its JAX or
+# torch), imports this checkout from its folder (no pip install: it would try to replace the host's JAX), runs the
+# page's cells with execnb (exc_stop=False) and writes to OUT, whatever happens: the executed page (after every
+# cell), its JSON rows and summary.md (each target: measured, goal, met). Copy OUT/gpu_<PAGE>.ipynb over
+# nbs/benchmarks/ and run nbdev-clean to keep a GPU run. TINY=1: tiny shapes on any backend, a failed section fails
+# the page (make test runs both pages so, in .venv: bench-gpu-tiny).
 GPU_PYTHON ?= python3
 GPU_PYVER ?= 3.12
 GPU_SITE ?= /tmp/eformer-gpu-site
-GPU_PAGES ?= gpu_*.ipynb
+PAGE ?= quantization
+OUT ?= _gpu/$(PAGE)
 gpu-wheels:
 	$(or $(wildcard $(BIN)/python),$(PYTHON)) -m pip download -q --only-binary=:all: --python-version $(GPU_PYVER) \
-	  --implementation cp --platform manylinux2014_x86_64 -d .gpu-wheels nbdev fastcore google-crc32c
+	  --implementation cp --platform manylinux2014_x86_64 -d .gpu-wheels execnb fastcore google-crc32c
 
 bench-gpu:
-	if [ -d .gpu-wheels ]; then $(GPU_PYTHON) -m pip install -q --no-index --find-links .gpu-wheels --target $(GPU_SITE) \
-	  nbdev fastcore google-crc32c; fi
-	PYTHONPATH=$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} XLA_PYTHON_CLIENT_MEM_FRACTION=$${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.45} \
-	  $(GPU_PYTHON) -c 'import sys; from nbdev.test import nbdev_test; sys.argv[0] = "nbdev-test"; nbdev_test()' \
-	  nbs/benchmarks --file-glob '$(GPU_PAGES)' --flags "bench gpu hf" --n-workers 0 --save --timing
+	$(GPU_PYTHON) .ci/gpu_bench.py $(PAGE) $(OUT) $(if $(TINY),--tiny) --site $(GPU_SITE) --wheels .gpu-wheels
+
+bench-gpu-tiny: install
+	$(MAKE) --no-print-directory bench-gpu GPU_PYTHON=$(BIN)/python TINY=1 PAGE=quantization OUT=_gpu_tiny/quantization
+	$(MAKE) --no-print-directory bench-gpu GPU_PYTHON=$(BIN)/python TINY=1 PAGE=train OUT=_gpu_tiny/train
 
 # eformer's own test suite (tests/ of an eformer source tree, e.g. erfanzar/eformer at 4b17881 = 0.1.0) against
 # eformer_nb through the test-only alias (.ci/peer_suite.py: `eformer.X` is `eformer_nb.X`, a missing private module

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import os
 import platform
+import signal
 import sys
+import threading
 import time
+import traceback
 import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -20,7 +23,8 @@ from fastcore.basics import patch
 # %% auto #0
 __all__ = ['MET', 'MISSED', 'NOISY', 'INFO', 'machine_info', 'format_machine', 'thread_budget', 'format_threads', 'pin_threads',
            'wait', 'interleaved_times', 'median_ci', 'Comparison', 'compare', 'Target', 'verdict', 'TargetMissed',
-           'judge', 'Bench', 'saved_rows', 'disagreements', 'drop_page_cache']
+           'judge', 'Bench', 'saved_rows', 'disagreements', 'page_cached', 'drop_page_cache', 'SectionTimeout',
+           'RunLog', 'run_summary']
 
 # %% ../nbs/99b_benchmarking.ipynb #bde21714
 def _cpu_model() -> str:
@@ -536,19 +540,195 @@ def disagreements(
     return out
 
 # %% ../nbs/99b_benchmarking.ipynb #990b8f65
+def page_cached(
+    path: str | os.PathLike,  # a file
+) -> int:  # how many of its pages are in the page cache
+    """How many pages of `path` the page cache holds, from `mincore(2)` on a read-only map of it: asking reads nothing
+    (a probing read would start the kernel's read-ahead and bring the pages back)."""
+    import ctypes
+    import mmap
+
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    vec = ctypes.create_string_buffer(-(-size // mmap.PAGESIZE))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"page_cached: cannot map {os.fspath(path)!r}")
+        try:
+            if libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"page_cached: mincore failed on {os.fspath(path)!r}")
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return sum(b & 1 for b in vec.raw)
+
+
 def drop_page_cache(
     path: str | os.PathLike,  # a file, or a directory: every file under it
+    tries: int = 20,  # advice rounds per file: the kernel may keep the pages of a file it just wrote back
 ) -> int:  # how many files
-    "Drop the page cache of `path`'s files (fsync'd first), so the next read of them comes from the disk."
+    """Drop the page cache of `path`'s files (fsync'd first), so the next read of them comes from the disk; a file whose
+    pages stay cached after `tries` rounds (10 ms apart) is an error naming it."""
     p = os.fspath(path)
     if not os.path.exists(p):
         raise FileNotFoundError(f"drop_page_cache: {p!r} does not exist; expected a file or a directory of files")
     files = [p] if not os.path.isdir(p) else [os.path.join(d, f) for d, _, fs in os.walk(p) for f in fs]
     for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        for i in range(tries):
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            if not page_cached(f):
+                break
+            time.sleep(0.01)
+        else:
+            raise RuntimeError(f"drop_page_cache: {f!r} is still in the page cache after {tries} rounds")
     return len(files)
+
+# %% ../nbs/99b_benchmarking.ipynb #5949177e
+class SectionTimeout(BaseException):
+    "A `RunLog.run` section ran past its deadline (a BaseException: the section's `except Exception` cannot catch it)."
+
+
+class RunLog:
+    "The results of a run as JSON lines, flushed as measured; sections under deadlines; targets recorded, not asserted."
+
+    def __init__(
+        self,
+        path: str | os.PathLike,  # the JSON-lines file; emptied first (one run per file)
+        budget_s: float,  # seconds for all sections together
+        strict: bool = False,  # re-raise a failed or timed-out section (a dry run fails loudly; a real run goes on)
+        quiet: bool = False,  # do not print each row
+    ):
+        if not (isinstance(budget_s, (int, float)) and budget_s > 0):
+            raise ValueError(f"RunLog: budget_s={budget_s!r}; expected a positive number of seconds")
+        self.path, self.budget_s, self.strict, self.quiet = os.fspath(path), float(budget_s), strict, quiet
+        self.start, self.rows = time.perf_counter(), []
+        open(self.path, "w").close()
+
+    def left(self) -> float:
+        "Seconds left of the budget."
+        return self.budget_s - (time.perf_counter() - self.start)
+
+    def __repr__(self) -> str:
+        return f"RunLog({self.path!r}: {len(self.rows)} rows, {self.left():.0f} of {self.budget_s:.0f} s left)"
+
+
+@patch
+def record(
+    self: RunLog,
+    section: str,  # the section the row belongs to
+    **fields,  # the measurement (JSON-serialisable; anything else is written as its str)
+) -> dict:  # the row as written
+    "Keep, print and append one row (flushed at once: a run killed later still has it)."
+    row = {"section": section, "t": round(time.perf_counter() - self.start, 1), **fields}
+    self.rows.append(row)
+    line = _json.dumps(row, default=str)
+    with open(self.path, "a") as f:
+        f.write(line + "\n")
+        f.flush()
+    if not self.quiet:
+        print(line)
+    return row
+
+# %% ../nbs/99b_benchmarking.ipynb #b003212c
+def _deadline(limit: float, message: str):
+    """Arm a deadline for the calling thread: `SectionTimeout(message)` is raised in it after `limit` seconds (a SIGALRM
+    timer in the main thread, which also wakes a sleep; elsewhere a watchdog thread's asynchronous exception, delivered
+    at the next bytecode). Returns the function that disarms it."""
+    def fire(*_):
+        raise SectionTimeout(message)
+
+    if threading.current_thread() is threading.main_thread():
+        old = signal.signal(signal.SIGALRM, fire)
+        signal.setitimer(signal.ITIMER_REAL, limit)
+        return lambda: (signal.setitimer(signal.ITIMER_REAL, 0), signal.signal(signal.SIGALRM, old))
+    import ctypes
+
+    target = ctypes.c_ulong(threading.get_ident())
+    dog = threading.Timer(limit, lambda: ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        target, ctypes.py_object(type("SectionTimeout", (SectionTimeout,), {"__str__": lambda self: message}))))
+    dog.daemon = True
+    dog.start()
+    return dog.cancel
+
+
+@patch
+def run(
+    self: RunLog,
+    name: str,  # the section's name (its rows carry it)
+    fn: Callable[[], object],  # the section's work
+    max_s: float,  # its deadline in seconds (cut to what is left of the budget)
+) -> bool:  # True when `fn` finished
+    "Run `fn()` as section `name` under a deadline; a skip, a timeout or a failure is recorded (re-raised if `strict`)."
+    limit = min(float(max_s), self.left())
+    if limit < 1:
+        self.record(name, skipped=f"{self.left():.0f} s of the {self.budget_s:.0f} s budget left")
+        return False
+    t0 = time.perf_counter()
+    disarm = _deadline(limit, f"section {name!r} ran past its deadline of {limit:.0f} s")
+    try:
+        fn()
+        disarm()
+    except (SectionTimeout, Exception) as e:
+        disarm()
+        kind = "timed_out" if isinstance(e, SectionTimeout) else "error"
+        self.record(name, **{kind: f"{type(e).__name__}: {e}"[:2000]}, seconds=round(time.perf_counter() - t0, 1),
+                    trace=traceback.format_exc()[-2000:])
+        if self.strict:
+            raise
+        return False
+    self.record(name, done_s=round(time.perf_counter() - t0, 1))
+    return True
+
+# %% ../nbs/99b_benchmarking.ipynb #d9856375
+@patch
+def target(
+    self: RunLog,
+    section: str,  # the section the row belongs to
+    label: str,  # what was measured
+    measured: float,  # the value
+    goal: float,  # the goal it is judged against
+    op: str = ">=",  # '>=' (at least `goal`) or '<=' (at most)
+    **fields,  # more fields for the row
+) -> bool:  # met or not
+    "Record `measured` against `goal`: met or missed is a field of the row, never an assert."
+    if op not in (">=", "<="):
+        raise ValueError(f"RunLog.target: op={op!r}; expected '>=' or '<='")
+    met = bool(measured >= goal) if op == ">=" else bool(measured <= goal)
+    self.record(section, row=label, measured=measured, goal=f"{op} {goal}", target=goal, met=met, **fields)
+    return met
+
+
+def run_summary(
+    rows: Sequence[dict],  # a RunLog's rows (or its JSON lines, read back)
+) -> str:  # markdown: the targets as a table, then every section that did not finish
+    "One screen: each target (measured, goal, met) and each section that failed, timed out or was skipped."
+    out = []
+    targets = [r for r in rows if "met" in r and "goal" in r]
+    if targets:
+        out += ["| section | row | measured | goal | met |", "|---|---|---|---|---|"]
+        out += [f"| {r['section']} | {r['row']} | {r['measured']:.4g} | {r['goal']} | {'met' if r['met'] else '**missed**'} |"
+                for r in targets]
+    bad = [r for r in rows if any(k in r for k in ("error", "timed_out", "skipped"))]
+    out += [f"- {r['section']}: " + next(f"{k}: {r[k]}" for k in ("error", "timed_out", "skipped") if k in r)[:300]
+            for r in bad]
+    return "\n".join(out or ["(no rows)"])
+
+
+@patch
+def summary(self: RunLog) -> str:
+    "`run_summary` of this run's rows."
+    return run_summary(self.rows)

@@ -262,12 +262,15 @@ TILE_OVERRIDES: dict = {}  # (kind, m, K, cols, block_size, transposed) -> Tiles
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """Tile sizes of one kernel call: rows of `x`/`g` (bm), output columns (bn), contraction chunk (bk); `split`: how
-    many programs share one contraction (split-K, GPU schedule; their float32 partial sums are added afterwards)."""
+    many programs share one contraction (split-K, GPU schedule; their float32 partial sums are added afterwards);
+    `warps`, `stages`: Triton's `num_warps` and `num_stages` for the GPU schedule (the TPU schedule has neither)."""
 
     bm: int
     bn: int
     bk: int
     split: int = 1
+    warps: int = 4
+    stages: int = 2
 
 
 def _pow2(v: int) -> bool:
@@ -390,7 +393,7 @@ def _int8_fits(m: int, K: int, N: int, transposed: bool = False) -> bool:
     return _why_not("int8", m, K, N, None, transposed) is None
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #3f29034a
-def _launch_opts(variant, interpret, semantics):
+def _launch_opts(variant, interpret, semantics, t: Tiles):
     if variant not in VARIANTS:
         raise ValueError(f"unknown kernel variant {variant!r}; expected one of {VARIANTS}")
     if interpret is None:
@@ -400,7 +403,7 @@ def _launch_opts(variant, interpret, semantics):
     if variant == "gpu":
         from jax.experimental.pallas import triton as plgpu
 
-        return dict(compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2))
+        return dict(compiler_params=plgpu.CompilerParams(num_warps=t.warps, num_stages=t.stages))
     from jax.experimental.pallas import tpu as pltpu
 
     return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=semantics))
@@ -510,7 +513,7 @@ def nf4_matmul_pallas(
     Np, B, M = 2 * hn_all, block_size, x.shape[0]
     t = tiles or default_tiles(variant, M, "nf4", B, K, Np)
     _require(_fits(variant, t, K, Np, B, False), "nf4_matmul_pallas", t, (K, Np))
-    opts = _launch_opts(variant, interpret, ("parallel", "parallel", "arbitrary"))
+    opts = _launch_opts(variant, interpret, ("parallel", "parallel", "arbitrary"), t)
     xp, Mp = _pad_rows(x, t.bm)
     schedule = _nf4_mm_gpu if variant == "gpu" else _nf4_mm_tpu
     kernel, grid, in_specs, o_spec, a_in = schedule(pl, t, K, Np, Mp, B, absmax, x.dtype)
@@ -593,7 +596,7 @@ def nf4_matmul_t_pallas(
     Np, B, M = 2 * hn_all, block_size, g.shape[0]
     t = tiles or default_tiles(variant, M, "nf4", B, K, Np, transposed=True)
     _require(_fits(variant, t, K, Np, B, True), "nf4_matmul_t_pallas", t, (K, Np))
-    opts = _launch_opts(variant, interpret, ("parallel", "parallel", "arbitrary"))
+    opts = _launch_opts(variant, interpret, ("parallel", "parallel", "arbitrary"), t)
     gp, Mp = _pad_rows(g, t.bm)
     if n < Np:
         gp = jnp.pad(gp, ((0, 0), (0, Np - n)))
@@ -663,7 +666,7 @@ def int8_matmul_pallas(
     (K, N), M = q.shape, x.shape[0]
     t = tiles or default_tiles(variant, M, "int8", K=K, cols=N)
     _require(_fits(variant, t, K, N, None, False), "int8_matmul_pallas", t, (K, N))
-    opts = _launch_opts(variant, interpret, ("parallel", "parallel", "arbitrary"))
+    opts = _launch_opts(variant, interpret, ("parallel", "parallel", "arbitrary"), t)
     xp, Mp = _pad_rows(x, t.bm)
     kernel, grid, in_specs, o_spec = (_int8_mm_gpu if variant == "gpu" else _int8_mm_tpu)(pl, t, K, N, Mp)
     out = _gpu_out(t, Mp, N) if variant == "gpu" else jax.ShapeDtypeStruct((Mp, N), jnp.float32)
@@ -726,7 +729,7 @@ def int8_matmul_t_pallas(
     (K, N), M = q.shape, g.shape[0]
     t = tiles or default_tiles(variant, M, "int8", K=K, cols=N, transposed=True)
     _require(_fits(variant, t, K, N, None, True), "int8_matmul_t_pallas", t, (K, N))
-    opts = _launch_opts(variant, interpret, ("parallel", "parallel", "arbitrary"))
+    opts = _launch_opts(variant, interpret, ("parallel", "parallel", "arbitrary"), t)
     gp, Mp = _pad_rows(g, t.bm)
     kernel, grid, in_specs, o_spec = (_int8_mmt_gpu if variant == "gpu" else _int8_mmt_tpu)(pl, t, K, N, Mp)
     out = _gpu_out(t, Mp, K) if variant == "gpu" else jax.ShapeDtypeStruct((Mp, K), jnp.float32)
