@@ -20,10 +20,11 @@ logger = get_logger(__name__)
 
 # %% auto #0
 __all__ = ['logger', 'DEFAULT_BLOCK_SIZE', 'BACKENDS', 'BACKEND_ENV_VAR', 'GEMV_MAX_ROWS', 'VARIANTS', 'GPU_SMS', 'GPU_PROGRAMS',
-           'REDUCE_ELEMS', 'TILE_OVERRIDES', 'set_default_backend', 'default_backend', 'nf4_unpack_codes',
-           'nf4_dequantize', 'Tiles', 'default_tiles', 'nf4_matmul_pallas', 'nf4_matmul_t_pallas', 'int8_matmul_pallas',
-           'int8_matmul_t_pallas', 'occupancy', 'grid_picture', 'tpu_kernels_enabled', 'nf4_matmul', 'nf4_matmul_t',
-           'int8_matmul', 'int8_matmul_t', 'NF4_CODEBOOK']
+           'REDUCE_ELEMS', 'GEMV_ROWS', 'TILE_OVERRIDES', 'H200_HBM_BPS', 'H200_ALU_OPS', 'set_default_backend',
+           'default_backend', 'nf4_unpack_codes', 'nf4_dequantize', 'Tiles', 'default_tiles', 'nf4_matmul_pallas',
+           'nf4_matmul_t_pallas', 'int8_matmul_pallas', 'int8_matmul_t_pallas', 'ops_per_weight', 'alu_budget',
+           'occupancy', 'grid_picture', 'tpu_kernels_enabled', 'nf4_matmul', 'nf4_matmul_t', 'int8_matmul',
+           'int8_matmul_t', 'NF4_CODEBOOK']
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #80f76e04
 _all_ = ["NF4_CODEBOOK"]  # re-exported from `ops.quantization.nf4`, the one home of the NF4 codec
@@ -237,9 +238,24 @@ def _pallas():
     return pl
 
 
-def _nf4_tile(p, scale_cols, hb: int, dtype):
+def _nf4_pair_table() -> np.ndarray:
+    "uint32 (256,): byte `b` -> bf16 bits of `NF4[b >> 4]` in the high half, of `NF4[b & 15]` in the low half."
+    bits = np.asarray(NF4_CODEBOOK, np.float32).astype(jnp.bfloat16).view(np.uint16).astype(np.uint32)
+    b = np.arange(256)
+    return (bits[b >> 4] << 16) | bits[b & 15]
+
+
+def _nf4_pair_values(pair):
+    "The two float32 values a `_nf4_pair_table` entry holds: (high nibble's, low nibble's)."
+    f32 = jnp.float32
+    return (jax.lax.bitcast_convert_type(pair & jnp.uint32(0xFFFF0000), f32),
+            jax.lax.bitcast_convert_type(pair << jnp.uint32(16), f32))
+
+
+def _nf4_tile(p, scale_cols, hb: int, dtype, lut=None):
     """Dequantize a byte tile `p` (bk, hn): returns (W_even, W_odd) in `dtype`; `scale_cols[s]` is (bk, 1) for bytes
-    [s*hb, (s+1)*hb)."""
+    [s*hb, (s+1)*hb). `lut`: a ref of `_nf4_pair_table` (uint32, 256: one gather decodes a byte) or of the float32
+    codebook (16: one gather per code), where the backend lowers a gather (Triton); None: the select tree."""
     p = p.astype(jnp.int32)
     scale = scale_cols[0].astype(jnp.float32)
     if len(scale_cols) > 1:
@@ -247,15 +263,32 @@ def _nf4_tile(p, scale_cols, hb: int, dtype):
         scale = jnp.broadcast_to(scale, p.shape)
         for s in range(1, len(scale_cols)):
             scale = jnp.where(col >= s * hb, scale_cols[s].astype(jnp.float32), scale)
-    hi = _nf4_lookup(p >> 4) * scale
-    lo = _nf4_lookup(p & 0xF) * scale
+    if lut is None:
+        hi, lo = _nf4_lookup(p >> 4), _nf4_lookup(p & 0xF)
+    elif lut.shape[0] == 16:
+        hi, lo = lut[p >> 4], lut[p & 0xF]
+    else:
+        hi, lo = _nf4_pair_values(lut[p])
+    hi, lo = hi * scale, lo * scale
     return hi.astype(dtype), lo.astype(dtype)
+
+
+def _nf4_lut(dtype):
+    "The decoding table a GPU kernel gathers from: the float32 codebook for float32 operands, else the pair table."
+    exact = jnp.dtype(dtype) == jnp.float32
+    return jnp.asarray(NF4_CODEBOOK, jnp.float32) if exact else jnp.asarray(_nf4_pair_table())
+
+
+def _lut_spec(pl, dtype):
+    "The whole table as one block, for every program of the grid."
+    return pl.BlockSpec((16 if jnp.dtype(dtype) == jnp.float32 else 256,), lambda *ids: (0,))
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #3e2c9b32
 VARIANTS = ("gpu", "tpu")
 GPU_SMS = 132  # streaming multiprocessors of an H100 SXM: the GPU schedule aims at GPU_PROGRAMS programs per call
 GPU_PROGRAMS = 4 * GPU_SMS  # programs the tile heuristic aims for (>= 2 per SM is the floor the occupancy table asserts)
 REDUCE_ELEMS = 8192  # a tiny-M program's broadcast product (bm, out tile, chunk) stays in registers: at most this many
+GEMV_ROWS = 8  # up to this many rows the model's NF4 product (x @ W, Wᵀ stored) runs the GEMV schedule on a GPU
 TILE_OVERRIDES: dict = {}  # (kind, m, K, cols, block_size, transposed) -> Tiles: the hook for a device-side autotuner
 
 
@@ -263,7 +296,9 @@ TILE_OVERRIDES: dict = {}  # (kind, m, K, cols, block_size, transposed) -> Tiles
 class Tiles:
     """Tile sizes of one kernel call: rows of `x`/`g` (bm), output columns (bn), contraction chunk (bk); `split`: how
     many programs share one contraction (split-K, GPU schedule; their float32 partial sums are added afterwards);
-    `warps`, `stages`: Triton's `num_warps` and `num_stages` for the GPU schedule (the TPU schedule has neither)."""
+    `warps`, `stages`: Triton's `num_warps` and `num_stages` for the GPU schedule (the TPU schedule has neither);
+    `gemv`: the GPU GEMV schedule of the model's NF4 product (`bk` output rows per program, `bn` weights of the
+    contraction per step, the whole contraction in one program: no split)."""
 
     bm: int
     bn: int
@@ -271,6 +306,7 @@ class Tiles:
     split: int = 1
     warps: int = 4
     stages: int = 2
+    gemv: bool = False
 
 
 def _pow2(v: int) -> bool:
@@ -319,6 +355,11 @@ def _gpu_reason(kind: str, K: int, cols: int, block_size: int | None, transposed
 @functools.lru_cache(maxsize=4096)
 def _gpu_tiles_heuristic(kind: str, m: int, K: int, cols: int, block_size: int, transposed: bool) -> Tiles:
     bm = 1 << (m - 1).bit_length() if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
+    if kind == "nf4" and transposed and m <= GEMV_ROWS:  # the GEMV schedule: output rows per program, whole contraction
+        rows = _pow2_divisor(K, 16)
+        while K // rows < 2 * GPU_SMS and rows > 1:
+            rows //= 2
+        return Tiles(bm, _pow2_divisor(cols // block_size, 8) * block_size, rows, 1, 4, 3, gemv=True)
     reduce, half = bm < 16, (2 if kind == "nf4" else 1)
     out, con = (K, cols) if transposed else (cols, K)
     uo, uc = _gpu_units(kind, bm, block_size, transposed)
@@ -363,6 +404,11 @@ def default_tiles(
 
 
 def _fits(variant: str, t: Tiles, K: int, cols: int, block_size: int | None, transposed: bool) -> bool:
+    if t.gemv:  # the GPU GEMV schedule: NF4, x @ W with Wᵀ stored, whole blocks per step
+        steps = t.bn // block_size if block_size and t.bn % block_size == 0 else 0
+        return (variant == "gpu" and block_size is not None and transposed and t.split == 1 and t.bm <= GEMV_ROWS
+                and all(_pow2(v) for v in (t.bm, t.bk, steps, block_size)) and K % t.bk == 0
+                and (cols // block_size) % steps == 0)
     if variant == "gpu":
         kind = "int8" if block_size is None else "nf4"
         out, con = (K, cols) if transposed else (cols, K)
@@ -452,12 +498,12 @@ def _nf4_mm_gpu(pl, t: Tiles, K: int, Np: int, Mp: int, B: int, absmax, dtype):
     nch, reduce = K // t.bk, t.bm < 16
     per = -(-nch // t.split)
 
-    def kernel(x_ref, p_ref, a_ref, oe_ref, oo_ref):
+    def kernel(x_ref, p_ref, a_ref, lut_ref, oe_ref, oo_ref):
         lo, hi = _split_range(pl.program_id(2), per, nch)
 
         def body(kk, acc):
             ks = pl.ds(pl.multiple_of(kk * t.bk, t.bk), t.bk)
-            we, wo = _nf4_tile(p_ref[ks, :], [a_ref[ks, pl.ds(s, 1)] for s in range(nb)], hb, x_ref.dtype)
+            we, wo = _nf4_tile(p_ref[ks, :], [a_ref[ks, pl.ds(s, 1)] for s in range(nb)], hb, x_ref.dtype, lut_ref)
             xk = x_ref[:, ks]
             return acc[0] + _mm(xk, we, reduce), acc[1] + _mm(xk, wo, reduce)
 
@@ -467,7 +513,7 @@ def _nf4_mm_gpu(pl, t: Tiles, K: int, Np: int, Mp: int, B: int, absmax, dtype):
         oo_ref[...] = o
 
     in_specs = [pl.BlockSpec((t.bm, K), lambda i, j, s: (i, 0)), pl.BlockSpec((K, hn), lambda i, j, s: (0, j)),
-                pl.BlockSpec((K, nb), lambda i, j, s: (0, j))]
+                pl.BlockSpec((K, nb), lambda i, j, s: (0, j)), _lut_spec(pl, dtype)]
     o_spec = pl.BlockSpec((None, t.bm, hn), lambda i, j, s: (s, i, j))
     return kernel, (Mp // t.bm, Np // t.bn, t.split), in_specs, o_spec, absmax
 
@@ -518,8 +564,9 @@ def nf4_matmul_pallas(
     schedule = _nf4_mm_gpu if variant == "gpu" else _nf4_mm_tpu
     kernel, grid, in_specs, o_spec, a_in = schedule(pl, t, K, Np, Mp, B, absmax, x.dtype)
     out = _gpu_out(t, Mp, hn_all) if variant == "gpu" else jax.ShapeDtypeStruct((Mp, hn_all), jnp.float32)
+    lut = (_nf4_lut(x.dtype),) if variant == "gpu" else ()
     even, odd = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=[o_spec, o_spec],
-                               out_shape=[out, out], **opts)(xp, packed, a_in)
+                               out_shape=[out, out], **opts)(xp, packed, a_in, *lut)
     if variant == "gpu":
         even, odd = even.sum(0), odd.sum(0)  # the split-K reduction (one slab when split == 1)
     y = jnp.stack([even, odd], axis=-1).reshape(Mp, Np)
@@ -539,19 +586,20 @@ def _nf4_mmt_gpu(pl, t: Tiles, K: int, Np: int, Mp: int, B: int, absmax, dtype):
     nch, reduce = Np // t.bn, t.bm < 16
     per = -(-nch // t.split)
 
-    def kernel(ge_ref, go_ref, p_ref, a_ref, o_ref):
+    def kernel(ge_ref, go_ref, p_ref, a_ref, lut_ref, o_ref):
         lo, hi = _split_range(pl.program_id(2), per, nch)
 
         def body(jj, acc):
             cs = pl.ds(pl.multiple_of(jj * hn, hn), hn)
-            we, wo = _nf4_tile(p_ref[:, cs], [a_ref[:, pl.ds(jj * nb + s, 1)] for s in range(nb)], hb, ge_ref.dtype)
+            we, wo = _nf4_tile(p_ref[:, cs], [a_ref[:, pl.ds(jj * nb + s, 1)] for s in range(nb)], hb, ge_ref.dtype,
+                               lut_ref)
             return acc + _mm_nt(ge_ref[:, cs], we, reduce) + _mm_nt(go_ref[:, cs], wo, reduce)
 
         o_ref[...] = jax.lax.fori_loop(lo, hi, body, jnp.zeros((t.bm, t.bk), jnp.float32))
 
     g_spec = pl.BlockSpec((t.bm, Np // 2), lambda i, kb, s: (i, 0))
     in_specs = [g_spec, g_spec, pl.BlockSpec((t.bk, Np // 2), lambda i, kb, s: (kb, 0)),
-                pl.BlockSpec((t.bk, Np // B), lambda i, kb, s: (kb, 0))]
+                pl.BlockSpec((t.bk, Np // B), lambda i, kb, s: (kb, 0)), _lut_spec(pl, dtype)]
     o_spec = pl.BlockSpec((None, t.bm, t.bk), lambda i, kb, s: (s, i, kb))
     return kernel, (Mp // t.bm, K // t.bk, t.split), in_specs, o_spec, absmax
 
@@ -574,6 +622,30 @@ def _nf4_mmt_tpu(pl, t: Tiles, K: int, Np: int, Mp: int, B: int, absmax, dtype):
     a_in = absmax.reshape(K, Np // t.bn, nb).transpose(1, 0, 2)
     grid = (Mp // t.bm, K // t.bk, Np // t.bn)
     return kernel, grid, in_specs, pl.BlockSpec((t.bm, t.bk), lambda i, kb, j: (i, kb)), a_in
+
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #b3630085
+def _nf4_gemv_t_gpu(pl, t: Tiles, K: int, Np: int, Mp: int, B: int, exact: bool):
+    "The GEMV schedule of `nf4_matmul_t_pallas`: `(kernel, grid, in_specs, out spec)`; one program per `bk` rows."
+    R, G, nblk, f32 = t.bk, t.bn // B, Np // B, jnp.float32
+
+    def kernel(x_ref, p_ref, a_ref, lut_ref, o_ref):
+        def body(i, acc):
+            bs = pl.ds(pl.multiple_of(i * G, G), G)
+            p = p_ref[:, bs, :].astype(jnp.int32)  # (R, G, B/2) bytes: G blocks of R rows
+            hi, lo = (lut_ref[p >> 4], lut_ref[p & 15]) if exact else _nf4_pair_values(lut_ref[p])
+            a = a_ref[:, bs].astype(f32)
+            return tuple(acc[m] + jnp.sum(jnp.sum(hi * x_ref[m, bs, :, 0].astype(f32)[None]
+                                                  + lo * x_ref[m, bs, :, 1].astype(f32)[None], axis=2) * a, axis=1)
+                         for m in range(Mp))
+
+        acc = jax.lax.fori_loop(0, nblk // G, body, tuple(jnp.zeros((R,), f32) for _ in range(Mp)))
+        for m in range(Mp):
+            o_ref[m, :] = acc[m].astype(o_ref.dtype)
+
+    in_specs = [pl.BlockSpec((Mp, nblk, B // 2, 2), lambda j: (0, 0, 0, 0)),
+                pl.BlockSpec((R, nblk, B // 2), lambda j: (j, 0, 0)), pl.BlockSpec((R, nblk), lambda j: (j, 0)),
+                _lut_spec(pl, jnp.float32 if exact else jnp.bfloat16)]
+    return kernel, (K // R,), in_specs, pl.BlockSpec((Mp, R), lambda j: (0, j))
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #82148d31
 def nf4_matmul_t_pallas(
@@ -600,12 +672,20 @@ def nf4_matmul_t_pallas(
     gp, Mp = _pad_rows(g, t.bm)
     if n < Np:
         gp = jnp.pad(gp, ((0, 0), (0, Np - n)))
+    if t.gemv:
+        kernel, grid, in_specs, o_spec = _nf4_gemv_t_gpu(pl, t, K, Np, Mp, B, jnp.dtype(g.dtype) == jnp.float32)
+        lut = _nf4_lut(g.dtype)
+        y = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=o_spec,
+                           out_shape=jax.ShapeDtypeStruct((Mp, K), g.dtype), **opts)(
+            gp.reshape(Mp, Np // B, B // 2, 2), packed.reshape(K, Np // B, B // 2), absmax, lut)
+        return y[:M]
     g_even, g_odd = gp[:, 0::2], gp[:, 1::2]
     schedule = _nf4_mmt_gpu if variant == "gpu" else _nf4_mmt_tpu
     kernel, grid, in_specs, o_spec, a_in = schedule(pl, t, K, Np, Mp, B, absmax, g.dtype)
     out = _gpu_out(t, Mp, K) if variant == "gpu" else jax.ShapeDtypeStruct((Mp, K), jnp.float32)
+    lut = (_nf4_lut(g.dtype),) if variant == "gpu" else ()
     y = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=o_spec, out_shape=out, **opts)(
-        g_even, g_odd, packed, a_in)
+        g_even, g_odd, packed, a_in, *lut)
     return (y.sum(0) if variant == "gpu" else y)[:M].astype(g.dtype)
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #f18ca92c
@@ -738,6 +818,30 @@ def int8_matmul_t_pallas(
     return (y.sum(0) if variant == "gpu" else y)[:M].astype(g.dtype)
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #03375f56
+H200_HBM_BPS = 4.8e12  # bytes/s of an H200's HBM3e (spec)
+H200_ALU_OPS = 132 * 128 * 1.98e9  # 32-bit ALU instructions/s: 132 SMs x 128 lanes x 1.98 GHz (an FMA is one)
+
+
+def ops_per_weight(kind: str, m: int, t: Tiles, block_size: int = DEFAULT_BLOCK_SIZE) -> float:
+    """ALU operations a GPU kernel spends per weight, counted from its body: decoding (NF4: a 4-bit test + 15-select
+    tree per code, or a gather; INT8: two conversions), the per-weight scale (NF4 tiles: a select chain over the
+    tile's blocks), the bf16 round trip of the tile schedule, and one multiply-add per activation row where the
+    product runs on the ALUs (`bm < 16`; from 16 rows on `tl.dot` runs it on the tensor cores)."""
+    fma = m if t.bm < 16 else 0
+    if kind == "int8":
+        return 2.0 + fma
+    if t.gemv:  # per byte: convert, gather, mask, shift (two weights); the scale once per block
+        return 2.0 + 2.0 / block_size + fma
+    decode = 0.5 + 1.0  # the GPU tile schedule gathers from the pair table (was 23: the select tree)
+    return decode + (t.bn // block_size - 1) + 1.0 + 2.0 + fma  # + scale chain, scale multiply, bf16 round trip
+
+
+def alu_budget(kind: str, block_size: int = DEFAULT_BLOCK_SIZE) -> float:
+    "ALU operations per weight an H200 can spend while its HBM streams the weights at full rate."
+    per_weight_bytes = 0.5 + 4 / block_size if kind == "nf4" else 1.0
+    return per_weight_bytes * H200_ALU_OPS / H200_HBM_BPS
+
+
 def occupancy(
     kind: str,  # 'nf4' or 'int8'
     m: int,  # rows of the activations
@@ -755,9 +859,12 @@ def occupancy(
     per_weight = 0.5 + 4 / block_size if kind == "nf4" else 1.0  # NF4: a nibble and its share of a float32 scale
     w_bytes = to * span * per_weight + (4 * (span if transposed else to) if kind == "int8" else 0)
     programs = -(-m // t.bm) * (out // to) * t.split
+    ops = ops_per_weight(kind, m, t, block_size)
     return dict(kind=kind, product="g @ Wᵀ" if transposed else "x @ W", m=m, weight=(K, cols), tiles=t,
                 programs=programs, per_sm=programs / GPU_SMS, weight_bytes=int(w_bytes),
-                act_bytes=t.bm * span * 2, out_bytes=t.bm * to * 4)  # bf16 activations in, float32 partial sums out
+                act_bytes=t.bm * span * 2, out_bytes=t.bm * to * 4,  # bf16 activations in, float32 partial sums out
+                ops_per_weight=ops, alu_budget=alu_budget(kind, block_size),
+                memory_bound=ops <= alu_budget(kind, block_size))
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #cbb21708
 def grid_picture(
