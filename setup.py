@@ -47,7 +47,7 @@ setuptools.setup(
     python_requires=f">={cfg['min_python']}",
     packages=setuptools.find_packages(include=[lib, lib + ".*"]),
     include_package_data=True,
-    package_data={lib: ["data/*.txt", "data/*.yaml"]},  # the demo's corpus and example configs
+    package_data={lib: ["data/*.txt", "data/*.yaml", "data/*.json"]},  # the demo's corpus, example configs, GPU tiles
     install_requires=requirements,
     extras_require={"dev": dev_requirements, "bench": bench_requirements, "hf": hf_requirements,
                     "llamacpp": llamacpp_requirements},

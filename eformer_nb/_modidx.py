@@ -2424,6 +2424,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                             'eformer_nb/ops/quantization/kernels.py'),
                                                      'eformer_nb.ops.quantization.kernels.int8_matmul_t_pallas': ( 'nbs/ops.quantization.kernels.html#int8_matmul_t_pallas',
                                                                                                                    'eformer_nb/ops/quantization/kernels.py'),
+                                                     'eformer_nb.ops.quantization.kernels.measured_tiles': ( 'nbs/ops.quantization.kernels.html#measured_tiles',
+                                                                                                             'eformer_nb/ops/quantization/kernels.py'),
                                                      'eformer_nb.ops.quantization.kernels.nf4_dequantize': ( 'nbs/ops.quantization.kernels.html#nf4_dequantize',
                                                                                                              'eformer_nb/ops/quantization/kernels.py'),
                                                      'eformer_nb.ops.quantization.kernels.nf4_matmul': ( 'nbs/ops.quantization.kernels.html#nf4_matmul',

@@ -20,11 +20,11 @@ logger = get_logger(__name__)
 
 # %% auto #0
 __all__ = ['logger', 'DEFAULT_BLOCK_SIZE', 'BACKENDS', 'BACKEND_ENV_VAR', 'GEMV_MAX_ROWS', 'VARIANTS', 'GPU_SMS', 'GPU_PROGRAMS',
-           'REDUCE_ELEMS', 'GEMV_ROWS', 'TILE_OVERRIDES', 'H200_HBM_BPS', 'H200_ALU_OPS', 'set_default_backend',
-           'default_backend', 'nf4_unpack_codes', 'nf4_dequantize', 'Tiles', 'default_tiles', 'nf4_matmul_pallas',
-           'nf4_matmul_t_pallas', 'int8_matmul_pallas', 'int8_matmul_t_pallas', 'ops_per_weight', 'alu_budget',
-           'occupancy', 'grid_picture', 'tpu_kernels_enabled', 'nf4_matmul', 'nf4_matmul_t', 'int8_matmul',
-           'int8_matmul_t', 'NF4_CODEBOOK']
+           'REDUCE_ELEMS', 'GEMV_ROWS', 'TILE_OVERRIDES', 'MEASURED_TILES', 'H200_HBM_BPS', 'H200_ALU_OPS',
+           'set_default_backend', 'default_backend', 'nf4_unpack_codes', 'nf4_dequantize', 'Tiles', 'measured_tiles',
+           'default_tiles', 'nf4_matmul_pallas', 'nf4_matmul_t_pallas', 'int8_matmul_pallas', 'int8_matmul_t_pallas',
+           'ops_per_weight', 'alu_budget', 'occupancy', 'grid_picture', 'tpu_kernels_enabled', 'nf4_matmul',
+           'nf4_matmul_t', 'int8_matmul', 'int8_matmul_t', 'NF4_CODEBOOK']
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #80f76e04
 _all_ = ["NF4_CODEBOOK"]  # re-exported from `ops.quantization.nf4`, the one home of the NF4 codec
@@ -356,10 +356,10 @@ def _gpu_reason(kind: str, K: int, cols: int, block_size: int | None, transposed
 def _gpu_tiles_heuristic(kind: str, m: int, K: int, cols: int, block_size: int, transposed: bool) -> Tiles:
     bm = 1 << (m - 1).bit_length() if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
     if kind == "nf4" and transposed and m <= GEMV_ROWS:  # the GEMV schedule: output rows per program, whole contraction
-        rows = _pow2_divisor(K, 16)
-        while K // rows < 2 * GPU_SMS and rows > 1:
+        rows = _pow2_divisor(K, 16)  # 16 rows and 16 blocks a step won the H200 sweep on both shapes it timed
+        while K // rows < GPU_SMS and rows > 1:
             rows //= 2
-        return Tiles(bm, _pow2_divisor(cols // block_size, 8) * block_size, rows, 1, 4, 3, gemv=True)
+        return Tiles(bm, _pow2_divisor(cols // block_size, 16) * block_size, rows, 1, 4, 3, gemv=True)
     reduce, half = bm < 16, (2 if kind == "nf4" else 1)
     out, con = (K, cols) if transposed else (cols, K)
     uo, uc = _gpu_units(kind, bm, block_size, transposed)
@@ -376,10 +376,32 @@ def _gpu_tiles_heuristic(kind: str, m: int, K: int, cols: int, block_size: int, 
     return Tiles(bm, bc, bo, split) if transposed else Tiles(bm, bo, bc, split)
 
 
+MEASURED_TILES = "gpu_tiles_h200.json"  # in eformer_nb/data: the winners of the GPU page's sweep on an H200
+
+
+@functools.lru_cache(maxsize=1)
+def measured_tiles() -> dict:
+    "The tiles the GPU page's sweep timed fastest, per `(kind, m, K, cols, block_size, transposed)` of the stored weight."
+    import importlib.resources
+    import json
+
+    rows = json.loads(importlib.resources.files("eformer_nb").joinpath("data", MEASURED_TILES).read_text())
+    out = {}
+    for key, v in rows.items():
+        if key.startswith("_"):
+            continue
+        kind, m, K, cols, bs, tr = key.split("|")
+        out[(kind, int(m), int(K), int(cols), None if bs == "None" else int(bs), tr == "True")] = Tiles(
+            **{f: v[f] for f in ("bm", "bn", "bk", "split", "warps", "stages", "gemv")})
+    return out
+
+
 def _gpu_tiles(kind: str, m: int, K: int, cols: int, block_size: int | None, transposed: bool) -> Tiles:
-    "GPU tiles for an (m, ...) x (K, cols) product: `TILE_OVERRIDES` (an autotuner's choice) or the cached heuristic."
+    """GPU tiles for an (m, ...) x (K, cols) product: `TILE_OVERRIDES` (yours), else what the H200 sweep measured for
+    this product (`measured_tiles`), else the cached heuristic."""
     key = (kind, m, K, cols, block_size, transposed)
-    return TILE_OVERRIDES.get(key) or _gpu_tiles_heuristic(kind, m, K, cols, block_size or 1, transposed)
+    return (TILE_OVERRIDES.get(key) or measured_tiles().get(key)
+            or _gpu_tiles_heuristic(kind, m, K, cols, block_size or 1, transposed))
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #8d597460
 def default_tiles(
