@@ -1669,6 +1669,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                     'eformer_nb.jaximus._primitive_name': ('nbs/jaximus.html#_primitive_name', 'eformer_nb/jaximus.py'),
                                     'eformer_nb.jaximus._remat_rule': ('nbs/jaximus.html#_remat_rule', 'eformer_nb/jaximus.py'),
                                     'eformer_nb.jaximus._run_closed': ('nbs/jaximus.html#_run_closed', 'eformer_nb/jaximus.py'),
+                                    'eformer_nb.jaximus._scan_operands': ('nbs/jaximus.html#_scan_operands', 'eformer_nb/jaximus.py'),
                                     'eformer_nb.jaximus._scan_rule': ('nbs/jaximus.html#_scan_rule', 'eformer_nb/jaximus.py'),
                                     'eformer_nb.jaximus._spec': ('nbs/jaximus.html#_spec', 'eformer_nb/jaximus.py'),
                                     'eformer_nb.jaximus._transpose_implicit': ( 'nbs/jaximus.html#_transpose_implicit',

@@ -309,10 +309,18 @@ def _materializing_rule(eqn, vals):
     return _bind(eqn.primitive, _materialize_all(eqn.primitive.name, vals), eqn.params, eqn.ctx)
 
 # %% ../nbs/05_jaximus.ipynb #d8072078
+def _scan_operands(p: dict, vals: list) -> tuple[list, list, list]:
+    "(consts, carry, xs) of a scan's operands: JAX up to 0.10 counts them in its params, 0.11 packs them in `ft_in`."
+    if "num_consts" in p:
+        nc, ncarry = p["num_consts"], p["num_carry"]
+        return vals[:nc], vals[nc:nc + ncarry], vals[nc + ncarry:]
+    return tuple(list(group) for group in p["ft_in"].update(list(vals)).unpack())
+
+
 def _scan_rule(eqn, vals):
     p = eqn.params
-    nc, ncarry = p["num_consts"], p["num_carry"]
-    consts, carry, xs = vals[:nc], vals[nc:nc + ncarry], vals[nc + ncarry:]
+    consts, carry, xs = _scan_operands(p, vals)
+    ncarry = len(carry)
     carry = _dense_outputs("scan (carry)", carry)
     xs = [x if not isinstance(x, ImplicitArray) or x.slices_along_axis0() else _materialize_all("scan (xs)", [x])[0]
           for x in xs]

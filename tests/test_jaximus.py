@@ -50,3 +50,35 @@ def test_quantized_matmul_in_fresh_process():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_loops_over_implicit_operands():
+    """Implicit arrays as a loop's constants, carry and scanned inputs, under `implicit` and `jit`: the scan rule reads
+    its operand groups from the params of the installed JAX (0.10 counts them; 0.11 packs them in `ft_in`), and a
+    quantized weight closed over by the body stays packed (the GPU page's GEMV harness relies on it)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from eformer_nb.jaximus import implicit
+    from eformer_nb.ops.quantization import quantize
+
+    w = quantize(jax.random.normal(jax.random.key(0), (64, 32)), "nf4")
+    dense = w.materialize()
+    x = jax.random.normal(jax.random.key(1), (2, 64))
+
+    def fori(x, w):  # w is a constant of the loop's body
+        return lax.fori_loop(0, 3, lambda i, acc: acc + jnp.sum(x @ w) * (i + 1), jnp.float32(0))
+
+    def scan(x, w):  # w a constant, x's rows the scanned inputs, a float carry, ys that are computed
+        return lax.scan(lambda c, row: (c + jnp.sum(row @ w), (row @ w)[:2]), jnp.float32(0), x)
+
+    for fn in (fori, scan):
+        got = jax.jit(implicit(fn))(x, w)
+        want = fn(x, dense)
+        for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert jnp.allclose(g, r, rtol=1e-5, atol=1e-4), (fn.__name__, g, r)
+    loop = [e for e in jax.make_jaxpr(implicit(fori))(x, w).jaxpr.eqns if e.primitive.name in ("while", "scan")]
+    operands = [(v.aval.dtype, v.aval.shape) for e in loop for v in e.invars]
+    assert (jnp.uint8, w.packed.shape) in operands, operands  # the packed codes enter the loop
+    assert not [o for o in operands if o[1] in ((64, 32), (32, 64)) and o[0] != jnp.uint8], operands  # no dense weight
