@@ -6,6 +6,8 @@ transposed one (QLoRA's backward), M in {1, 3, 16, 64, 200}, against the float32
   chunk, output tile), run on a slice of the weight that keeps the whole contraction and two output tiles. Output
   tiles are independent programs, so the slice runs exactly the programs of the full call that differ (every
   split-K range, the last one cut at the edge); interpret mode on the full 4096 x 14336 weights would take minutes.
+* The XLA path's streamed products (2..64 rows, W in K-chunks) at M = 8 and 64 on a TinyLlama weight of 11 chunks:
+  the one place rows and chunks could be mixed up without M = 1 or the materializing M = 200 noticing.
 * Gradients of `x @ W` through the implicit arrays as the model holds them (their `custom_vjp` calls the transposed
   kernel) against the dense ones, on the XLA path.
 
@@ -84,6 +86,25 @@ def test_xla_path_every_shape(name, shape):
         _close(K.nf4_matmul(g, p, a, n=k_in, backend="xla"), g, wt)  # backward: g @ Wᵀ
         _close(K.int8_matmul(x, q, s, backend="xla"), x, w8)
         _close(K.int8_matmul_t(g, q, s, backend="xla"), g, w8.T)
+
+
+@pytest.mark.parametrize("m", (8, K.GEMV_MAX_ROWS))
+def test_xla_streamed_products_keep_rows_and_chunks_apart(m):
+    # The XLA path streams W in K-chunks for 2..GEMV_MAX_ROWS rows: (M, K) is cut into (steps, M, chunk) and the
+    # per-chunk results put back together. M = 1 cannot tell chunk order from row order and M = 200 takes the
+    # materializing path, so the default run above would pass with either mixed up: a TinyLlama weight stored
+    # 5632 x 2048 (11 chunks of 512 rows; the up-projection as the NF4 model stores it) at M = 8 and 64 pins it.
+    rows, cols = 5632, 2048
+    assert K._k_chunk(rows, cols) == 512 and 1 < m <= K.GEMV_MAX_ROWS  # streamed, in 11 chunks
+    p, a = _nf4_operands(rows, cols, 10)
+    w = np.asarray(K.nf4_dequantize(p, a, n=cols))
+    q, s = _int8_operands(rows, cols, 11)
+    w8 = np.asarray(q, np.float32) * np.asarray(s)
+    x, g = _x(m, rows, 12), _x(m, cols, 13)
+    _close(K.nf4_matmul(x, p, a, n=cols, backend="xla"), x, w)  # _nf4_matmul_xla
+    _close(K.nf4_matmul_t(g, p, a, n=cols, backend="xla"), g, w.T)  # _nf4_matmul_t_xla
+    _close(K.int8_matmul(x, q, s, backend="xla"), x, w8)
+    _close(K.int8_matmul_t(g, q, s, backend="xla"), g, w8.T)
 
 
 def _slice(rows: int, tile: int) -> int:
