@@ -12,12 +12,13 @@ NBDEV_TEST_FLAGS ?= multidevice
 NBDEV_WORKERS ?= 2
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: help install test bench-gpu bench-gpu-tiny gpu-wheels lint check-sync check-notebooks check-readme nbtest pytest docs readme bench bench-llamacpp bench-check demo mutate clean client peer-suite
+.PHONY: help install test bench-gpu bench-gpu-tiny gpu-wheels lint check-sync check-notebooks check-readme nbtest pytest docs readme bench bench-llamacpp bench-check demo mutate clean client peer-suite gpu-lower
 
 help:
 	@echo "make install  - create $(VENV) and install eformer-nb with its dev extras"
 	@echo "make test     - install if needed, check notebooks/package/README agree, run notebook tests, pytest and bench-check"
 	@echo "make client   - EasyDeL $(EASYDEL_VERSION) from PyPI on eformer_nb in $(CLIENT_VENV) (its pinned jax), then a tests/ subset there"
+	@echo "make gpu-lower - JAX $(JAX011_VERSION) on Python 3.12 in $(J11_VENV): lower every GPU kernel for CUDA on this CPU (tests/test_cuda_lowering.py), then the JAX-version-sensitive tests/ files"
 	@echo "make lint     - ruff over the package, tests and CI scripts (line length 120, unused names)"
 	@echo "make docs     - build the docs site (Quarto when installed, otherwise an offline HTML preview in _docs/)"
 	@echo "make readme   - regenerate README.md from nbs/index.ipynb"
@@ -71,7 +72,7 @@ lint: install
 	$(BIN)/ruff check tests .ci
 	$(BIN)/ruff check --line-length 130 eformer_nb
 
-test: check-sync check-notebooks check-readme lint nbtest pytest bench-check bench-gpu-tiny client
+test: check-sync check-notebooks check-readme lint nbtest pytest bench-check bench-gpu-tiny client gpu-lower
 
 # The real client: EasyDeL from PyPI (pinned, --no-deps), then its own requirements except `eformer`, then eformer_nb
 # (non-editable, from this checkout) and the test tools, in one resolve so EasyDeL's pins (jax 0.9.2) win. EasyDeL
@@ -102,6 +103,32 @@ $(CLIENT_STAMP): settings.ini setup.py pyproject.toml Makefile
 client: $(CLIENT_STAMP)
 	$(CBIN)/python -m pip install -q --no-deps --force-reinstall .
 	XLA_FLAGS="$(HOST_DEVICES)" EFORMER_NB_CLIENT=1 $(CBIN)/pytest -q $(CLIENT_TESTS)
+
+# JAX 0.11 (the newest series settings.ini allows; a GPU host ran the package on 0.11.2 unchanged) on Python 3.12, in
+# its own venv: jax pinned, eformer_nb installed editable with --no-deps (the checkout is what runs), then only the
+# runtime packages these tests import (no ray, gcsfs, torch: ~30 s to build). tests/test_cuda_lowering.py lowers every
+# GPU kernel (Triton through Pallas) for CUDA on this CPU machine against an abstract H200: the CPU gate for GPU code.
+# PY312: the first Python 3.12 that runs (a pyenv shim named python3.12 exists but fails when 3.12 is not selected).
+JAX011_VERSION ?= 0.11.2
+J11_VENV := .venv-jax011
+J11BIN := $(J11_VENV)/bin
+J11_STAMP := $(J11_VENV)/.installed.stamp
+PY312 ?= $(firstword $(foreach p,$(shell command -v python3.12 2>/dev/null) $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python) \
+  $(wildcard /root/.pyenv/versions/3.12*/bin/python) /usr/bin/python3.12,$(if $(shell $(p) -c 'import sys; \
+  print(sys.version_info[:2] == (3, 12))' 2>/dev/null | grep True),$(p))))
+# tests/test_quant_kernels.py passes on 0.11.2 too but takes 80 s here: add it with J11_TESTS="<these three> tests/test_quant_kernels.py"
+J11_TESTS ?= tests/test_cuda_lowering.py tests/test_jax_range.py tests/test_pytree_files.py
+
+$(J11_STAMP): settings.ini setup.py pyproject.toml Makefile
+	@test -n "$(PY312)" || { echo "gpu-lower needs a Python 3.12 (python3.12 on PATH or under ~/.pyenv; or PY312=<path>)"; exit 2; }
+	test -x $(J11BIN)/python || $(PY312) -m venv $(J11_VENV)
+	$(J11BIN)/python -m pip install -q "jax==$(JAX011_VERSION)" "jaxlib==$(JAX011_VERSION)" flax optax numpy ml_dtypes \
+	  msgpack pyyaml tqdm fsspec tensorstore safetensors psutil "fastcore>=1.8" pytest pytest-timeout setuptools wheel
+	$(J11BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(J11_STAMP)
+
+gpu-lower: $(J11_STAMP)
+	XLA_FLAGS= $(J11BIN)/python -m pytest -q -p no:cacheprovider $(J11_TESTS)
 
 readme: install
 	$(BIN)/python .ci/docs.py readme

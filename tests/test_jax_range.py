@@ -1,6 +1,7 @@
-"""Behaviours that differ between the jax releases we support (settings.ini: jax>=0.9.2,<0.11).
+"""Behaviours that differ between the jax releases we support (settings.ini: jax>=0.9.2,<0.12).
 
-`make pytest` runs this on the newest jax (.venv); `make client` runs it on EasyDeL's pinned jax 0.9.2 (.venv-client).
+`make pytest` runs this on .venv's jax (0.10 on Python 3.11), `make gpu-lower` on jax 0.11.2 (Python 3.12,
+.venv-jax011), and `make client` on EasyDeL's pinned jax 0.9.2 (.venv-client).
 """
 from __future__ import annotations
 

@@ -6,6 +6,11 @@ transposed one (QLoRA's backward), M in {1, 3, 16, 64, 200}, against the float32
   chunk, output tile), run on a slice of the weight that keeps the whole contraction and two output tiles. Output
   tiles are independent programs, so the slice runs exactly the programs of the full call that differ (every
   split-K range, the last one cut at the edge); interpret mode on the full 4096 x 14336 weights would take minutes.
+* The XLA path's streamed products (2..64 rows, W in K-chunks) at M = 8 and 64 on a TinyLlama weight of 11 chunks:
+  the one place rows and chunks could be mixed up without M = 1 or the materializing M = 200 noticing.
+* The TPU (Mosaic) schedule with its default tiles on the shapes whose axes are not multiples of 512 / 256
+  (SmolLM2-135M's 576 and 1536, Llama-2-7B's 11008), M in {1, 3, 16}: lowered for the TPU at full size (Mosaic's
+  block rule) and run in interpret mode on a slice, as the GPU schedule above.
 * Gradients of `x @ W` through the implicit arrays as the model holds them (their `custom_vjp` calls the transposed
   kernel) against the dense ones, on the XLA path.
 
@@ -86,6 +91,25 @@ def test_xla_path_every_shape(name, shape):
         _close(K.int8_matmul_t(g, q, s, backend="xla"), g, w8.T)
 
 
+@pytest.mark.parametrize("m", (8, K.GEMV_MAX_ROWS))
+def test_xla_streamed_products_keep_rows_and_chunks_apart(m):
+    # The XLA path streams W in K-chunks for 2..GEMV_MAX_ROWS rows: (M, K) is cut into (steps, M, chunk) and the
+    # per-chunk results put back together. M = 1 cannot tell chunk order from row order and M = 200 takes the
+    # materializing path, so the default run above would pass with either mixed up: a TinyLlama weight stored
+    # 5632 x 2048 (11 chunks of 512 rows; the up-projection as the NF4 model stores it) at M = 8 and 64 pins it.
+    rows, cols = 5632, 2048
+    assert K._k_chunk(rows, cols) == 512 and 1 < m <= K.GEMV_MAX_ROWS  # streamed, in 11 chunks
+    p, a = _nf4_operands(rows, cols, 10)
+    w = np.asarray(K.nf4_dequantize(p, a, n=cols))
+    q, s = _int8_operands(rows, cols, 11)
+    w8 = np.asarray(q, np.float32) * np.asarray(s)
+    x, g = _x(m, rows, 12), _x(m, cols, 13)
+    _close(K.nf4_matmul(x, p, a, n=cols, backend="xla"), x, w)  # _nf4_matmul_xla
+    _close(K.nf4_matmul_t(g, p, a, n=cols, backend="xla"), g, w.T)  # _nf4_matmul_t_xla
+    _close(K.int8_matmul(x, q, s, backend="xla"), x, w8)
+    _close(K.int8_matmul_t(g, q, s, backend="xla"), g, w8.T)
+
+
 def _slice(rows: int, tile: int) -> int:
     return min(rows, 2 * tile)
 
@@ -124,6 +148,46 @@ def test_gpu_schedule_interpret_every_shape(name, shape):
         q, s = _int8_operands(_slice(k_in, t.bk), n_out, 6)
         w8 = np.asarray(q, np.float32) * np.asarray(s)
         _close(K.int8_matmul_t_pallas(g, q, s, variant="gpu", tiles=t, interpret=True), g, w8.T)
+
+
+# axes that are not multiples of 512 / 256 (SmolLM2's 576 x 192 runs in the notebook, both ways round)
+TPU_SHAPES = [(576, 1536), (1536, 576), (4096, 11008), (11008, 4096)]
+
+
+def _tpu_lowers(f, *args):
+    "Lowering for the TPU on this CPU checks Mosaic's block rule ((8, 128)-aligned or whole): interpret mode does not."
+    assert "tpu_custom_call" in jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+
+
+@pytest.mark.parametrize("shape", TPU_SHAPES, ids=[f"{a}x{b}" for a, b in TPU_SHAPES])
+def test_tpu_schedule_every_real_shape(shape):
+    # The TPU (Mosaic) schedule with its default tiles for the full stored (rows, cols) weight, as both formats would
+    # store it: lowered for the TPU at full size, and run in interpret mode on a slice that keeps the whole contraction
+    # and two output tiles (output tiles are independent programs), for M in {1, 3, 16}, against the dense product.
+    rows, cols = shape
+    tpu, tn, t8 = dict(variant="tpu", interpret=True), {}, {}
+    for m in (1, 3, 16):
+        tn[m] = K.default_tiles("tpu", m, "nf4", 64, rows, cols)
+        t8[m] = K.default_tiles("tpu", m, "int8", K=rows, cols=cols)
+        assert K._tpu_reason("nf4", rows, cols, 64) is None and K._fits("tpu", tn[m], rows, cols, 64, False), tn[m]
+        assert K._tpu_reason("int8", rows, cols, None) is None and K._fits("tpu", t8[m], rows, cols, None, False), t8[m]
+    assert len(set(tn.values())) == len(set(t8.values())) == 1  # bm = 16 for all three: one slice serves them
+    p, a = _nf4_operands(rows, cols, 22)
+    q, s = _int8_operands(rows, cols, 23)
+    cn, rn, c8, r8 = _slice(cols, tn[1].bn), _slice(rows, tn[1].bk), _slice(cols, t8[1].bn), _slice(rows, t8[1].bk)
+    w_cols = np.asarray(K.nf4_dequantize(p[:, :cn // 2], a[:, :cn // 64], n=cn))  # x @ W: output columns sliced
+    w_rows = np.asarray(K.nf4_dequantize(p[:rn], a[:rn], n=cols))  # g @ Wᵀ: output rows sliced
+    w8 = np.asarray(q, np.float32) * np.asarray(s)
+    for m in (1, 3, 16):
+        x, g = _x(m, rows, 20), _x(m, cols, 21)
+        _tpu_lowers(lambda x, p, a: K.nf4_matmul_pallas(x, p, a, n=cols, variant="tpu", interpret=False), x, p, a)
+        _tpu_lowers(lambda g, p, a: K.nf4_matmul_t_pallas(g, p, a, n=cols, variant="tpu", interpret=False), g, p, a)
+        _tpu_lowers(lambda x, q, s: K.int8_matmul_pallas(x, q, s, variant="tpu", interpret=False), x, q, s)
+        _tpu_lowers(lambda g, q, s: K.int8_matmul_t_pallas(g, q, s, variant="tpu", interpret=False), g, q, s)
+        _close(K.nf4_matmul_pallas(x, p[:, :cn // 2], a[:, :cn // 64], n=cn, tiles=tn[m], **tpu), x, w_cols)
+        _close(K.nf4_matmul_t_pallas(g, p[:rn], a[:rn], n=cols, tiles=tn[m], **tpu), g, w_rows.T)
+        _close(K.int8_matmul_pallas(x, q[:, :c8], s[:c8], tiles=t8[m], **tpu), x, w8[:, :c8])
+        _close(K.int8_matmul_t_pallas(g, q[:r8], s, tiles=t8[m], **tpu), g, w8[:r8].T)
 
 
 @pytest.mark.parametrize("shape", sorted(EDGE))

@@ -403,13 +403,40 @@ def _gpu_tiles(kind: str, m: int, K: int, cols: int, block_size: int | None, tra
     return (TILE_OVERRIDES.get(key) or measured_tiles().get(key)
             or _gpu_tiles_heuristic(kind, m, K, cols, block_size or 1, transposed))
 
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #7a1c2e01
+_TPU_WHOLE_MAX = 2048  # an axis no lane-aligned tile divides is one block up to this length (Mosaic allows a whole axis)
+
+
+def _tpu_axis(n: int, unit: int, cap: int) -> int | None:
+    "TPU tile of an axis of `n`: the largest multiple of `unit` up to `max(cap, unit)` dividing `n`; else `n` (whole) if small."
+    best = max((t for t in range(unit, min(n, max(cap, unit)) + 1, unit) if n % t == 0), default=0)
+    return best or (n if n <= _TPU_WHOLE_MAX else None)
+
+
+def _tpu_units(kind: str, block_size: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    "((unit, cap) of `bn` along the columns, (unit, cap) of `bk` along K): NF4 byte tiles hold bn/2 lanes, whole blocks."
+    col_unit = 128 if kind == "int8" else int(np.lcm(256, block_size))
+    return (col_unit, 256 if kind == "int8" else max(256, 2 * block_size, col_unit)), (128, 512)
+
+
+def _tpu_reason(kind: str, K: int, cols: int, block_size: int | None) -> str | None:
+    "Why a (K, cols) weight has no TPU tiles (None: it has, for every M)."
+    (cu, cc), (ku, kc) = _tpu_units(kind, block_size or DEFAULT_BLOCK_SIZE)
+    for what, n, unit, cap in (("K", K, ku, kc), ("column", cols, cu, cc)):
+        if _tpu_axis(n, unit, cap) is None:
+            return (f"the ({K}, {cols}) {kind} weight is not a multiple of the tpu tiles: its {what} axis has {n} "
+                    f"entries, no multiple of {unit} up to {cap} divides it, and only an axis of at most "
+                    f"{_TPU_WHOLE_MAX} may be one block")
+    return None
+
+
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #8d597460
 def default_tiles(
     variant: str,  # 'gpu' or 'tpu'
     m: int,  # rows of the activations
     kind: str = "nf4",  # 'nf4' or 'int8'
     block_size: int = DEFAULT_BLOCK_SIZE,  # NF4 values per scale
-    K: int | None = None,  # rows of the stored weight (the GPU tiles depend on the shape)
+    K: int | None = None,  # rows of the stored weight (the tiles depend on the shape; TPU: optional)
     cols: int | None = None,  # columns of the stored weight (NF4: padded, Np)
     transposed: bool = False,  # the `*_t` product (g @ Wᵀ)
 ) -> Tiles:
@@ -421,8 +448,10 @@ def default_tiles(
             raise ValueError("the GPU tiles depend on the weight's shape: pass K and cols")
         return _gpu_tiles(kind, m, K, cols, block_size if kind == "nf4" else None, transposed)
     bm = 16 if m <= 16 else 128  # bf16 sublane tile is 16 rows
-    bn = 256 if kind == "int8" else max(256, 2 * block_size)
-    return Tiles(bm=bm, bn=bn, bk=512)
+    (cu, cc), (ku, kc) = _tpu_units(kind, block_size)
+    if K is None or cols is None:  # no shape: the tiles any multiple of them takes
+        return Tiles(bm=bm, bn=cc, bk=kc)
+    return Tiles(bm=bm, bn=_tpu_axis(cols, cu, cc) or cc, bk=_tpu_axis(K, ku, kc) or kc)  # refused: `_fits` says no
 
 
 def _fits(variant: str, t: Tiles, K: int, cols: int, block_size: int | None, transposed: bool) -> bool:
@@ -447,10 +476,7 @@ def _why_not(kind: str, m: int, K: int, cols: int, block_size: int | None, trans
     v = _default_variant()
     if v == "gpu":
         return _gpu_reason(kind, K, cols, block_size, transposed)
-    t = default_tiles(v, m, kind, block_size or DEFAULT_BLOCK_SIZE)
-    if not _fits(v, t, K, cols, block_size, transposed):
-        return f"the ({K}, {cols}) {kind} weight is not a multiple of the {v} tiles {t}"
-    return None
+    return _tpu_reason(kind, K, cols, block_size)
 
 
 def _nf4_fits(m: int, K: int, Np: int, block_size: int, transposed: bool = False) -> bool:
