@@ -117,7 +117,7 @@ PY312 ?= $(firstword $(foreach p,$(shell command -v python3.12 2>/dev/null) $(wi
   $(wildcard /root/.pyenv/versions/3.12*/bin/python) /usr/bin/python3.12,$(if $(shell $(p) -c 'import sys; \
   print(sys.version_info[:2] == (3, 12))' 2>/dev/null | grep True),$(p))))
 # tests/test_quant_kernels.py passes on 0.11.2 too but takes 80 s here: add it with J11_TESTS="<these three> tests/test_quant_kernels.py"
-J11_TESTS ?= tests/test_cuda_lowering.py tests/test_jax_range.py tests/test_pytree_files.py
+J11_TESTS ?= tests/test_cuda_lowering.py tests/test_jax_range.py tests/test_pytree_files.py tests/test_jaximus.py
 
 $(J11_STAMP): settings.ini setup.py pyproject.toml Makefile
 	@test -n "$(PY312)" || { echo "gpu-lower needs a Python 3.12 (python3.12 on PATH or under ~/.pyenv; or PY312=<path>)"; exit 2; }
@@ -127,8 +127,13 @@ $(J11_STAMP): settings.ini setup.py pyproject.toml Makefile
 	$(J11BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(J11_STAMP)
 
+# Then the GPU host's own command path on this JAX, as that host runs it (wheels unpacked after the venv's packages):
+# the quantization page in tiny mode (the train page needs torch, which this venv does not carry; .venv runs it).
 gpu-lower: $(J11_STAMP)
 	XLA_FLAGS= $(J11BIN)/python -m pytest -q -p no:cacheprovider $(J11_TESTS)
+	test -d .gpu-wheels || $(MAKE) --no-print-directory gpu-wheels
+	XLA_FLAGS= $(MAKE) --no-print-directory bench-gpu GPU_PYTHON=$(J11BIN)/python TINY=1 PAGE=quantization \
+	  OUT=_gpu_tiny/quantization-jax011 GPU_SITE=_gpu_tiny/site
 
 readme: install
 	$(BIN)/python .ci/docs.py readme

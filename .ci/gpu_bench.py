@@ -96,6 +96,9 @@ def main(argv=None) -> int:
     ap.add_argument("--site", type=Path, default=None, help="folder appended to sys.path (wheels unpacked there)")
     ap.add_argument("--wheels", type=Path, default=None, help="wheels to unpack into --site first (make gpu-wheels)")
     a = ap.parse_args(argv)
+    a.out = a.out.resolve()  # the page runs in its own folder: every path is made absolute first
+    a.site = a.site.resolve() if a.site is not None else None
+    a.wheels = a.wheels.resolve() if a.wheels is not None else None
     if a.wheels is not None and a.site is None:
         ap.error("--wheels needs --site (the folder they are unpacked into)")
     if a.wheels is not None and a.wheels.is_dir():
