@@ -100,18 +100,20 @@ def _entries():
 
 
 _BAD = {  # name -> (change to _case("causal"), what the error says)
-    "window 0": (dict(sliding_window=0), "sliding_window=0: expected None (no window) or an int >= 1"),
-    "window -2": (dict(sliding_window=-2), "sliding_window=-2"),
-    "window 2.5": (dict(sliding_window=2.5), "sliding_window=2.5"),
-    "cap 0": (dict(logits_soft_cap=0.0), "logits_soft_cap=0.0: expected None (no cap) or a finite number > 0"),
-    "cap -2": (dict(logits_soft_cap=-2.0), "logits_soft_cap=-2.0"),
-    "cap inf": (dict(logits_soft_cap=float("inf")), "logits_soft_cap=inf"),
-    "cap nan": (dict(logits_soft_cap=float("nan")), "logits_soft_cap=nan"),
-    "scale nan": (dict(softmax_scale=float("nan")), "softmax_scale=nan"),
-    "int q": (dict(q=jnp.int32), "q has dtype int32; expected floating q, k, v"),
-    "int k, v": (dict(k=jnp.int8, v=jnp.int8), "k has dtype int8"),
-    "int dtype": (dict(dtype=jnp.int32), "dtype=int32: expected None (q's dtype) or a floating dtype"),
-    "no key": (dict(s=0), "have an empty axis"),
+    "window-0": (dict(sliding_window=0), "sliding_window=0: expected None (no window) or an int >= 1"),
+    "window-negative": (dict(sliding_window=-2), "sliding_window=-2"),
+    "window-float": (dict(sliding_window=2.5), "sliding_window=2.5"),
+    "cap-0": (dict(logits_soft_cap=0.0), "logits_soft_cap=0.0: expected None (no cap) or a finite number > 0"),
+    "cap-negative": (dict(logits_soft_cap=-2.0), "logits_soft_cap=-2.0"),
+    "cap-inf": (dict(logits_soft_cap=float("inf")), "logits_soft_cap=inf"),
+    "cap-nan": (dict(logits_soft_cap=float("nan")), "logits_soft_cap=nan"),
+    "scale-nan": (dict(softmax_scale=float("nan")), "softmax_scale=nan"),
+    "scale-0": (dict(softmax_scale=0.0), "softmax_scale=0.0: expected None (1/sqrt(head_dim)) or a finite number > 0"),
+    "causal-str": (dict(causal="yes"), "causal='yes': expected True or False"),
+    "int-q": (dict(q=jnp.int32), "q has dtype int32; expected floating q, k, v"),
+    "int-kv": (dict(k=jnp.int8, v=jnp.int8), "k has dtype int8"),
+    "int-dtype": (dict(dtype=jnp.int32), "dtype=int32: expected None (q's dtype) or a floating dtype"),
+    "no-key": (dict(s=0), "have an empty axis"),
 }
 
 
@@ -166,3 +168,10 @@ def test_pallas_mark_padding_query_with_segment_coming_back():
     assert np.isnan(flash[0, 4]).all()
     np.testing.assert_allclose(np.delete(flash, 4, 1)[0], np.delete(ref, 4, 1)[0], atol=1e-5)
     np.testing.assert_allclose(pallas_attention(q, k, v, mechanism="blocksparse", interpret=True, **kw), ref, atol=1e-5)
+
+
+def test_blockwise_tiles_refused():
+    q, k, v, kw = _case("causal")
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=re.escape(f"block_k={bad!r}: expected an int >= 1")):
+            blockwise_attention(q, k, v, block_k=bad, **kw)
