@@ -583,7 +583,7 @@ def _self_attention_why(name, q, k, ing, spec):
             return f"{a} != {b}: {name} is a self-attention kernel"
     return None
 
-
+# %% ../../nbs/09h_ops.attention.ipynb #2b7de119
 def _last_real_key(kv, seg):
     "`(b, t)`: the position of the last real key at or before each position in its own segment (-1: none)."
     idx = jnp.broadcast_to(jnp.arange(kv.shape[1]), kv.shape)
