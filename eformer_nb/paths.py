@@ -1410,7 +1410,8 @@ def _to_storable(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _from_stored(a: np.ndarray) -> np.ndarray:
+def _from_stored(a: np.ndarray, where: str = "the file") -> np.ndarray:
+    "The ml_dtypes array a `_to_storable` array holds (of the shape its header declares), else `a` itself."
     names = a.dtype.names
     if names and len(names) == 1 and names[0].startswith(_ML_DTYPES_FIELD):
         import ml_dtypes
@@ -1418,9 +1419,15 @@ def _from_stored(a: np.ndarray) -> np.ndarray:
         name = names[0][len(_ML_DTYPES_FIELD):]
         dt = getattr(ml_dtypes, name, None)
         if dt is None:
-            raise ValueError(f"load_jax_array: the file stores ml_dtypes.{name}, which this ml_dtypes "
+            raise ValueError(f"load_jax_array: {where} stores ml_dtypes.{name}, which this ml_dtypes "
                              f"{ml_dtypes.__version__} does not have")
-        return np.ascontiguousarray(a[names[0]]).view(dt)
+        raw = np.ascontiguousarray(a[names[0]])
+        if raw.shape != a.shape or raw.dtype.itemsize != np.dtype(dt).itemsize:  # a view would change the shape
+            raise ValueError(f"load_jax_array: {where}: the header declares shape {a.shape} of ml_dtypes.{name} "
+                             f"stored as {a.dtype.fields[names[0]][0]} ({raw.dtype.itemsize} bytes a value, shape "
+                             f"{raw.shape}); ml_dtypes.{name} takes {np.dtype(dt).itemsize} bytes, so the data would "
+                             f"not have that shape: the header was altered or written by another tool")
+        return raw.view(dt)
     return a
 
 # %% ../nbs/04_paths.ipynb #590d85e6
@@ -1483,7 +1490,7 @@ def load_jax_array(
     import jax
 
     p = path if isinstance(path, ePath) else ePath(path)
-    a = _from_stored(_read_npy(p.read_bytes(), repr(str(p))))
+    a = _from_stored(_read_npy(p.read_bytes(), repr(str(p))), repr(str(p)))
     if a.dtype.type is np.void:  # np.save of an ml_dtypes array writes raw bytes ('|V2'): the dtype is lost
         raise ValueError(f"load_jax_array: {str(p)!r} holds raw {a.dtype.itemsize}-byte values (dtype {a.dtype}), "
                          "not numbers: an ml_dtypes array (bfloat16, float8) written by np.save loses its dtype. "

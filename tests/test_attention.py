@@ -1,12 +1,15 @@
 """eformer_nb.ops.attention beyond the notebook's examples: a traced KV-cache index, bfloat16, "auto"'s choice by
 size; and cheap repeats of two notebook checks (blockwise with ragged tiles, ring on 8 devices) that the mutations in
 tests/mutations/attention.yaml target. The notebook holds the equality checks per case and the memory growth."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eformer_nb.ops.attention import _case, _pick, _prepare, attention, blockwise_attention, decode_attention
+from eformer_nb.ops.attention import (_Spec, _case, _pick, _prepare, _rows, attention, blockwise_attention,
+                                     decode_attention, pallas_attention, visible_mask)
 
 
 @pytest.mark.parametrize("mechanism", ["vanilla", "blockwise", "sdpa"])
@@ -80,3 +83,95 @@ def test_ring_on_8_devices_equals_vanilla(case):
     with jax.set_mesh(create_mesh((1, 1, 1, 2, 4))):
         _grads_match(lambda q, k, v, **kw: attention(q, k, v, mechanism="ring", **kw), case,
                      s=16 if case == "cache" else None)
+
+
+# Bad inputs (issue 48): each used to go through and silently zero, flatten or NaN the output (or die in a modulo by
+# zero in blockwise); now one check at the entry (`_prepare`: `_check` and `_spec`) refuses it, whatever the mechanism.
+def _entries():
+    """Every way in on a CPU: each mechanism `attention` runs here (ring refuses later: no mesh), the Pallas kernels in
+    interpret mode, `blockwise_attention` and the decode step."""
+    yield from ((f"attention/{m}", lambda q, k, v, m=m, **kw: attention(q, k, v, mechanism=m, **kw))
+                for m in ("auto", "vanilla", "sdpa", "blockwise", "ring"))
+    yield from ((f"pallas/{m}", lambda q, k, v, m=m, **kw: pallas_attention(q, k, v, mechanism=m, interpret=True, **kw))
+                for m in ("flash_attn2", "blocksparse"))
+    yield "blockwise_attention", lambda q, k, v, **kw: blockwise_attention(q, k, v, block_q=4, block_k=4, **kw)
+    yield from ((f"decode/{m}", lambda q, k, v, m=m, **kw: decode_attention(q[:, -1:], k, v, **{
+        **kw, "q_slots": kw["q_slots"][-1:]}, mechanism=m)) for m in ("auto", "vanilla", "sdpa", "blockwise"))
+
+
+_BAD = {  # name -> (change to _case("causal"), what the error says)
+    "window-0": (dict(sliding_window=0), "sliding_window=0: expected None (no window) or an int >= 1"),
+    "window-negative": (dict(sliding_window=-2), "sliding_window=-2"),
+    "window-float": (dict(sliding_window=2.5), "sliding_window=2.5"),
+    "cap-0": (dict(logits_soft_cap=0.0), "logits_soft_cap=0.0: expected None (no cap) or a finite number > 0"),
+    "cap-negative": (dict(logits_soft_cap=-2.0), "logits_soft_cap=-2.0"),
+    "cap-inf": (dict(logits_soft_cap=float("inf")), "logits_soft_cap=inf"),
+    "cap-nan": (dict(logits_soft_cap=float("nan")), "logits_soft_cap=nan"),
+    "scale-nan": (dict(softmax_scale=float("nan")), "softmax_scale=nan"),
+    "scale-0": (dict(softmax_scale=0.0), "softmax_scale=0.0: expected None (1/sqrt(head_dim)) or a finite number > 0"),
+    "causal-str": (dict(causal="yes"), "causal='yes': expected True or False"),
+    "int-q": (dict(q=jnp.int32), "q has dtype int32; expected floating q, k, v"),
+    "int-kv": (dict(k=jnp.int8, v=jnp.int8), "k has dtype int8"),
+    "int-dtype": (dict(dtype=jnp.int32), "dtype=int32: expected None (q's dtype) or a floating dtype"),
+    "no-key": (dict(s=0), "have an empty axis"),
+}
+
+
+@pytest.mark.parametrize("bad", list(_BAD))
+def test_every_entry_refuses_bad_input(bad):
+    change, says = _BAD[bad]
+    q, k, v, kw = _case("causal")
+    if "s" in change:
+        k, v, kw["k_slots"] = k[:, :change["s"]], v[:, :change["s"]], kw["k_slots"][:change["s"]]
+    q, k, v = (x.astype(change.get(n, x.dtype)) for n, x in zip("qkv", (q, k, v)))
+    kw.update({n: x for n, x in change.items() if n not in ("q", "k", "v", "s")})
+    for name, fn in _entries():
+        with pytest.raises(ValueError, match=re.escape(says)):
+            fn(q, k, v, **kw)
+            pytest.fail(f"{name} took {bad}")
+
+
+def test_no_query_refused():
+    """t = 0 (blockwise and ring died in a modulo by zero, vanilla returned an empty array); decode has its own
+    refusal (one query per row)."""
+    q, k, v, kw = _case("causal")
+    kw["q_slots"] = kw["q_slots"][:0]
+    for name, fn in _entries():
+        with pytest.raises(ValueError, match="have an empty axis|one query per row"):
+            fn(q[:, :0], k, v, **kw)
+
+
+def test_rows_any_segment_ids():
+    """`_rows` (which queries of a Pallas self-attention kernel see some key) equals the dense mask's rows for any
+    segment ids, not only contiguous runs, with padding holes, with and without a window."""
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        t = int(rng.integers(1, 12))
+        seg = jnp.asarray(rng.integers(0, 3, (3, t)), jnp.int32)
+        kv = jnp.asarray(rng.random((3, t)) < 0.6)
+        ing = dict(q_slots=jnp.arange(t), k_slots=jnp.arange(t), key_valid=kv, q_segments=seg, k_segments=seg)
+        for window in (None, 2):
+            want = visible_mask(**ing, causal=True, sliding_window=window).any(-1)
+            got = _rows(ing, _Spec(1.0, sliding_window=window), t)
+            np.testing.assert_array_equal(got, want, err_msg=f"segments {seg}, key_valid {kv}, window {window}")
+
+
+def test_pallas_mark_padding_query_with_segment_coming_back():
+    """A padding query whose segment has real keys earlier (segment 0 comes back after segment 1): mha cannot compute
+    it and marks it NaN, splash computes it; both used to zero it."""
+    q, k, v, kw = _case("causal")
+    seg = jnp.array([[0, 0, 1, 1, 0, 0, 1, 1], [0, 0, 0, 0, 1, 1, 1, 1]])
+    kw.update(q_segments=seg, k_segments=seg, key_valid=jnp.ones((2, 8), bool).at[0, 4].set(False))
+    ref = np.asarray(attention(q, k, v, mechanism="vanilla", **kw))
+    assert np.abs(ref[0, 4]).min() > 0
+    flash = np.asarray(pallas_attention(q, k, v, mechanism="flash_attn2", interpret=True, **kw))
+    assert np.isnan(flash[0, 4]).all()
+    np.testing.assert_allclose(np.delete(flash, 4, 1)[0], np.delete(ref, 4, 1)[0], atol=1e-5)
+    np.testing.assert_allclose(pallas_attention(q, k, v, mechanism="blocksparse", interpret=True, **kw), ref, atol=1e-5)
+
+
+def test_blockwise_tiles_refused():
+    q, k, v, kw = _case("causal")
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=re.escape(f"block_k={bad!r}: expected an int >= 1")):
+            blockwise_attention(q, k, v, block_k=bad, **kw)

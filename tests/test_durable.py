@@ -10,7 +10,8 @@ import pytest
 
 import eformer_nb.serialization.durable as durable
 from eformer_nb.paths import ePath
-from eformer_nb.serialization.durable import MARKER_FILE, Ownership, fresh_work_dir, remove_marked, rename_into_place
+from eformer_nb.serialization.durable import (MARKER_FILE, Ownership, fresh_work_dir, remove_marked, rename_into_place,
+                                              write_file)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,6 +31,37 @@ def test_fresh_work_dir_is_whole_or_absent(tmp_path, monkeypatch):
     work = fresh_work_dir(dest)
     assert (work.name, sorted(os.listdir(work)), sorted(os.listdir(tmp_path))) == \
         ("step-3.partial", [MARKER_FILE], ["step-3.partial"])
+
+
+def _trace_fsync_and_rename(monkeypatch) -> list[tuple]:
+    "The real `os.fsync` and `os.replace`, each call recorded in order as `('fsync', path)` / `('rename', src, dst)`."
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst, *a, **k):
+        events.append(("rename", os.fspath(src), os.fspath(dst)))
+        return real_replace(src, dst, *a, **k)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    return events
+
+
+def test_write_file_syncs_the_file_then_renames_then_syncs_the_folder(tmp_path, monkeypatch):
+    """`write_file`'s promise: once it returns, the new bytes survive a power cut. The temporary is fsynced before the
+    rename makes it visible, and the folder after it (the rename is an entry in the folder: without that fsync the
+    name can still point at the old file, or at nothing, after a crash). Without fsync=False, neither."""
+    events = _trace_fsync_and_rename(monkeypatch)
+    f = ePath(tmp_path) / "meta.json"
+    write_file(f, [b"{}"])
+    tmp = events[0][1] if events and events[0][0] == "fsync" else None  # the temporary, named on the fly
+    assert tmp != str(f) and events == [("fsync", tmp), ("rename", tmp, str(f)), ("fsync", str(tmp_path))], events
+    assert f.read_bytes() == b"{}"
+    events.clear()
+    write_file(f, [b"[]"], fsync=False)  # the caller syncs
+    assert [e[0] for e in events] == ["rename"] and f.read_bytes() == b"[]"
 
 
 def _remove_killed_part_way(d: ePath, monkeypatch) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 import typing as tp
 
 import jax
@@ -83,6 +84,9 @@ def _check(q, k, v, q_slots, k_slots, key_valid, q_segments, k_segments, causal)
     if bk != b or dk != d or h % kvh:
         raise ValueError(f"q {q.shape} and k {k.shape}: batch and head_dim must match and heads ({h}) be a multiple "
                          f"of kv heads ({kvh})")
+    if 0 in (b, t, h, d, s, kvh):
+        raise ValueError(f"q {q.shape} and k {k.shape} have an empty axis: attention needs at least one row, query, "
+                         f"key, head and head dimension (b={b}, t={t}, s={s}, h={h}, kvh={kvh}, d={d})")
     want = {"q_slots": (q_slots, (t,)), "k_slots": (k_slots, (s,)), "key_valid": (key_valid, (b, s)),
             "q_segments": (q_segments, (b, t)), "k_segments": (k_segments, (b, s))}
     for name, (x, shape) in want.items():
@@ -117,6 +121,41 @@ def visible_mask(
         seg = q_segments[:, :, None] == k_segments[:, None, :]
         m = seg if m is None else m & seg
     return jnp.ones((1, *shape), bool) if m is None else m
+
+# %% ../../nbs/09h_ops.attention.ipynb #94c813d3
+def _positive(name: str, x, integer: bool, off: str):
+    "`x` as an int >= 1 (`integer`) or a finite float > 0; None stays None (it means `off`); else a ValueError."
+    if x is None:
+        return None
+    try:
+        if isinstance(x, (bool, np.bool_, str, bytes)) or np.ndim(x) != 0:
+            raise TypeError
+        val = operator.index(x) if integer else float(x)
+    except TypeError:  # also a traced value (the option is static: a Python number)
+        val = None
+    if val is None or not math.isfinite(val) or val <= 0:
+        want = "an int >= 1" if integer else "a finite number > 0"
+        traced = "; it is traced (under jit): pass a Python number, the option is static" if isinstance(
+            x, jax.core.Tracer) else ""
+        raise ValueError(f"{name}={x!r}: expected None ({off}) or {want}{traced}")
+    return val
+
+
+def _spec(q, k, v, dtype, softmax_scale, sliding_window, logits_soft_cap, causal) -> _Spec:
+    "The static `_Spec` of a call from its options, each checked (a ValueError naming the first bad one)."
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} has dtype {jnp.dtype(x.dtype).name}; expected floating q, k, v (float32, "
+                             "bfloat16, float16): cast them first")
+    dt = jnp.dtype(q.dtype if dtype is None else dtype)
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise ValueError(f"dtype={dt.name}: expected None (q's dtype) or a floating dtype (float32, bfloat16, float16)")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise ValueError(f"causal={causal!r}: expected True or False")
+    scale = _positive("softmax_scale", softmax_scale, False, "1/sqrt(head_dim)")
+    return _Spec(scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, causal=bool(causal),
+                 sliding_window=_positive("sliding_window", sliding_window, True, "no window"),
+                 soft_cap=_positive("logits_soft_cap", logits_soft_cap, False, "no cap"), dtype=dt)
 
 # %% ../../nbs/09h_ops.attention.ipynb #04219acc
 def _scores(qg, k, spec, eq="btkgd,bskd->bkgts"):
@@ -283,6 +322,9 @@ def blockwise_parts(
     "`blockwise` attention, grouped layout, with the log-sum-exp of each query's scores (-inf: it sees no key)."
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
+    for name, x in (("block_q", block_q), ("block_k", block_k)):
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 1:
+            raise ValueError(f"{name}={x!r}: expected an int >= 1 (a tile length)")
     bq, bk = min(block_q, t), min(block_k, s)
     i32 = lambda x, n: jnp.zeros(n, jnp.int32) if x is None else jnp.asarray(x, jnp.int32)
     key_ok = jnp.ones((b, s), bool) if key_valid is None else key_valid
@@ -402,11 +444,9 @@ def attention(
 
 def _prepare(q, k, v, q_slots, k_slots, key_valid, q_segments, k_segments, dtype, softmax_scale, sliding_window,
              logits_soft_cap, causal):
-    "Check the inputs; the ingredients as a dict and the static `_Spec`."
+    "Check the inputs (`_check`, `_spec`: every entry point comes here); the ingredients as a dict and the `_Spec`."
     _check(q, k, v, q_slots, k_slots, key_valid, q_segments, k_segments, causal or sliding_window is not None)
-    spec = _Spec(scale=1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale), causal=causal,
-                 sliding_window=sliding_window, soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-                 dtype=jnp.dtype(q.dtype if dtype is None else dtype))
+    spec = _spec(q, k, v, dtype, softmax_scale, sliding_window, logits_soft_cap, causal)
     return dict(q_slots=q_slots, k_slots=k_slots, key_valid=key_valid, q_segments=q_segments,
                 k_segments=k_segments), spec
 
@@ -543,9 +583,23 @@ def _self_attention_why(name, q, k, ing, spec):
             return f"{a} != {b}: {name} is a self-attention kernel"
     return None
 
+# %% ../../nbs/09h_ops.attention.ipynb #2b7de119
+def _last_real_key(kv, seg):
+    "`(b, t)`: the position of the last real key at or before each position in its own segment (-1: none)."
+    idx = jnp.broadcast_to(jnp.arange(kv.shape[1]), kv.shape)
+    if seg is None:
+        return jax.lax.cummax(jnp.where(kv, idx, -1), axis=1)
+    order = jnp.argsort(seg, axis=1, stable=True)  # grouped by segment, positions ascending in each group
+    s = jnp.take_along_axis(seg, order, 1)
+    start = jnp.concatenate([jnp.ones_like(s[:, :1], bool), s[:, 1:] != s[:, :-1]], 1)
+    val = jnp.where(jnp.take_along_axis(kv, order, 1), order, -1)
+    op = lambda a, b: (a[0] | b[0], jnp.where(b[0], b[1], jnp.maximum(a[1], b[1])))  # running max, reset per group
+    last = jax.lax.associative_scan(op, (start, val), axis=1)[1]
+    return jnp.zeros_like(last).at[jnp.arange(kv.shape[0])[:, None], order].set(last)
+
 
 def _rows(ing, spec, t):
-    "`(b, t)` bool: which queries see some key (None: all), for self-attention with contiguous segments."
+    "`(b, t)` bool: which queries see some key (None: all), for self-attention (any segment ids)."
     kv, qseg = ing["key_valid"], ing["q_segments"]
     if kv is None and qseg is None:
         return None
@@ -553,13 +607,10 @@ def _rows(ing, spec, t):
         return None
     if not spec.causal:
         return visible_mask(**ing, causal=False, sliding_window=None).any(-1)
-    idx = jnp.arange(t)
-    last = jax.lax.cummax(jnp.where(kv, idx, -1), axis=1)  # the last real key at or before each query
+    last = _last_real_key(kv, None if qseg is None else jnp.asarray(qseg))  # the last key each query could see
     vis = last >= 0
-    if qseg is not None:
-        vis &= jnp.take_along_axis(ing["k_segments"], jnp.maximum(last, 0), 1) == qseg
     if spec.sliding_window is not None:
-        vis &= idx - last < spec.sliding_window
+        vis &= jnp.arange(t) - last < spec.sliding_window
     return vis
 
 # %% ../../nbs/09h_ops.attention.ipynb #338500a3
