@@ -3135,6 +3135,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                  'eformer_nb.plan.parameter_leaves': ('nbs/plan.html#parameter_leaves', 'eformer_nb/plan.py'),
                                  'eformer_nb.plan.parse_mesh': ('nbs/plan.html#parse_mesh', 'eformer_nb/plan.py'),
                                  'eformer_nb.plan.plan': ('nbs/plan.html#plan', 'eformer_nb/plan.py'),
+                                 'eformer_nb.plan.plan_xla': ('nbs/plan.html#plan_xla', 'eformer_nb/plan.py'),
                                  'eformer_nb.plan.suggest': ('nbs/plan.html#suggest', 'eformer_nb/plan.py'),
                                  'eformer_nb.plan.xla_train_bytes': ('nbs/plan.html#xla_train_bytes', 'eformer_nb/plan.py')},
             'eformer_nb.pytree.dataclasses': { 'eformer_nb.pytree.dataclasses.FrozenPyTree': ( 'nbs/pytree.dataclasses.html#frozenpytree',

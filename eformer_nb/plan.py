@@ -17,7 +17,7 @@ from fastcore.basics import patch
 __all__ = ['GB', 'GiB', 'DEVICES', 'DEVICE_PLATFORMS', 'MESH_AXES', 'MODEL_PRESETS', 'OPTIMIZER_STATES', 'DTYPE_BYTES',
            'QUANTIZED_KERNELS', 'NF4_BYTES', 'ACTIVATION_COUNTS', 'SCORELESS', 'CHANGES', 'model_config', 'parse_mesh',
            'device_memory', 'Leaf', 'parameter_leaves', 'divisibility_problems', 'keeps_scores', 'activation_terms',
-           'Plan', 'plan', 'suggest', 'xla_train_bytes', 'main']
+           'Plan', 'plan', 'suggest', 'xla_train_bytes', 'plan_xla', 'main']
 
 # %% ../nbs/13_plan.ipynb #c13ab7ef
 GB, GiB = 10**9, 2**30
@@ -270,6 +270,7 @@ class Plan:
     problems: list[str]  # divisibility problems, each with its fix
     source: str = "analytical"  # of the activations: "analytical" (ACTIVATION_COUNTS) or "xla" (memory_analysis)
     suggestions: list[dict] = dataclasses.field(default_factory=list)  # `suggest`: changes that make it fit
+    config: tp.Any = dataclasses.field(default=None, repr=False)  # the `LlamaConfig` planned for
 
     @property
     def total(self) -> float:
@@ -360,7 +361,7 @@ def plan(model,  # a preset of MODEL_PRESETS, a `LlamaConfig`, or a path to a HF
     p = Plan(name, mode, sizes, batch, seq_len, str(device), dev, settings, params,
                 OPTIMIZER_STATES[optimizer] * trainable, trainable, sum(terms.values()), kv,
                 B * S * 4 if mode == "train" else B * 4, terms,
-                divisibility_problems(config, sizes, batch, seq_len, leaves))
+                divisibility_problems(config, sizes, batch, seq_len, leaves), config=config)
     if suggest_fixes and not p.fits:
         p.suggestions = suggest(p, model, mesh=mesh, batch=batch, seq_len=seq_len, device=device, mode=mode,
                                 gradient_checkpointing=gradient_checkpointing, attn_mechanism=attn_mechanism,
@@ -448,7 +449,25 @@ def xla_train_bytes(config,  # a `LlamaConfig`
                temp=ma.temp_size_in_bytes)
     return {**out, "total": out["argument"] + out["output"] - out["alias"] + out["temp"]}
 
-# %% ../nbs/13_plan.ipynb #bb6e9543
+# %% ../nbs/13_plan.ipynb #0a7d0d2c
+def plan_xla(model,  # as for `plan`
+             **kwargs,  # the other arguments of `plan` (float32, AdamW, train, no quantization)
+             ) -> Plan:
+    """`plan` with XLA's own figure for the activations and temporaries: the real train step compiled here
+    (`xla_train_bytes`), so the model must be small enough to compile and the mesh must span this process's devices."""
+    p = plan(model, suggest_fixes=False, **kwargs)
+    s = p.settings
+    if (p.mode, s["quantize"], s["optimizer"], s["dtype"], s["param_dtype"]) != ("train", None, "adamw", "float32",
+                                                                                 "float32"):
+        raise ValueError(f"plan_xla compiles the float32 AdamW train step; got mode={p.mode!r}, quantize="
+                         f"{s['quantize']!r}, optimizer={s['optimizer']!r}, dtype={s['dtype']!r}, param_dtype="
+                         f"{s['param_dtype']!r}: use plan() for the others")
+    xla = xla_train_bytes(p.config, p.mesh, p.batch, p.seq_len)["total"]
+    rest = p.total - p.activations
+    return dataclasses.replace(p, activations=xla - rest, activation_terms={"xla_temporaries": xla - rest},
+                               source="xla")
+
+# %% ../nbs/13_plan.ipynb #78d14d3c
 def main(argv: tp.Sequence[str] | None = None,  # command-line flags (default `sys.argv[1:]`); see `--help`
          ) -> Plan:
     "`python -m eformer_nb.plan`: print the plan of the flags; exit status 1 when it does not fit, 2 on bad input."
