@@ -234,7 +234,9 @@ def activation_terms(config,  # a `LlamaConfig` (its gradient_checkpointing, att
         out["saved_layer_inputs"] = L * k["remat_inputs"] * T * c.hidden_size / tp_ * act_bytes
     elif gc in ("dots_with_no_batch_dims_saveable", "checkpoint_dots_with_no_batch_dims"):
         out["saved_layer_matmuls"] = L * (k["hidden_saved"] * A + k["mlp_saved"] * M)
-    else:  # none, everything_saveable, the dots and name-based policies: counted as saving everything
+    elif gc in ("dots_saveable", "checkpoint_dots"):  # also q @ k^T, a dot with batch dimensions: one scores tensor
+        out["saved_layer_matmuls"] = L * (scores + k["hidden_saved"] * A + k["mlp_saved"] * M)
+    else:  # none, everything_saveable and the name-based policies: counted as saving everything
         out["saved_layer_activations"] = L * (k["scores_saved"] * scores + k["hidden_saved"] * A + k["mlp_saved"] * M)
     out["one_layer_backward"] = k["scores_work"] * scores + k["layer_work"] * (A + M)
     out["logits"] = k["logits"] * logit_tokens * V * 4
