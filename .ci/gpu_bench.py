@@ -95,6 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=None, help="seconds for the page's sections (default: the page's)")
     ap.add_argument("--site", type=Path, default=None, help="folder appended to sys.path (wheels unpacked there)")
     ap.add_argument("--wheels", type=Path, default=None, help="wheels to unpack into --site first (make gpu-wheels)")
+    ap.add_argument("--notebook", type=Path, default=None, help="run this notebook instead of the page's (tests)")
     a = ap.parse_args(argv)
     a.out = a.out.resolve()  # the page runs in its own folder: every path is made absolute first
     a.site = a.site.resolve() if a.site is not None else None
@@ -109,8 +110,8 @@ def main(argv=None) -> int:
         sys.path.append(str(a.site))
     sys.path.insert(0, str(ROOT))
     a.out.mkdir(parents=True, exist_ok=True)
-    src = ROOT / "nbs" / "benchmarks" / f"gpu_{a.page}.ipynb"
-    dest, jsonl = a.out / src.name, a.out / f"gpu_{a.page}.jsonl"
+    src = a.notebook.resolve() if a.notebook else ROOT / "nbs" / "benchmarks" / f"gpu_{a.page}.ipynb"
+    dest, jsonl = a.out / f"gpu_{a.page}.ipynb", a.out / f"gpu_{a.page}.jsonl"
     os.environ["EFORMER_GPU_PAGE_TINY"] = "1" if a.tiny else "0"
     os.environ["EFORMER_GPU_PAGE_JSONL"] = str(jsonl.resolve())
     if a.budget is not None:
