@@ -10,6 +10,7 @@ SINGLE_DEVICE_PAGES := models optimizers quantization llamacpp attention
 space := $(subst ,, )
 NBDEV_TEST_FLAGS ?= multidevice
 NBDEV_WORKERS ?= 2
+PYTEST_WORKERS ?= 2
 TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: help install test bench-gpu bench-gpu-tiny gpu-wheels lint check-sync check-notebooks check-readme nbtest pytest docs readme bench bench-llamacpp bench-check demo mutate clean client peer-suite gpu-lower
@@ -64,8 +65,11 @@ nbtest: install
 	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python .ci/docs_outputs.py nbtest --n-workers $(NBDEV_WORKERS) --flags "$(NBDEV_TEST_FLAGS) $$($(BIN)/python -c 'import torch, transformers; print("hf")' 2>/dev/null)" --timing
 
 # tests/test_cuda_lowering.py runs in `gpu-lower`, on the GPU hosts' JAX (0.11); here it would repeat it on 0.10 (~20 s)
+# Two pytest-xdist workers (PYTEST_WORKERS=0: one process); each module runs whole on one worker, the Ray modules one
+# after another on the same worker (tests/conftest.py: the groups)
 pytest: install
-	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python -m pytest -q --durations=25 tests/ --ignore=tests/test_cuda_lowering.py
+	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python -m pytest -q --durations=25 -n $(PYTEST_WORKERS) --dist loadgroup tests/ \
+	  --ignore=tests/test_cuda_lowering.py
 
 # ruff (settings in pyproject.toml): line length 120, unused imports/variables, undefined names. The package is
 # checked at 130: nbdev wraps the `__all__` it generates at 120 characters and then prefixes `__all__ = `.
