@@ -25,10 +25,8 @@ __all__ = ['CONFIG_NAME', 'EasyDeLBaseConfig', 'config_file']
 CONFIG_NAME = "config.json"
 _HF_METADATA_KEYS = ("architectures", "transformers_version", "torch_dtype", "dtype", "model_type")
 
-
 class EasyDeLBaseConfig:
-    """Base of every model configuration: token ids, embedding tying, a `PartitionAxis`, the model-agnostic
-    options every family reads (attention, rematerialisation, loss chunking, window, soft-caps), the JSON round trip."""
+    "Base of every model config: token ids, tying, a `PartitionAxis`, the model-agnostic options, the JSON round trip."
     model_type: tp.ClassVar[str] = ""  # set by each model's config class (and by `register_config`)
 
     def __init__(self, bos_token_id: int | None = None,  # beginning-of-sequence token
@@ -54,10 +52,10 @@ class EasyDeLBaseConfig:
             raise TypeError(f"partition_axis must be a PartitionAxis, a dict or None, got {partition_axis!r}")
         self.partition_axis = partition_axis or PartitionAxis()
         self.attn_mechanism, self.decode_attn_mechanism = attn_mechanism, decode_attn_mechanism
-        self.gradient_checkpointing, self.loss_chunk_size = gradient_checkpointing, loss_chunk_size
-        self.gradient_checkpointing_names = (list(gradient_checkpointing_names) if isinstance(
-            gradient_checkpointing_names, (list, tuple)) else gradient_checkpointing_names)  # a JSON list either way
-        self.sliding_window = sliding_window
+        self.gradient_checkpointing, self.loss_chunk_size, self.sliding_window = (gradient_checkpointing, loss_chunk_size,
+                                                                                  sliding_window)
+        names = gradient_checkpointing_names
+        self.gradient_checkpointing_names = list(names) if isinstance(names, (list, tuple)) else names  # a JSON list
         self.attn_logit_softcapping, self.final_logit_softcapping = attn_logit_softcapping, final_logit_softcapping
         kwargs.pop("model_type", None)
         for key, value in kwargs.items():

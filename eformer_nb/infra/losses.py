@@ -17,7 +17,7 @@ __all__ = ['causal_lm_loss', 'chunked_causal_lm_loss']
 
 # %% ../../nbs/11l_infra.losses.ipynb #71380c98
 def causal_lm_loss(
-    logits: jax.Array,  # `(batch, vocab)` logits of the last position
+    logits: jax.Array,  # `(batch, length, vocab)` logits
     labels: jax.Array,  # target ids (default: the inputs)
     config: LossConfig | None = None,  # smoothing, z-loss, reduction (None: the defaults)
 ) -> tuple[jax.Array, LossMetrics]:
@@ -32,7 +32,7 @@ def causal_lm_loss(
         logits, labels = logits[:, :-1], labels[:, 1:]
     return _reduce_loss(*_token_terms(logits.astype(jnp.float32), labels, config), labels, config)
 
-
+# %% ../../nbs/11l_infra.losses.ipynb #b1ce154c
 def _token_terms(
     logits: jax.Array,  # float32 `(..., vocab)`
     labels: jax.Array,  # `(...)` target ids

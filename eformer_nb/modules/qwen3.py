@@ -126,4 +126,4 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     "A Qwen3 causal LM: `Qwen3Model` and an LM head (or the tied embedding); all else is `LlamaForCausalLM`'s."
     base_model_class, decoder_layer_class = Qwen3Model, Qwen3DecoderLayer  # what generation may run part by part
     hf_model_class, hf_config_class = "Qwen3ForCausalLM", "Qwen3Config"  # transformers' names (to_torch)
-    gguf_architecture = "qwen3"  # llama.cpp's name; the GGUF reader refuses it by name (it reads llama only)
+    gguf_architecture = "qwen3"  # llama.cpp's name (from_pretrained(gguf_file=): see infra.mixins.gguf)

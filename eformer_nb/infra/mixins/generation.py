@@ -877,7 +877,7 @@ class _PagedLayer:
         view = lambda pages: pages.reshape(-1, *pages.shape[2:])[self.read]
         return self.replace(key_pages=kp, value_pages=vp), view(kp), view(vp), self.q_slots
 
-
+# %% ../../../nbs/11g_infra.mixins.generation.ipynb #498b72f6
 def _paged_forward(model, cache: RaggedPagesCache, input_ids, seq_ids):
     "The family's own embedding, layers, norm and head over the pages of sequences `seq_ids`."
     inner, t = model.model, input_ids.shape[1]

@@ -61,7 +61,7 @@ def gguf_path(
     return full
 
 # %% ../../../nbs/11f_infra.mixins.gguf.ipynb #73f6152d
-GGUF_ARCHITECTURES = ("llama",)  # the `general.architecture` values this loader reads
+GGUF_ARCHITECTURES = ("llama", "qwen3")  # the `general.architecture` values this loader reads
 _LARGE = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
 
 
@@ -102,7 +102,8 @@ def gguf_config(
     **overrides,  # config fields that replace what the file says
 ):
     """The config of a GGUF file's metadata: the config class registered for its architecture (`llama`:
-    `LlamaConfig`, see `infra.factory`); architectures this reader does not know are refused by name."""
+    `LlamaConfig`, `qwen3`: `Qwen3Config`, see `infra.factory`); architectures this reader does not know are
+    refused by name."""
     reader = _reader(path_or_reader)
     meta, names = gguf_metadata(reader), {t.name: t for t in reader.tensors}
     arch = meta.get("general.architecture")
@@ -137,19 +138,24 @@ _GGUF_LAYER = {
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
 _GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GGUF_EXTRA = {"qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}}  # per architecture
+_GGUF_QK_PERMUTED = ("llama",)  # the architectures whose q/k rows llama.cpp's converter interleaves (its rotary
+# turns adjacent pairs for them; qwen3's rotary is the NeoX form, which turns halves as transformers does)
 
 
 def gguf_hf_name(
     name: str,  # a GGUF tensor name such as 'blk.0.attn_q.weight'
+    arch: str = "llama",  # the file's `general.architecture` (one of GGUF_ARCHITECTURES)
 ) -> str:
-    "The transformers name of a llama GGUF tensor; an unknown name is an error naming it."
+    "The transformers name of a GGUF tensor of an `arch` model; an unknown name is an error naming it."
+    layer = {**_GGUF_LAYER, **_GGUF_EXTRA.get(arch, {})}
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
-    if m and m.group(2) in _GGUF_LAYER:
-        return f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in layer:
+        return f"model.layers.{m.group(1)}.{layer[m.group(2)]}.{m.group(3)}"
     m = re.fullmatch(r"(\w+)\.(weight|bias)", name)
     if m and m.group(1) in _GGUF_TOP:
         return f"{_GGUF_TOP[m.group(1)]}.{m.group(2)}"
-    raise ValueError(f"GGUF tensor {name!r} has no place in a llama model; known: blk.N.{{{', '.join(_GGUF_LAYER)}}}"
+    raise ValueError(f"GGUF tensor {name!r} has no place in a {arch} model; known: blk.N.{{{', '.join(layer)}}}"
                      f".weight and {sorted(_GGUF_TOP)}")
 
 
@@ -171,20 +177,20 @@ def read_gguf_tensors(
     path_or_reader,  # a .gguf file (or an open `gguf.GGUFReader`)
     config=None,  # the model's config (None: `gguf_config` of the file)
 ) -> dict[str, np.ndarray]:
-    "Every tensor of a llama GGUF file, dequantized to float32, under transformers' names, q/k rows restored."
+    "Every tensor of a GGUF file, dequantized to float32, under transformers' names, q/k rows restored (`llama`)."
     from gguf.quants import dequantize
     reader = _reader(path_or_reader)
     config = gguf_config(reader) if config is None else config
     bad = [(t.name, t.tensor_type.name) for t in reader.tensors if t.tensor_type.name not in GGUF_TENSOR_TYPES]
     if bad:
         raise ValueError(f"GGUF tensors of unsupported types {bad[:5]}; supported: {list(GGUF_TENSOR_TYPES)}")
-    out = {}
+    out, arch = {}, reader.fields["general.architecture"].contents()
     for t in reader.tensors:
-        name = gguf_hf_name(t.name)
+        name = gguf_hf_name(t.name, arch)
         arr = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape([int(n) for n in t.shape[::-1]])
-        if name.endswith("q_proj.weight"):
+        if arch in _GGUF_QK_PERMUTED and name.endswith("q_proj.weight"):
             arr = unpermute_qk(arr, config.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
+        elif arch in _GGUF_QK_PERMUTED and name.endswith("k_proj.weight"):
             arr = unpermute_qk(arr, config.num_key_value_heads)
         out[name] = arr
     return out
@@ -221,7 +227,7 @@ def from_gguf(
     partition_rules=None,  # `[(regex, PartitionSpec)]` (None: the config's)
     config_kwargs: dict | None = None,  # overrides of the file's config
 ):
-    """A model of class `cls` from a llama GGUF file whose `general.architecture` is `cls.gguf_architecture`: config
+    """A model of class `cls` from a GGUF file whose `general.architecture` is `cls.gguf_architecture`: config
     from the metadata, weights dequantized and checked."""
     full = gguf_path(path, gguf_file)
     reader = _reader(full)
