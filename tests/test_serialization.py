@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import eformer_nb.serialization.base_manager as base_manager
 import eformer_nb.serialization.durable as durable
 import eformer_nb.serialization.serialization as ser_format
 from eformer_nb.paths import ePath
@@ -575,7 +574,7 @@ def test_gcs_old_format_and_later_tree_saves(gcs_root):
     meta = json.loads(meta_file.read_bytes())
     assert meta["indexes"][""]["arrays"] == ser_format.read_index(gcs_root / "step-1")["arrays"]
     old = {k: v for k, v in meta.items() if k not in ("indexes", "digest")}  # as this format was written before
-    base_manager.write_json(meta_file, old)
+    durable.write_json(meta_file, old)
     idx_file = gcs_root / "step-1" / "index.json"
     ser_format.write_json(idx_file, {k: v for k, v in json.loads(idx_file.read_bytes()).items()
                                       if k not in ("seq", "digest")})
