@@ -136,7 +136,7 @@ def test_gcs_failed_commit_keeps_the_old_prefix_tree(gcs_root, monkeypatch):
     def disk_on_fire(f, obj, generation):
         raise OSError("injected: the commit write failed")
 
-    monkeypatch.setattr(bm, "write_json_if_generation", disk_on_fire)
+    monkeypatch.setattr(durable, "write_json_if_generation", disk_on_fire)  # commit_json's conditional write
     with pytest.raises(OSError, match="injected"):
         bm.save_checkpoint_dir({"w": np.zeros(N)}, step, step=1, prefix="params")()
     after = _objects(step)

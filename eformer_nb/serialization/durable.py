@@ -546,7 +546,7 @@ def commit_now(
         rename_into_place(self.work, self.dest)
     self.committed = True
 
-
+# %% ../../nbs/10_serialization.durable.ipynb #380c4ba5
 @patch
 def commit(
     self: DurableSave,
