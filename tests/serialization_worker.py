@@ -309,7 +309,8 @@ def state_gcs_kill(url: str, root: str, point: str) -> None:
     set_gcs_filesystem(make_gcs_filesystem(endpoint_url=url))
     state_of(1).save_state(root, verbose=False)
     kill = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
-    real_files, real_opt, real_drop = files._write_files, bs._write_optimizer_file, bs._drop_replaced
+    # on gs:// save_pretrained writes in place: `_write_committed`
+    real_files, real_opt, real_drop = files._write_committed, bs._write_optimizer_file, bs._drop_replaced
 
     def model(*a):  # the new version's model files are written
         n = real_files(*a)
@@ -335,7 +336,7 @@ def state_gcs_kill(url: str, root: str, point: str) -> None:
             kill()
         return real_drop(*a)
 
-    files._write_files, bs._write_optimizer_file = model, optimizer
+    files._write_committed, bs._write_optimizer_file = model, optimizer
     bs._drop_replaced, durable.write_json_if_generation = drop, commit
     print("re-saving", flush=True)
     state_of(2).save_state(root, verbose=False)

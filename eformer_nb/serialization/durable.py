@@ -80,7 +80,7 @@ def _next_name(tag: str) -> str:
         n = _barrier_seq[thread] = _barrier_seq.get(thread, 0) + 1
     return f"eformer_nb.serialization.{thread}.{n}.{tag}"
 
-
+# %% ../../nbs/10_serialization.durable.ipynb #2acd8ea5
 def sync_processes(
     tag: str,  # the barrier's name (unique per call site and call)
     timeout_s: float | None = None,  # how long to wait for the others (None: `barrier_timeout_s()`)
