@@ -23,10 +23,11 @@ import numpy as np
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['LOCAL_PROTOCOLS', 'GCS_PROTOCOLS', 'UniversalPath', 'ePathLike', 'path_protocol', 'is_remote_path', 'is_local_path',
-           'is_gcs_path', 'parse_gcs_path', 'make_gcs_filesystem', 'set_gcs_filesystem', 'get_gcs_filesystem',
-           'PathStat', 'ePath', 'LocalPath', 'RelativePath', 'atomic_write_local', 'FsspecPath', 'GCSPath',
-           'gcs_client_for', 'save_jax_array', 'load_jax_array', 'save_dict', 'load_dict', 'PathManager', 'MLUtilPath']
+__all__ = ['LOCAL_PROTOCOLS', 'GCS_PROTOCOLS', 'TMP_TAG', 'UniversalPath', 'ePathLike', 'path_protocol', 'is_remote_path',
+           'is_local_path', 'is_gcs_path', 'parse_gcs_path', 'make_gcs_filesystem', 'set_gcs_filesystem',
+           'get_gcs_filesystem', 'PathStat', 'ePath', 'LocalPath', 'RelativePath', 'pid_alive', 'atomic_write_local',
+           'FsspecPath', 'GCSPath', 'gcs_client_for', 'save_jax_array', 'load_jax_array', 'save_dict', 'load_dict',
+           'PathManager', 'MLUtilPath']
 
 # %% ../nbs/04_paths.ipynb #e5afb84b
 _PROTOCOL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
@@ -619,7 +620,7 @@ def expanduser(self: LocalPath) -> LocalPath:  # `~` expanded
 
 # %% ../nbs/04_paths.ipynb #0ec6b12f
 @patch
-def _protected_reason(self: ePath) -> str | None:
+def protected_reason(self: ePath) -> str | None:
     "Why removing this directory recursively needs `allow_protected=True` (a root, the cwd, home, a bucket), or None."
     return None
 
@@ -627,14 +628,14 @@ def _protected_reason(self: ePath) -> str | None:
 @patch
 def _refuse_protected(self: ePath, allow_protected: bool) -> None:
     "The one rule every `rmtree` applies: a protected directory is never removed without the explicit opt-in."
-    why = self._protected_reason()
+    why = self.protected_reason()
     if why is not None and not allow_protected:
         raise ValueError(f"rmtree: refusing to remove {str(self)!r}: it is {why} (an empty or '.' output path is the "
                          "usual cause); pass allow_protected=True if you really mean to delete it")
 
 
 @patch
-def _protected_reason(self: LocalPath) -> str | None:
+def protected_reason(self: LocalPath) -> str | None:
     real = Path(os.path.realpath(self._p))
     cwd, home = Path(os.path.realpath(os.getcwd())), Path(os.path.realpath(Path.home()))
     for base, what in ((cwd, "the current directory"), (home, "the home directory")):
@@ -661,8 +662,8 @@ def rmtree(self: LocalPath,
     shutil.rmtree(self._p.absolute())  # absolute: '.' itself cannot be rmdir-ed
 
 # %% ../nbs/04_paths.ipynb #729374fc
-_TMP_TAG = ".enb-tmp"  # our temporaries: .{name}.{host}.{pid}.{random}.enb-tmp
-_TMP_RE = re.compile(r"^\..+\.(?P<host>[^.]+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+" + re.escape(_TMP_TAG) + "$")
+TMP_TAG = ".enb-tmp"  # our temporaries: .{name}.{host}.{pid}.{random}.enb-tmp
+_TMP_RE = re.compile(r"^\..+\.(?P<host>[^.]+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+" + re.escape(TMP_TAG) + "$")
 _SWEPT: dict[str, int] = {}  # directory -> its mtime (ns) when this process last swept it
 
 
@@ -670,7 +671,7 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9-]", "-", os.uname().nodename) or "host"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     "Whether process `pid` lives on this machine: a zombie (exited, not yet reaped by its parent) counts as gone."
     try:
         os.kill(pid, 0)
@@ -698,8 +699,8 @@ def _sweep_stale_temporaries(directory: str) -> list[str]:
     removed, host = [], _host()
     with os.scandir(directory) as it:
         for e in it:
-            m = _TMP_RE.match(e.name) if e.name.endswith(_TMP_TAG) else None
-            if m and m["host"] == host and int(m["pid"]) != os.getpid() and not _pid_alive(int(m["pid"])):
+            m = _TMP_RE.match(e.name) if e.name.endswith(TMP_TAG) else None
+            if m and m["host"] == host and int(m["pid"]) != os.getpid() and not pid_alive(int(m["pid"])):
                 try:
                     os.unlink(e.path)
                     removed.append(e.name)
@@ -729,7 +730,7 @@ def atomic_write_local(
     target = os.path.realpath(os.fspath(path))
     directory, name = os.path.split(target)
     _sweep_stale_temporaries(directory)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.{_host()}.{os.getpid()}.", suffix=_TMP_TAG, dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.{_host()}.{os.getpid()}.", suffix=TMP_TAG, dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), _new_file_mode(target))
@@ -1232,7 +1233,7 @@ def rmtree(self: FsspecPath,
             return
         raise FileNotFoundError(f"rmtree: no such directory: {str(self)!r}")
     self._refuse_protected(allow_protected)
-    if self._protected_reason() is not None:  # a root stays; its contents go
+    if self.protected_reason() is not None:  # a root stays; its contents go
         for child in self._children():
             self._fs_obj.rm(child, recursive=True)
         self._fs_obj.invalidate_cache(self._path)
@@ -1244,7 +1245,7 @@ def rmtree(self: FsspecPath,
 
 
 @patch
-def _protected_reason(self: FsspecPath) -> str | None:
+def protected_reason(self: FsspecPath) -> str | None:
     return "the root of its filesystem" if len(self._path) <= self._root_len() else None
 
 
@@ -1342,7 +1343,7 @@ def _remove_dir(self: GCSPath) -> None:
 
 # %% ../nbs/04_paths.ipynb #d46d43e3
 @patch
-def _protected_reason(self: GCSPath) -> str | None:
+def protected_reason(self: GCSPath) -> str | None:
     return f"the whole bucket {self.bucket!r}" if not self.key else None
 
 

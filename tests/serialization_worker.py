@@ -138,14 +138,16 @@ def multiprocess_gcs(port: int, pid: int, url: str, root: str) -> None:
         chunks.append(sum(len(owned) for _, _, owned in plan.writes))
         return real_arrays(tree_dir, plan, compression)
 
-    real_if = bm.write_json_if_generation
+    import eformer_nb.serialization.durable as durable
+
+    real_if = durable.write_json_if_generation
 
     def spy_if(f, obj, generation):  # gs://: the commit, metadata.json written only at the generation read first
         wrote.append(ePath(f).name)
         return real_if(f, obj, generation)
 
-    ser.write_json, bm.write_json, ser._write_arrays = spy_json, spy_json, spy_arrays
-    bm.write_json_if_generation = spy_if
+    ser.write_json, durable.write_json, ser._write_arrays = spy_json, spy_json, spy_arrays  # durable's: metadata.json
+    durable.write_json_if_generation = spy_if  # every commit_json goes through it
     mesh = jax.make_mesh((4, 2), ("x", "y"), devices=jax.devices())
     full = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
     arr = jax.make_array_from_callback(full.shape, NamedSharding(mesh, P("x", "y")), lambda idx: full[idx])
@@ -255,7 +257,7 @@ def gcs_kill(url: str, root: str, point: str) -> None:
     import os
     import signal
 
-    import eformer_nb.serialization.base_manager as bm
+    import eformer_nb.serialization.durable as durable
     import eformer_nb.serialization.serialization as ser
     from eformer_nb.paths import ePath, make_gcs_filesystem, set_gcs_filesystem
     from eformer_nb.serialization import CheckpointManager
@@ -265,7 +267,7 @@ def gcs_kill(url: str, root: str, point: str) -> None:
     mgr.save(expected(1), 1, prefix="model")
     kill = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
     real_arrays, real_ser_json, real_bm_json, real_drop = ser._write_arrays, ser.write_json, \
-        bm.write_json_if_generation, ser._drop_arrays
+        durable.write_json_if_generation, ser.drop_arrays
 
     def arrays(*a):  # every chunk of the new version is written, nothing committed
         real_arrays(*a)
@@ -287,7 +289,8 @@ def gcs_kill(url: str, root: str, point: str) -> None:
             kill()
         return real_drop(*a)
 
-    ser._write_arrays, ser.write_json, bm.write_json_if_generation, ser._drop_arrays = arrays, ser_json, bm_json, drop
+    ser._write_arrays, ser.write_json, ser.drop_arrays = arrays, ser_json, drop
+    durable.write_json_if_generation = bm_json  # commit_json's conditional write
     print("re-saving", flush=True)
     mgr.save(expected(2), 1, prefix="model")
     print("not killed", flush=True)
@@ -306,7 +309,8 @@ def state_gcs_kill(url: str, root: str, point: str) -> None:
     set_gcs_filesystem(make_gcs_filesystem(endpoint_url=url))
     state_of(1).save_state(root, verbose=False)
     kill = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
-    real_files, real_opt, real_drop = files._write_files, bs._write_optimizer_file, bs._drop_replaced
+    # on gs:// save_pretrained writes in place: `_write_committed`
+    real_files, real_opt, real_drop = files._write_committed, bs._write_optimizer_file, bs._drop_replaced
 
     def model(*a):  # the new version's model files are written
         n = real_files(*a)
@@ -332,7 +336,7 @@ def state_gcs_kill(url: str, root: str, point: str) -> None:
             kill()
         return real_drop(*a)
 
-    files._write_files, bs._write_optimizer_file = model, optimizer
+    files._write_committed, bs._write_optimizer_file = model, optimizer
     bs._drop_replaced, durable.write_json_if_generation = drop, commit
     print("re-saving", flush=True)
     state_of(2).save_state(root, verbose=False)

@@ -12,7 +12,6 @@ import pytest
 
 import eformer_nb.serialization.base_manager as bm
 import eformer_nb.serialization.durable as durable
-import eformer_nb.serialization.serialization as ser
 from eformer_nb.paths import ePath
 from eformer_nb.serialization import tree_deserialize_leaves, tree_serialize_leaves
 from eformer_nb.serialization.serialization import CheckpointLockedError
@@ -56,7 +55,7 @@ def test_lost_race_keeps_the_winner(gcs_root, monkeypatch):
     byte-identical), the loser's own arrays are removed, and the next save works."""
     step = gcs_root / "step-3"
     bm.save_checkpoint_dir({"w": np.full(N, 1.0)}, step, step=3, prefix="model")()
-    real, seen = bm.write_json_if_generation, {}
+    real, seen = durable.write_json_if_generation, {}
 
     def another_writer_first(f, obj, generation):
         if not seen:
@@ -69,7 +68,7 @@ def test_lost_race_keeps_the_winner(gcs_root, monkeypatch):
             seen["winner"] = _objects(step)
         return real(f, obj, generation)
 
-    monkeypatch.setattr(bm, "write_json_if_generation", another_writer_first)
+    monkeypatch.setattr(durable, "write_json_if_generation", another_writer_first)  # commit_json's
     with pytest.raises(CheckpointLockedError) as e:
         bm.save_checkpoint_dir({"w": np.full(N, 2.0)}, step, step=3, prefix="model")()
     msg = str(e.value)
@@ -92,7 +91,7 @@ def test_commit_precondition_is_read_before_the_committed_version(gcs_root, monk
     rest of the save) makes this save's commit fail, even though no lock was broken by the test itself."""
     step = gcs_root / "step-1"
     bm.save_checkpoint_dir({"w": np.zeros(N)}, step, step=1)()
-    real = bm._committed_state
+    real = bm._committed_trees
 
     def then_someone_commits(dest, prefix):
         out = real(dest, prefix)
@@ -100,7 +99,7 @@ def test_commit_precondition_is_read_before_the_committed_version(gcs_root, monk
         durable.write_json(dest / bm.METADATA_FILE, {k: v for k, v in meta.items() if k != "digest"})  # new generation
         return out
 
-    monkeypatch.setattr(bm, "_committed_state", then_someone_commits)
+    monkeypatch.setattr(bm, "_committed_trees", then_someone_commits)
     with pytest.raises(CheckpointLockedError, match="is no longer at generation"):
         bm.save_checkpoint_dir({"w": np.ones(N)}, step, step=1)()
     assert np.asarray(tree_deserialize_leaves(step)["w"]).tolist() == [0.0] * N
@@ -137,7 +136,7 @@ def test_gcs_failed_commit_keeps_the_old_prefix_tree(gcs_root, monkeypatch):
     def disk_on_fire(f, obj, generation):
         raise OSError("injected: the commit write failed")
 
-    monkeypatch.setattr(bm, "write_json_if_generation", disk_on_fire)
+    monkeypatch.setattr(durable, "write_json_if_generation", disk_on_fire)  # commit_json's conditional write
     with pytest.raises(OSError, match="injected"):
         bm.save_checkpoint_dir({"w": np.zeros(N)}, step, step=1, prefix="params")()
     after = _objects(step)
@@ -191,7 +190,7 @@ def test_gcs_crash_while_dropping_the_old_tree(gcs_root, monkeypatch):
     def crash(*a):
         raise OSError("injected: died while dropping the old tree")
 
-    monkeypatch.setattr(bm, "_drop_arrays", crash)
+    monkeypatch.setattr(bm, "drop_arrays", crash)
     with pytest.raises(OSError, match="injected"):
         bm.save_checkpoint_dir({"w": np.zeros(N)}, step, step=1, prefix="params")()
     monkeypatch.undo()
@@ -235,7 +234,7 @@ def test_gcs_prefix_record_update_is_never_lost(gcs_root, monkeypatch):
 def _race(gcs_root: ePath, locks: list[ePath], save_a, save_b, monkeypatch) -> BaseException | None:
     """Writer A saves; at A's commit its lock objects are deleted (taken for a dead writer's) and writer B, another
     thread, saves the same thing up to its own commit and waits there; A commits first, then B goes on. B's error."""
-    real = bm.write_json_if_generation
+    real = durable.write_json_if_generation
     b_at_commit, a_done, box = threading.Event(), threading.Event(), {}
 
     def run_b():
@@ -260,16 +259,14 @@ def _race(gcs_root: ePath, locks: list[ePath], save_a, save_b, monkeypatch) -> B
             assert "err" not in box, box.get("err")  # B got past its start and wrote its arrays
         return real(f, obj, generation)
 
-    for module in (bm, ser):  # a checkpoint commits through base_manager's name, a bare tree through serialization's
-        monkeypatch.setattr(module, "write_json_if_generation", gate)
+    monkeypatch.setattr(durable, "write_json_if_generation", gate)  # every commit is durable.commit_json's
     try:
         save_a()
     finally:
         a_done.set()
         if "b" in box:
             box["b"].join(120)
-        for module in (bm, ser):
-            monkeypatch.setattr(module, "write_json_if_generation", real)
+        monkeypatch.setattr(durable, "write_json_if_generation", real)
     return box.get("err")
 
 

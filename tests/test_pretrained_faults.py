@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 import eformer_nb.infra.mixins.files as files
+import eformer_nb.serialization.durable as durable
 from eformer_nb.modules.llama import LlamaForCausalLM
 from eformer_nb.modules.llama.configuration import LlamaConfig
 from eformer_nb.paths import ePath
@@ -102,7 +103,9 @@ def test_in_place_failed_commit_keeps_the_previous_version(tmp_path, monkeypatch
     assert files._write_committed(model, d, sd, "5GB") == 1
     before = _contents(d)
     with monkeypatch.context() as m:
-        _fail(m, "_commit_index", OSError(28, "No space left on device"))
+        # the commit (DurableSave's one commit_json of the index) fails
+        full = OSError(28, "No space left on device")
+        m.setattr(durable, "commit_json", lambda *a, **kw: (_ for _ in ()).throw(full))
         with pytest.raises(OSError, match="No space left"):
             files._write_committed(model, d, files.to_hf_state_dict(model.split_params_dict(), "bfloat16"), "100KB")
     after = _contents(d)

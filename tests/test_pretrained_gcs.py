@@ -17,6 +17,7 @@ from flax import nnx
 from safetensors.numpy import save as st_save
 
 import eformer_nb.infra.mixins.files as files
+import eformer_nb.serialization.durable as durable
 from eformer_nb.modules.llama import LlamaForCausalLM
 from eformer_nb.modules.llama.configuration import LlamaConfig
 
@@ -86,11 +87,11 @@ def _fail_at(point: str, monkeypatch) -> None:
     elif point == "config":
         monkeypatch.setattr(files, "_write_config", lambda *a: (_ for _ in ()).throw(boom))
     elif point == "commit":
-        real, real_if = files._write_blob, files.write_json_if_generation
+        real, real_if = files._write_blob, durable.write_json_if_generation
         monkeypatch.setattr(files, "_write_blob", lambda f, parts: (_ for _ in ()).throw(boom) if f.name == INDEX
                             else real(f, parts))
-        monkeypatch.setattr(files, "write_json_if_generation", lambda f, *a: (_ for _ in ()).throw(boom)
-                            if f.name == INDEX else real_if(f, *a))
+        monkeypatch.setattr(durable, "write_json_if_generation", lambda f, *a: (_ for _ in ()).throw(boom)
+                            if f.name == INDEX else real_if(f, *a))  # the commit: DurableSave's commit_json
     else:
         raise ValueError(point)
 

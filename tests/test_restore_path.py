@@ -85,8 +85,8 @@ def test_sharded_onto_other_meshes(tmp_path, monkeypatch):
 def test_edge_chunks_and_partial_boxes(tmp_path, monkeypatch):
     "A chunk grid that does not divide the shape (edge chunks padded on disk), read whole and in every 2-row box."
     x = np.arange(45 * 31, dtype=np.float32).reshape(45, 31)
-    plan = ser._plan_save({"x": x})
-    ser._commit_tree(ser.ePath(tmp_path / "t"), plan._replace(writes=[(k, [7, 10], o) for k, _, o in plan.writes]),
+    plan = ser.plan_save({"x": x})
+    ser.commit_tree(ser.ePath(tmp_path / "t"), plan._replace(writes=[(k, [7, 10], o) for k, _, o in plan.writes]),
                      None)
     rec = ser.read_index(tmp_path / "t")["leaves"]["x"]
     assert ser._local_layout(ser.ePath(tmp_path / "t"), "x", rec) == [7, 10]

@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from eformer_nb.serialization import durable
 from eformer_nb.serialization import serialization as ser
 from eformer_nb.serialization.serialization import tree_deserialize_leaves, tree_serialize_leaves
 
@@ -117,7 +118,7 @@ def test_durable_before_the_commit(tmp_path, monkeypatch, where):
     """Before `index.json` is written, every chunk file was fsync'd after its last write, and so was every directory
     the save created below the tree (the commit's own fsync covers the tree directory); a relative path too."""
     synced, events = set(), []
-    real_fsync, real_write_json = os.fsync, ser.write_json
+    real_fsync, real_write_json = os.fsync, durable.write_json_if_generation
 
     def fsync(fd):
         path = os.readlink(f"/proc/self/fd/{fd}")
@@ -125,12 +126,12 @@ def test_durable_before_the_commit(tmp_path, monkeypatch, where):
         events.append(("fsync", path))
         return real_fsync(fd)
 
-    def write_json(f, obj):
+    def write_json(f, obj, generation):  # the commit: commit_json's write (locally: no generation)
         events.append(("commit", str(f)))
-        return real_write_json(f, obj)
+        return real_write_json(f, obj, generation)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(ser, "write_json", write_json)
+    monkeypatch.setattr(durable, "write_json_if_generation", write_json)
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
     root = tmp_path / "t"
     monkeypatch.chdir(tmp_path)

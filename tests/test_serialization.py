@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import eformer_nb.serialization.base_manager as base_manager
 import eformer_nb.serialization.durable as durable
 import eformer_nb.serialization.serialization as ser_format
 from eformer_nb.paths import ePath
@@ -122,22 +121,16 @@ def test_injected_failure_keeps_previous(any_root, fault, resave, monkeypatch):
         failing = _chunks_then_fail(ser_format._write_arrays, 9 if n == "all" else int(n))
         monkeypatch.setattr(ser_format, "_write_arrays", failing)
     elif fault in ("index.json", "metadata.json"):
-        module = ser_format if fault == "index.json" else base_manager
-        real = module.write_json
-
-        def failing_write_json(path, *a, **k):
-            if ePath(path).name == fault:
-                raise OSError(f"injected failure writing {fault}")
-            return real(path, *a, **k)
-        monkeypatch.setattr(module, "write_json", failing_write_json)
-        if fault == "metadata.json":  # gs://: the commit is the conditional write of metadata.json
-            real_if = base_manager.write_json_if_generation
-
-            def failing_commit(path, *a, **k):
+        # every commit is durable.commit_json (locally a plain durable write, on gs:// the conditional one); locally a
+        # checkpoint's metadata.json is DurableSave's write_json into the work directory; a gs:// index.json is the
+        # commit's copy (serialization's write_json)
+        writers = ((ser_format, "write_json"), (durable, "write_json"), (durable, "write_json_if_generation"))
+        for module, name in writers:
+            def failing(path, *a, _real=getattr(module, name), **k):
                 if ePath(path).name == fault:
                     raise OSError(f"injected failure writing {fault}")
-                return real_if(path, *a, **k)
-            monkeypatch.setattr(base_manager, "write_json_if_generation", failing_commit)
+                return _real(path, *a, **k)
+            monkeypatch.setattr(module, name, failing)
     else:
         real_replace = os.replace
 
@@ -581,7 +574,7 @@ def test_gcs_old_format_and_later_tree_saves(gcs_root):
     meta = json.loads(meta_file.read_bytes())
     assert meta["indexes"][""]["arrays"] == ser_format.read_index(gcs_root / "step-1")["arrays"]
     old = {k: v for k, v in meta.items() if k not in ("indexes", "digest")}  # as this format was written before
-    base_manager.write_json(meta_file, old)
+    durable.write_json(meta_file, old)
     idx_file = gcs_root / "step-1" / "index.json"
     ser_format.write_json(idx_file, {k: v for k, v in json.loads(idx_file.read_bytes()).items()
                                       if k not in ("seq", "digest")})

@@ -89,7 +89,7 @@ def _fail_at(point: str, root, monkeypatch) -> None:
         return f
 
     if point == "model":
-        monkeypatch.setattr(files, "_write_files", after(files._write_files))
+        monkeypatch.setattr(files, "_write_committed", after(files._write_committed))  # gs://: in place
     elif point == "optimizer":
         monkeypatch.setattr(bs, "_write_optimizer_file", raiser)
     elif point in ("version_file", "commit"):  # the version folder's own state file; the folder's (the commit)

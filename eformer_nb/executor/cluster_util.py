@@ -22,7 +22,7 @@ from fastcore.basics import patch
 from jax._src import clusters
 
 from ..loggings import get_logger
-from ..paths import _pid_alive  # the leader claim's holder check: one for the package (a zombie is dead)
+from ..paths import pid_alive  # the leader claim's holder check: one for the package (a zombie is dead)
 
 logger = get_logger("eformer_nb.executor")
 
@@ -218,7 +218,7 @@ def is_local_leader(
         except FileExistsError:
             with contextlib.suppress(OSError, ValueError), open(path) as f:
                 owner = int(f.read().strip())
-                if owner != os.getpid() and not _pid_alive(owner):
+                if owner != os.getpid() and not pid_alive(owner):
                     os.remove(path)  # stale: its owner died without exiting; claim it on the next try
                     continue
             return False

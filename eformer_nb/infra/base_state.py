@@ -26,7 +26,7 @@ from ..loggings import get_logger
 from ..optimizers.factory import nonfinite_skips
 from ..pytree.dataclasses import auto_pytree, field
 from ..pytree.tree_util import tree_bytes
-from ..serialization.durable import MARKER_FILE, Ownership, fsync_path, is_marked, mark, write_file
+from ..serialization.durable import MARKER_FILE, Ownership, fsync_path, is_marked, write_file
 
 _logger = get_logger(__name__)
 
@@ -697,10 +697,11 @@ def _file_identity(p) -> tuple | None:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 # %% ../../nbs/11j_infra.base_state.ipynb #4e56de38
-def _write_state(state, work, float_dtype, save_optimizer: bool) -> tuple[int, dict | None, dict | None]:
+def _write_state(state, work, float_dtype, save_optimizer: bool,
+                 local: bool = True,  # `work` is a local folder (`DurableSave.local`): fsyncs overlap the conversion
+                 ) -> tuple[int, dict | None, dict | None]:
     """Write the model, the optimizer state and (process 0, last) the state file into `work`; the step, the optimizer
     entry and (process 0) the state file's contents."""
-    from eformer_nb.paths import is_remote_path
     from eformer_nb.serialization.durable import write_json
     from eformer_nb.serialization.serialization import tree_serialize_leaves
 
@@ -710,7 +711,7 @@ def _write_state(state, work, float_dtype, save_optimizer: bool) -> tuple[int, d
         optimizer = {"tx": type(state.tx).__name__, "leaves": _leaf_specs(state.opt_state)}
     one_file = optimizer is not None and jax.process_count() == 1  # one write, one fsync, one crc32c pass
     try:
-        if one_file and not is_remote_path(work):  # first: its fsync runs on a thread while the model is converted
+        if one_file and local:  # first: its fsync runs on a thread while the model is converted
             optimizer.update(_write_optimizer_file(work, state.opt_state, syncs))
             first = _file_identity(work / OPTIMIZER_FILE)
         state.model.save_pretrained(str(work), float_dtype=float_dtype)  # not step=: that would write into run-{step}/
@@ -731,7 +732,7 @@ def _write_state(state, work, float_dtype, save_optimizer: bool) -> tuple[int, d
         optimizer["prefix"] = OPTIMIZER_PREFIX
     meta = None
     if jax.process_index() == 0:
-        if not is_remote_path(work):
+        if local:
             _sync_files(work)
         meta = {"format": STATE_FORMAT, "version": STATE_FORMAT_VERSION, "step": step,
                 "skipped_steps": int(jax.device_get(state.skipped_steps)), "optimizer": optimizer,
@@ -757,14 +758,6 @@ def _drop_versions(directory, keep: str | None) -> None:
                 (directory / f".{p.name}.lock").unlink(missing_ok=True)  # its save_pretrained's, if a SIGKILL left it
 
 
-def _begin_version(directory, name: str):
-    """A new, marked version folder `directory/name` for a gs:// save. Other saves' marked folders stay until this save's
-    commit lands (`_drop_replaced`): one of a live writer whose lock object was deleted may be about to commit."""
-    work = directory / name
-    mark(work, STATE_FORMAT)
-    return work
-
-
 def _drop_replaced(directory, old: dict | None, committed: str) -> None:
     "After a gs:// commit: our other version folders, and the files an older in-place state named (nothing else)."
     _drop_versions(directory, keep=committed)
@@ -779,19 +772,15 @@ def _drop_replaced(directory, old: dict | None, committed: str) -> None:
         (directory / opt["prefix"]).rmtree(missing_ok=True)
 
 # %% ../../nbs/11j_infra.base_state.ipynb #6f381ca5
-def _commit_version(directory, name: str, meta: dict, generation: int | None, old: dict | None) -> None:
-    """The gs:// commit: one write of `directory`'s state file naming version folder `name`, only while that file is
-    still at `generation` (read under the lock when the save began; None: a filesystem without generations, a plain
-    write). A lost race removes only our own new version folder and raises `CheckpointLockedError` naming the folder;
-    the winner's files are untouched. After the commit, the replaced version is removed."""
-    from eformer_nb.serialization.durable import CheckpointLockedError, write_json_if_generation
-    if not write_json_if_generation(directory / STATE_FILE, dict(meta, dir=name), generation):
-        (directory / name).rmtree(missing_ok=True)
-        raise CheckpointLockedError(
-            f"save_state: {str(directory)!r} was committed by another writer while this save ran: its {STATE_FILE} "
-            f"is no longer at generation {generation} (its lock object was deleted mid-save?); this save did not "
-            f"commit and removed only its own new version folder {name!r}; load the folder to see what it holds now")
-    _drop_replaced(directory, old, name)
+def _lost_version(directory, name: str, generation: int | None):
+    """A gs:// commit (the state file naming version folder `name`, `commit_json`) lost the race: remove only our own
+    new version folder; the `CheckpointLockedError` to raise, naming the folder. The winner's files are untouched."""
+    from eformer_nb.serialization.durable import CheckpointLockedError
+    (directory / name).rmtree(missing_ok=True)
+    return CheckpointLockedError(
+        f"save_state: {str(directory)!r} was committed by another writer while this save ran: its {STATE_FILE} "
+        f"is no longer at generation {generation} (its lock object was deleted mid-save?); this save did not "
+        f"commit and removed only its own new version folder {name!r}; load the folder to see what it holds now")
 
 # %% ../../nbs/11j_infra.base_state.ipynb #fe3a2804
 @patch
@@ -805,15 +794,13 @@ def save_state(
     enable: bool | None = None,  # False: write nothing; None/True: every process takes part (writes are collective)
     overwrite: bool = False,  # save into a folder holding other files that is not a saved state (they are kept)
 ):
-    """Save the model (Hugging Face layout, through its `save_pretrained`), the optimizer state and the step. Locally
-    into a fresh `.partial` folder swapped in at the end; on gs:// into a new version folder `state.<hex>` that one
-    write of the state file commits. Either way a failed re-save leaves the previous state loadable."""
+    """Save the model (Hugging Face layout, through its `save_pretrained`), the optimizer state and the step, through
+    `DurableSave`: locally into a fresh `.partial` folder swapped in at the end; on gs:// into a new version folder
+    `state.<hex>` that one write of the state file commits. Either way a failed re-save leaves the previous state
+    loadable."""
     import secrets
 
-    from eformer_nb.paths import ePath, is_remote_path
-    from eformer_nb.serialization.durable import (exclusive_writer, fresh_work_dir, object_generation,
-                                                   refuse_destination, rename_into_place)
-    from eformer_nb.serialization.serialization import broadcast_from_first, sync_processes
+    from eformer_nb.serialization.durable import DurableSave, broadcast_from_first
     if enable is False:
         return None
     if not callable(getattr(self.model, "save_pretrained", None)):
@@ -821,27 +808,19 @@ def save_state(
             f"save_state writes the parameters with the model's save_pretrained (Hugging Face layout); "
             f"{type(self.model).__name__} has none. Use an eformer_nb model (e.g. modules.llama.LlamaForCausalLM)"
         )
-    directory, first = ePath(save_directory), jax.process_index() == 0
-    refuse_destination(directory, "save_state")
-    local = not is_remote_path(directory)
-    with exclusive_writer(directory, "state"):
-        name = directory.name + ".partial" if local else broadcast_from_first(f"state.{secrets.token_hex(4)}", "state")
-        work, old, generation = (directory.parent / name if local else directory / name), None, None
-        if first:
-            foreign = _state_foreign(directory, overwrite)
-            if local:
-                fresh_work_dir(directory, foreign, STATE_FORMAT)
-            else:  # the state file's generation first: a commit landing after this read makes ours lose
-                generation = object_generation(directory / STATE_FILE)
-                old = _committed_state(directory)
-                _begin_version(directory, name)
-        sync_processes("state-begin")
-        step, optimizer, meta = _write_state(self, work, float_dtype, save_optimizer)
-        if first and local:
-            rename_into_place(work, directory)
-        elif first:  # the commit: one object write; until it lands the previous state file and files are untouched
-            _commit_version(directory, name, meta, generation, old)
-        sync_processes("state-committed")
+    with DurableSave(save_directory, STATE_FORMAT, STATE_FILE, "state", "save_state") as save:
+        directory, old = save.dest, None
+        foreign = _state_foreign(directory, overwrite) if save.first else []
+        # in place (gs://): a new version folder, that one write of the state file (naming it) commits
+        name = broadcast_from_first(f"state.{secrets.token_hex(4)}", "state") if save.in_place else None
+        work = save.begin(foreign, version=name)  # in place: the state file's generation is read first
+        if save.first and save.in_place:
+            old = _committed_state(directory)  # after the generation: a commit landing after that read makes ours lose
+        step, optimizer, meta = _write_state(self, work, float_dtype, save_optimizer, save.local)  # locally: the state file last
+        save.commit(dict(meta, dir=name) if save.in_place and save.first else None,
+                    lost=lambda: _lost_version(directory, name, save.generation))
+        if save.in_place:  # until the commit landed, the previous state file and files are untouched
+            save.drop(lambda: _drop_replaced(directory, old, name))
     if verbose:
         _logger.info("saved state at step %d to %s (model%s)", step, directory,
                      " and optimizer state" if optimizer else "; no optimizer state")

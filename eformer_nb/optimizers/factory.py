@@ -23,7 +23,7 @@ from eformer_nb.optimizers.configs import (
     SchedulerConfig, SoapConfig, WhiteKronConfig,
 )
 from .kron import precond_update_prob_schedule, scale_by_kron, scale_by_white_kron
-from .schedulers import SchedulerFactory, _RegistryView
+from .schedulers import SchedulerFactory, RegistryView
 from .transforms import blockwise, optax_add_scheduled_weight_decay, scale_by_mars, scale_by_soap
 
 # %% auto #0
@@ -749,7 +749,7 @@ SkewOptimizer = _builder("skew", WhiteKronConfig, "WhiteKron in the `skew` style
 _OPTIMIZER_CLASSES.update({c.optimizer_type: c for c in (AdamWOptimizer, AdafactorOptimizer, LionOptimizer,
                            RMSPropOptimizer, MuonOptimizer, MarsOptimizer, QuadOptimizer, SkewOptimizer)})
 # eformer's registry dict: a live view of `_OPTIMIZERS` (name -> OptimizerBuilder class; `del` unregisters)
-_OPTIMIZER_BUILDER_REGISTRY = _RegistryView(
+_OPTIMIZER_BUILDER_REGISTRY = RegistryView(
     _OPTIMIZERS, _OPTIMIZER_CLASSES, lambda n: _builder(n, _OPTIMIZERS[n].config_cls, f"The registered {n!r}."),
     "optimizer")
 

@@ -16,7 +16,7 @@ import optax
 from optax import tree_utils as otu
 
 from .configs import KRON_PRECISIONS
-from .transforms import _leaf_flags, blockwise
+from .transforms import leaf_flags, blockwise
 
 # %% auto #0
 __all__ = ['kron_dense_axes', 'kron_exprs', 'norm_lower_bound', 'balance_factors', 'solve_triangular_right',
@@ -247,7 +247,7 @@ def _layer_map(lax_map: bool, batch_size: int):
 
 def _kron_scan_flags(tree, scanned_layers) -> list[bool]:
     "Per leaf: is it a stack of scanned layers? (a scanned leaf needs a leading layer axis)"
-    flags = _leaf_flags(tree, scanned_layers)
+    flags = leaf_flags(tree, scanned_layers)
     for f, t in zip(flags, jax.tree.leaves(tree)):
         if f and jnp.ndim(t) < 1:
             raise ValueError("scale_by_kron: a scanned layer needs a leading layer axis; got a leaf of shape "

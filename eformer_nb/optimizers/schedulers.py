@@ -16,7 +16,7 @@ from .configs import SchedulerConfig
 __all__ = ['register_scheduler', 'available_schedulers', 'constant_scheduler', 'linear_scheduler', 'cosine_scheduler',
            'warmup_cosine_scheduler', 'warmup_stable_decay_scheduler', 'SchedulerFactory', 'SchedulerBuilder',
            'ConstantSchedulerBuilder', 'LinearSchedulerBuilder', 'CosineSchedulerBuilder', 'create_linear_scheduler',
-           'create_cosine_scheduler']
+           'create_cosine_scheduler', 'RegistryView']
 
 # %% ../../nbs/08b_optimizers.schedulers.ipynb #56a1c885
 _ScheduleFn = tp.Callable[[SchedulerConfig], optax.Schedule]
@@ -220,7 +220,7 @@ def create_cosine_scheduler(
 import collections.abc
 
 
-class _RegistryView(collections.abc.MutableMapping):
+class RegistryView(collections.abc.MutableMapping):
     "A registry as eformer exposes it: name -> builder class, over our one registry (`store`); `del` unregisters."
 
     def __init__(self, store: dict, classes: dict, make_class: tp.Callable[[str], type], kind: str):
@@ -254,6 +254,6 @@ def _scheduler_class(name: str) -> type:
     return dataclasses.dataclass(cls)
 
 
-_SCHEDULER_BUILDER_REGISTRY = _RegistryView(_SCHEDULERS, _SCHEDULER_CLASSES, _scheduler_class, "scheduler")
+_SCHEDULER_BUILDER_REGISTRY = RegistryView(_SCHEDULERS, _SCHEDULER_CLASSES, _scheduler_class, "scheduler")
 _SCHEDULER_CLASSES.update(constant=ConstantSchedulerBuilder, linear=LinearSchedulerBuilder,
                           cosine=CosineSchedulerBuilder)

@@ -17,7 +17,8 @@ from optax import tree_utils as otu
 # %% auto #0
 __all__ = ['OptaxScheduledWeightDecayState', 'ScheduledWeightDecayState', 'optax_add_scheduled_weight_decay', 'ScaleByMarsState',
            'scale_by_mars', 'mars', 'ScaleBySoapState', 'scale_by_soap', 'soap', 'BlockPlan', 'merge_dims',
-           'block_plan', 'split_blocks', 'join_blocks', 'blockwise', 'ScaleByScionState', 'scale_by_scion', 'scion']
+           'block_plan', 'split_blocks', 'join_blocks', 'leaf_flags', 'blockwise', 'ScaleByScionState',
+           'scale_by_scion', 'scion']
 
 # %% ../../nbs/08c_optimizers.transforms.ipynb #f8a614bf
 class ScheduledWeightDecayState(tp.NamedTuple):
@@ -362,7 +363,7 @@ def join_blocks(
     return pieces[0].reshape(shape)
 
 # %% ../../nbs/08c_optimizers.transforms.ipynb #baf109a8
-def _leaf_flags(tree, scanned_layers) -> list[bool]:
+def leaf_flags(tree, scanned_layers) -> list[bool]:
     """Per leaf of `tree`: is it a stack of scanned layers (`scanned_layers`: None, a pytree of bools or params ->
     pytree)?"""
     if scanned_layers is None: return [False] * len(jax.tree.leaves(tree))
@@ -387,7 +388,7 @@ def blockwise(
     tx = inner(lambda blocks: [[f] * len(b) for f, b in zip(held[-1], blocks)])
 
     def plans(tree):
-        held.append(_leaf_flags(tree, scanned_layers))
+        held.append(leaf_flags(tree, scanned_layers))
         return [block_plan(jnp.shape(x), merge_small_dims, target_merged_dim_size, partition_grads_into_blocks,
                            block_size, f) for x, f in zip(jax.tree.leaves(tree), held[-1])]
 

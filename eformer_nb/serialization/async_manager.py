@@ -367,18 +367,18 @@ def validate(
     import tensorstore as ts
 
     from eformer_nb.serialization.fsspec_utils import kvstore_spec
-    from eformer_nb.serialization.serialization import _array_spec, _tree_dir
+    from eformer_nb.serialization.serialization import array_spec, tree_dir_path
 
     p = path if isinstance(path, ePath) else ePath(path)
     prefixes = [prefix] if prefix is not None else (
         [t or None for t in read_metadata(p)["trees"]] if (p / METADATA_FILE).exists() else [None])
     n = 0
     for pre in prefixes:
-        tree_dir = _tree_dir(p, pre)
+        tree_dir = tree_dir_path(p, pre)
         index, kv = read_index(tree_dir), kvstore_spec(tree_dir)
         for key, rec in index["leaves"].items():
             if rec["kind"] == "array" and not rec.get("inline"):
-                arr = ts.open(_array_spec(kv, rec), open=True).result()
+                arr = ts.open(array_spec(kv, rec), open=True).result()
                 if list(arr.shape) != rec["shape"] or arr.dtype.name != rec["stored_dtype"]:
                     raise ValueError(f"validate {str(tree_dir)!r}: leaf {key!r} is {arr.dtype.name}{list(arr.shape)} "
                                      f"on disk, index.json says {rec['stored_dtype']}{rec['shape']}")

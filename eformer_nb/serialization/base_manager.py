@@ -16,26 +16,25 @@ from fastcore.basics import patch
 from ..paths import ePath, is_remote_path, make_gcs_filesystem
 from ..pytree.tree_util import tree_path_to_string
 from .durable import (MARKER_FILE, OLD_SUFFIX, PARTIAL_SUFFIX, CheckpointLockedError,
-                                               exclusive_writer, fresh_work_dir, mark, object_generation, process_info,
-                                               refuse_destination, remove_marked, rename_into_place, restore_moved_aside,
-                                               write_json, write_json_if_generation)
+                                               DurableSave, exclusive_writer, object_generation, process_info,
+                                               refuse_destination, remove_marked, restore_moved_aside, sync_processes,
+                                               write_json_if_generation)
 from eformer_nb.serialization.serialization import (
     INDEX_FILE,
     READ_VERSIONS,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     TornCheckpointError,
-    _commit_tree,
-    _drop_arrays,
-    _plan_save,
-    _tree_dir,
-    _tree_foreign,
+    commit_tree,
+    drop_arrays,
+    plan_save,
+    tree_dir_path,
+    tree_foreign,
     check_digest,
     leaf_key_paths,
     marked_arrays,
     read_index,
     read_json,
-    sync_processes,
     tree_deserialize_leaves,
 )
 
@@ -110,7 +109,7 @@ def _checkpoint_foreign(dest: ePath) -> list[str]:
         index = read_index(dest) if (dest / INDEX_FILE).exists() else None
     except CorruptCheckpointError:
         index = None
-    foreign = [n for n in _tree_foreign(dest, index) if not _our_leftover(dest / n)]
+    foreign = [n for n in tree_foreign(dest, index) if not _our_leftover(dest / n)]
     if (dest / METADATA_FILE).exists():
         try:
             read_metadata(dest)
@@ -122,19 +121,19 @@ def _checkpoint_foreign(dest: ePath) -> list[str]:
                 sub_index = read_index(sub)
             except CorruptCheckpointError:
                 sub_index = None
-            foreign += [f"{sub.name}/{n}" for n in _tree_foreign(sub, sub_index)]
+            foreign += [f"{sub.name}/{n}" for n in tree_foreign(sub, sub_index)]
     # other checkpoints (step-N/ holding metadata.json) are never trees of this one: saving over base/ is refused
     return sorted(set(foreign) | {p.name for p in dest.iterdir() if (p / METADATA_FILE).exists()})
 
 
 # %% ../../nbs/10b_serialization.base_manager.ipynb #4a8f8b6d
-def _begin_checkpoint(dest: ePath, overwrite: bool = False) -> ePath:
-    """The directory a checkpoint is written into: locally a fresh `.partial` sibling holding our marker and links to
-    the user's files in `dest`; remotely `dest` itself (the commit is then one metadata.json write)."""
-    local = not is_remote_path(dest)
-    work = dest.parent / (dest.name + PARTIAL_SUFFIX) if local else dest
-    if process_info()[0] == 0:
-        refuse_destination(dest, "save checkpoint")
+def _begin_checkpoint(save: DurableSave, overwrite: bool = False) -> ePath:
+    """Begin a checkpoint's `DurableSave`: process 0 refuses a directory of checkpoints, and entries that are not part
+    of an eformer_nb checkpoint unless `overwrite` (they are kept); then `save.begin` makes the directory to write into:
+    locally a fresh `.partial` sibling holding our marker and links to those entries, remotely `dest` itself (the
+    commit is then one metadata.json write, at the generation `begin` reads)."""
+    dest, foreign = save.dest, []
+    if save.first:
         foreign = _checkpoint_foreign(dest)
         steps = [n for n in foreign if (dest / n / METADATA_FILE).exists()]
         if steps:  # Checkpointer(base).save_checkpoint(tree, destination='.'): never replaces base and its steps
@@ -144,46 +143,35 @@ def _begin_checkpoint(dest: ePath, overwrite: bool = False) -> ePath:
             raise FileExistsError(f"{str(dest)!r} holds entries that are not part of an eformer_nb checkpoint: "
                                   f"{foreign[:10]}; save into a new directory, or pass overwrite=True to save beside "
                                   "them (they are never deleted)")
-        if local:
-            fresh_work_dir(dest, foreign, CHECKPOINT_FORMAT)
-        else:
-            work.mkdir(parents=True, exist_ok=True)
-            mark(work, CHECKPOINT_FORMAT)
-    sync_processes("ckpt-begin")
-    return work
-
+    return save.begin(foreign)
 
 # %% ../../nbs/10b_serialization.base_manager.ipynb #4f5abe4f
-def _commit_checkpoint(work: ePath, dest: ePath, metadata: dict) -> None:
-    """After every process wrote: locally, process 0 writes metadata.json and renames the work directory into place
-    (remotely `_commit_tree` already wrote metadata.json, carrying the tree's index, as the commit)."""
-    sync_processes("ckpt-written")
-    if process_info()[0] == 0 and work != dest:  # local: metadata.json, then the rename is the commit
-        write_json(work / METADATA_FILE, metadata)
-        rename_into_place(work, dest)
-    sync_processes("ckpt-committed")
-
+def _commit_checkpoint(save: DurableSave, metadata: dict) -> None:
+    """After every process wrote its arrays: locally metadata.json into the work directory, then its rename into place
+    (`save.commit`); remotely nothing is left: `commit_tree` already made the commit, metadata.json carrying the tree's
+    index (`_gcs_commit`)."""
+    if not save.in_place:
+        save.commit(metadata)
 
 # %% ../../nbs/10b_serialization.base_manager.ipynb #2ae42d6f
-def _committed_state(dest: ePath, prefix: str | None) -> tuple[int | None, list[tuple[ePath, dict]]]:
-    """`(generation, old trees)` of the checkpoint committed at remote `dest` when a save starts: its `metadata.json`'s
-    generation (read first: a commit landing after it makes ours fail), and `(tree_dir, index)` of each tree that
-    metadata names other than `prefix`'s, each proven ours by its checked index (one we cannot read is kept)."""
-    generation = object_generation(dest / METADATA_FILE)
+def _committed_trees(dest: ePath, prefix: str | None) -> list[tuple[ePath, dict]]:
+    """`(tree_dir, index)` of each tree the checkpoint committed at remote `dest` names, other than `prefix`'s, each
+    proven ours by its checked index (one we cannot read is kept): what a re-save drops after its commit. Read after
+    `DurableSave.begin` read `metadata.json`'s generation (a commit landing after that makes ours fail)."""
     try:
         meta = read_metadata(dest)
     except (CheckpointNotFoundError, TornCheckpointError, CorruptCheckpointError):
-        return generation, []
+        return []
     old = []
     for name in meta.get("trees") or []:
         if not isinstance(name, str) or name == (prefix or ""):
             continue
         try:
-            tree_dir = _tree_dir(dest, name)
+            tree_dir = tree_dir_path(dest, name)
             old.append((tree_dir, read_index(tree_dir)))
         except (ValueError, CheckpointNotFoundError, TornCheckpointError, CorruptCheckpointError):
             continue
-    return generation, old
+    return old
 
 
 def _drop_trees(dest: ePath, old: list[tuple[ePath, dict]]) -> None:
@@ -191,7 +179,7 @@ def _drop_trees(dest: ePath, old: list[tuple[ePath, dict]]) -> None:
     first, then the arrays its index names and the marked `arrays.<token>/` of crashed saves; nothing else in it."""
     for tree_dir, index in old:
         (tree_dir / INDEX_FILE).unlink(missing_ok=True)
-        _drop_arrays(tree_dir, index)
+        drop_arrays(tree_dir, index)
         for p in marked_arrays(tree_dir):
             p.rmtree()
         if tree_dir != dest and tree_dir.is_dir() and not any(True for _ in tree_dir.iterdir()):
@@ -213,19 +201,22 @@ def _drop_orphan_trees(
                 k.rmtree()
 
 # %% ../../nbs/10b_serialization.base_manager.ipynb #f0df6647
-def _gcs_commit(dest: ePath, meta: dict, prefix: str | None, generation: int | None) -> Callable[[dict], None]:
-    """The commit of a remote checkpoint: ONE write of `metadata.json` carrying the new tree's index, made only if that
-    object is still at the `generation` read when the save started; a lost race removes this save's own new arrays
-    (named by no commit) and raises `CheckpointLockedError`, touching nothing of the writer that won."""
+def _gcs_commit(save: DurableSave, meta: dict, prefix: str | None) -> Callable[[dict], None]:
+    """The commit of a remote checkpoint, for `commit_tree` to call with the new tree's index: ONE write of
+    `metadata.json` carrying it (`save.commit_now`), made only if that object is still at the generation read when the
+    save began; a lost race removes this save's own new arrays (named by no commit) and raises `CheckpointLockedError`,
+    touching nothing of the writer that won."""
+    dest = save.dest
+
     def commit(index: dict) -> None:
-        f = dest / METADATA_FILE
-        if write_json_if_generation(f, dict(meta, indexes={prefix or "": index}), generation):
-            return
-        (_tree_dir(dest, prefix) / index["arrays"]).rmtree(missing_ok=True)
-        raise CheckpointLockedError(
-            f"checkpoint {str(dest)!r} (step {meta.get('step')}) was committed by another writer while this save ran: "
-            f"{str(f)!r} is no longer at generation {generation} (its lock object was deleted mid-save?); this save "
-            "did not commit and removed only its own new arrays; load the checkpoint to see the version that won")
+        def lost() -> CheckpointLockedError:
+            (tree_dir_path(dest, prefix) / index["arrays"]).rmtree(missing_ok=True)
+            return CheckpointLockedError(
+                f"checkpoint {str(dest)!r} (step {meta.get('step')}) was committed by another writer while this save "
+                f"ran: {str(dest / METADATA_FILE)!r} is no longer at generation {save.generation} (its lock object was "
+                "deleted mid-save?); this save did not commit and removed only its own new arrays; load the checkpoint "
+                "to see the version that won")
+        save.commit_now(dict(meta, indexes={prefix or "": index}), lost)
     return commit
 
 # %% ../../nbs/10b_serialization.base_manager.ipynb #a94281a5
@@ -254,8 +245,8 @@ def save_checkpoint_dir(
         raise TypeError(
             f"checkpoint metadata must be JSON-able (str keys; str, numbers, bools, None, lists, dicts): {e}"
         ) from e
-    _tree_dir(dest, prefix)  # validates prefix
-    plan = _plan_save(pytree, copy=copy, dtype=dtype, with_structure=write_index)
+    tree_dir_path(dest, prefix)  # validates prefix
+    plan = plan_save(pytree, copy=copy, dtype=dtype, with_structure=write_index)
     meta = {
         "format": CHECKPOINT_FORMAT,
         "version": CHECKPOINT_VERSION,
@@ -267,19 +258,19 @@ def save_checkpoint_dir(
     }
 
     def write() -> ePath:
-        with exclusive_writer(dest, "checkpoint"):  # a second writer of this step gets a clear error
-            remote = is_remote_path(dest) and process_info()[0] == 0
-            generation, old_trees = _committed_state(dest, prefix) if remote else (None, [])
-            work = _begin_checkpoint(dest, overwrite)
+        # the lock: a second writer of this step gets a clear error
+        with DurableSave(dest, CHECKPOINT_FORMAT, METADATA_FILE, "checkpoint", "save checkpoint") as save:
+            work = _begin_checkpoint(save, overwrite)  # remotely: metadata.json's generation is read first
+            old_trees = _committed_trees(dest, prefix) if save.in_place and save.first else []
             meta["time"] = time.time()
             # gs:// has no rename: the commit is ONE conditional object write, metadata.json carrying the new tree's
             # index; until it lands the previous version (metadata.json, index and arrays) is untouched
-            commit = None if work != dest else _gcs_commit(dest, meta, prefix, generation)
-            _commit_tree(_tree_dir(work, prefix), plan, compression, overwrite, commit)
-            _commit_checkpoint(work, dest, meta)
-            if remote:
-                _drop_trees(dest, old_trees)  # the previous version's other trees: no longer committed
-                _drop_orphan_trees(dest, meta["trees"])  # and what a crash in an earlier `_drop_trees` left
+            commit = _gcs_commit(save, meta, prefix) if save.in_place else None
+            commit_tree(tree_dir_path(work, prefix), plan, compression, overwrite, commit)
+            _commit_checkpoint(save, meta)
+            if save.in_place:
+                save.drop(lambda: _drop_trees(dest, old_trees),  # the previous version's other trees: not committed now
+                          lambda: _drop_orphan_trees(dest, meta["trees"]))  # what a crash in an earlier drop left
         if commit_callback is not None:
             commit_callback()
         return dest
@@ -391,15 +382,15 @@ def save_prefix_tree(
     refuse_destination(folder, "save_pytree")
     if not isinstance(prefix, str) or not prefix:
         raise ValueError(f"prefix={prefix!r}: a prefix-scoped save needs the tree's name, such as 'model' or 'tx'")
-    tree_dir = _tree_dir(folder, prefix)  # validates prefix
+    tree_dir = tree_dir_path(folder, prefix)  # validates prefix
     user = dict(metadata or {})
     json.dumps(user, allow_nan=False)  # TypeError/ValueError now, not after the arrays are written
     if process_info()[0] == 0:
         read_prefix_index(folder)  # a foreign tensorstore_index.json is refused before anything is written
-    plan = _plan_save(pytree, copy=copy, dtype=dtype, with_structure=write_index)
+    plan = plan_save(pytree, copy=copy, dtype=dtype, with_structure=write_index)
 
     def write() -> ePath:
-        _commit_tree(tree_dir, plan, compression)  # refuses a foreign folder/prefix; atomic per tree
+        commit_tree(tree_dir, plan, compression)  # refuses a foreign folder/prefix; atomic per tree
         if process_info()[0] == 0:
             _record_prefix(folder, prefix, {"step": step, "time": time.time(), "user": user})
         sync_processes("prefix-recorded")

@@ -23,13 +23,14 @@ import typing as tp
 from fastcore.basics import patch
 
 from ..loggings import get_logger
-from ..paths import _TMP_TAG, atomic_write_local, ePath, is_remote_path
+from ..paths import TMP_TAG, atomic_write_local, ePath, is_remote_path
 
 # %% auto #0
-__all__ = ['MARKER_FILE', 'LOCK_PATTERN', 'TEMP_PATTERN', 'PARTIAL_SUFFIX', 'OLD_SUFFIX', 'process_info', 'CheckpointLockedError',
-           'refuse_destination', 'exclusive_writer', 'Ownership', 'mark', 'is_marked', 'fsync_path', 'write_file',
-           'json_digest', 'write_json', 'object_generation', 'write_json_if_generation', 'fresh_work_dir',
-           'restore_moved_aside', 'remove_marked', 'rename_into_place']
+__all__ = ['BARRIER_TIMEOUT_S', 'MARKER_FILE', 'LOCK_PATTERN', 'TEMP_PATTERN', 'PARTIAL_SUFFIX', 'OLD_SUFFIX', 'process_info',
+           'CheckpointLockedError', 'refuse_destination', 'barrier_timeout_s', 'sync_processes', 'broadcast_from_first',
+           'exclusive_writer', 'Ownership', 'mark', 'is_marked', 'fsync_path', 'write_file', 'json_digest',
+           'write_json', 'object_generation', 'write_json_if_generation', 'commit_json', 'fresh_work_dir',
+           'restore_moved_aside', 'remove_marked', 'rename_into_place', 'DurableSave']
 
 # %% ../../nbs/10_serialization.durable.ipynb #06d5be41
 _log = get_logger("eformer_nb.serialization")
@@ -51,10 +52,69 @@ def refuse_destination(
     what: str = "save",  # the calling function, for the message
 ) -> None:
     "A `ValueError` for a destination that must never hold a checkpoint: '', '.', a root, home, the cwd or a bucket root."
-    why = d._protected_reason()
+    why = d.protected_reason()
     if why is not None:
         raise ValueError(f"{what}: refusing to write into {str(d)!r}: it is {why}; an empty or '.' path is the usual "
                          "cause: pass a directory of its own, such as 'checkpoints/run-1'")
+
+# %% ../../nbs/10_serialization.durable.ipynb #8626039c
+_barrier_lock = threading.Lock()
+_barrier_seq: dict[str, int] = {}  # per thread name: each thread's sequence of barriers is the same on every process
+BARRIER_TIMEOUT_S = 600.0  # how long a process waits for the others at a checkpoint barrier
+
+
+def barrier_timeout_s() -> float:
+    "Seconds a process waits at a checkpoint barrier: eformer's `GLOBAL_CHECKPOINT_TIMEOUT` when set, else 600."
+    from eformer_nb.loggings import env_setting
+
+    t = env_setting("GLOBAL_CHECKPOINT_TIMEOUT", float, BARRIER_TIMEOUT_S)
+    if not t > 0:
+        raise ValueError(f"environment variable GLOBAL_CHECKPOINT_TIMEOUT={t!r} is invalid: expected seconds > 0")
+    return t
+
+
+def _next_name(tag: str) -> str:
+    "A barrier/key name that every process derives identically: the calling thread's name and its call count."
+    thread = threading.current_thread().name
+    with _barrier_lock:
+        n = _barrier_seq[thread] = _barrier_seq.get(thread, 0) + 1
+    return f"eformer_nb.serialization.{thread}.{n}.{tag}"
+
+# %% ../../nbs/10_serialization.durable.ipynb #2acd8ea5
+def sync_processes(
+    tag: str,  # the barrier's name (unique per call site and call)
+    timeout_s: float | None = None,  # how long to wait for the others (None: `barrier_timeout_s()`)
+) -> None:
+    "Block until every JAX process reached this barrier (a no-op with one process); `tag` names it in errors."
+    if process_info()[1] == 1:
+        return
+    timeout_s = barrier_timeout_s() if timeout_s is None else timeout_s
+    from jax._src import distributed  # the runtime client of jax.distributed.initialize
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError(f"sync_processes({tag!r}): {process_info()[1]} processes but no jax.distributed client; "
+                           "call jax.distributed.initialize() first")
+    client.wait_at_barrier(_next_name(tag), int(timeout_s * 1000))
+
+
+def broadcast_from_first(
+    value: str,  # process 0's value (others' is ignored)
+    tag: str,  # the broadcast's name
+    timeout_s: float | None = None,  # how long to wait for process 0 (None: `barrier_timeout_s()`)
+) -> str:
+    "Process 0's `value` on every process (decisions that depend on a clock must agree); one process: `value`."
+    if process_info()[1] == 1:
+        return value
+    timeout_s = barrier_timeout_s() if timeout_s is None else timeout_s
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    key = _next_name(tag)
+    if process_info()[0] == 0:
+        client.key_value_set(key, value)
+        return value
+    return client.blocking_key_value_get(key, int(timeout_s * 1000))
 
 # %% ../../nbs/10_serialization.durable.ipynb #208968b0
 @contextlib.contextmanager
@@ -113,7 +173,7 @@ def _remote_lock(d: ePath, what: str) -> tp.Iterator[None]:
     if str(lock) in held:  # re-entered by this thread (a remote checkpoint's tree is written in the step directory)
         yield
         return
-    fs = lock._fs_obj
+    fs = lock.fs
     token = f"pid {os.getpid()} on {socket.gethostname()} (save {secrets.token_hex(8)})".encode()
     try:
         fs.pipe_file(lock.path, token, mode="create")
@@ -137,7 +197,7 @@ def _release_remote_lock(lock: ePath, token: bytes) -> None:
     """Delete lock object `lock` only while it is still the one this save created (its `token`, and on GCS its
     generation as a delete precondition): if an operator deleted it mid-save and another writer then took the lock,
     that writer's lock object stays."""
-    fs = lock._fs_obj
+    fs = lock.fs
     try:
         generation = object_generation(lock)  # read before the content: a later re-create has another generation
         ours = fs.cat_file(lock.path) == token
@@ -160,7 +220,7 @@ def _release_remote_lock(lock: ePath, token: bytes) -> None:
 # %% ../../nbs/10_serialization.durable.ipynb #02b1c984
 MARKER_FILE = ".eformer_nb"  # written first into every directory a save of ours creates: proof that it is ours
 LOCK_PATTERN = r"\..+\.lock"  # `exclusive_writer`'s lock files (gs://: lock objects), beside what they guard
-TEMP_PATTERN = r"\..+" + re.escape(_TMP_TAG)  # the temporaries of an atomic write that was killed
+TEMP_PATTERN = r"\..+" + re.escape(TMP_TAG)  # the temporaries of an atomic write that was killed
 
 
 class Ownership:
@@ -282,6 +342,22 @@ def write_json_if_generation(
         fs.invalidate_cache(f.path)
     return True
 
+# %% ../../nbs/10_serialization.durable.ipynb #64cd33a5
+def commit_json(
+    f: ePath,  # the commit object: a tree's index.json, a checkpoint's metadata.json, a state file, a model index
+    obj: dict,  # written with its digest (`write_json`)
+    generation: int | None,  # write only while `f` is at this GCS generation (0: only if absent); None: no precondition
+    lost: tp.Callable[[], BaseException] | None = None,  # on a lost race: removes this save's own files, returns the error
+) -> None:
+    """The commit of a save: `obj` written to `f` whole and durably, on GCS only while `f` is still at `generation`.
+    When another writer committed since, `lost()` cleans up and its error is raised (`CheckpointLockedError` without one)."""
+    if write_json_if_generation(f, obj, generation):
+        return
+    err = lost() if lost is not None else None
+    raise err if err is not None else CheckpointLockedError(
+        f"{str(f)!r} was committed by another writer while this save ran: it is no longer at generation "
+        f"{generation} (its lock object was deleted mid-save?); this save did not commit")
+
 # %% ../../nbs/10_serialization.durable.ipynb #16a02d70
 PARTIAL_SUFFIX = ".partial"  # the work directory of a save: `<dest>.partial`
 OLD_SUFFIX = ".old" + PARTIAL_SUFFIX  # where a re-save moves the committed version aside (without renameat2 only)
@@ -394,3 +470,104 @@ def rename_into_place(
         fsync_path(dest.parent)
         remove_marked(old)
     fsync_path(dest.parent)
+
+# %% ../../nbs/10_serialization.durable.ipynb #37248adb
+class DurableSave:
+    "One save of folder `dest`: `begin` → write into `work` → `commit` → `drop`, under `exclusive_writer(dest)`."
+    def __init__(
+        self,
+        dest: str | os.PathLike | ePath,  # the folder this save replaces (refused when it is '', '.', a root, home...)
+        kind: str,  # our marker's `format` in the folders this save makes, and its barriers' names
+        commit_file: str,  # the file whose write commits: a rename carries it locally, `commit_json` writes it remotely
+        what: str = "directory",  # what `dest` is, for the lock's message ("checkpoint", "state", "model folder")
+        caller: str = "save",  # the public function saving, for `refuse_destination`'s message
+        in_place: bool = False,  # write into `dest` itself even locally (several processes share a local folder)
+        marked: bool = True,  # in place: mark the work folder as ours (a Hugging Face folder carries no marker)
+    ):
+        self.dest = dest if isinstance(dest, ePath) else ePath(dest)
+        refuse_destination(self.dest, caller)
+        self.kind, self.commit_file, self.what, self.marked = kind, commit_file, what, marked
+        self.local = not is_remote_path(self.dest)  # the one place a save decides local against remote
+        self.in_place = in_place or not self.local  # an object store has no rename
+        self.first = process_info()[0] == 0
+        self.work, self.generation, self.committed, self._lock = None, None, False, None
+
+    def __enter__(self) -> DurableSave:
+        self._lock = exclusive_writer(self.dest, self.what)
+        self._lock.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.__exit__(*exc)
+
+    def __repr__(self) -> str:
+        how = "in place" if self.in_place else "swap"
+        return f"DurableSave({str(self.dest)!r}, {self.kind!r}, commit {self.commit_file!r}, {how})"
+
+# %% ../../nbs/10_serialization.durable.ipynb #7ff925b4
+@patch
+def begin(
+    self: DurableSave,
+    keep: tp.Sequence[str] = (),  # locally: the user's entries of `dest`, linked into the work folder
+    version: str | None = None,  # in place: write into this new folder inside `dest` (the commit file names it)
+) -> ePath:
+    "Step 1 (process 0; then every process waits): the work folder to write into, returned on every process."
+    if self.in_place:
+        self.work = self.dest / version if version else self.dest
+        if self.first:
+            self.generation = object_generation(self.dest / self.commit_file)  # None on a filesystem without them
+            self.work.mkdir(parents=True, exist_ok=True)
+            if self.marked:
+                mark(self.work, self.kind)
+    else:
+        self.work = self.dest.parent / (self.dest.name + PARTIAL_SUFFIX)
+        if self.first:
+            fresh_work_dir(self.dest, list(keep), self.kind)
+    sync_processes(f"{self.kind}-begin")
+    return self.work
+
+# %% ../../nbs/10_serialization.durable.ipynb #57175aad
+@patch
+def commit_now(
+    self: DurableSave,
+    meta: dict | None = None,  # the commit file's contents (locally: None when the caller wrote it into `work`)
+    lost: tp.Callable[[], BaseException] | None = None,  # in place: on a lost race, removes this save's files (`commit_json`)
+) -> None:
+    """The commit itself, on process 0 alone, with no barrier (for a caller already past its own, such as a checkpoint's
+    tree commit): locally `meta` into `work/commit_file`, then the rename of `work` into place; in place one
+    `commit_json` of `dest/commit_file` at the generation `begin` read."""
+    if self.work is None:
+        raise RuntimeError(f"{self!r}: commit() before begin(): there is no work folder to commit")
+    if self.in_place:
+        commit_json(self.dest / self.commit_file, meta, self.generation, lost)
+    else:
+        if meta is not None:
+            write_json(self.work / self.commit_file, meta)
+        rename_into_place(self.work, self.dest)
+    self.committed = True
+
+# %% ../../nbs/10_serialization.durable.ipynb #380c4ba5
+@patch
+def commit(
+    self: DurableSave,
+    meta: dict | None = None,  # the commit file's contents (locally: None when the caller wrote it into `work`)
+    lost: tp.Callable[[], BaseException] | None = None,  # in place: on a lost race, removes this save's files
+) -> None:
+    "Step 3: once every process wrote, process 0 commits (`commit_now`); every process returns once the commit landed."
+    sync_processes(f"{self.kind}-written")
+    if self.first:
+        self.commit_now(meta, lost)
+    self.committed = True
+    sync_processes(f"{self.kind}-committed")
+
+
+@patch
+def drop(self: DurableSave, *removals: tp.Callable[[], tp.Any]  # each removes something the commit replaced
+         ) -> None:
+    "Step 4 (process 0): remove what the commit replaced; refused before the commit (it would lose the only version)."
+    if not self.first:
+        return
+    if not self.committed:
+        raise RuntimeError(f"{self!r}: drop() before commit(): the replaced version is still the committed one")
+    for remove in removals:
+        remove()

@@ -14,7 +14,6 @@ import math
 import os
 import re
 import secrets
-import threading
 import typing as tp
 import urllib.parse
 from collections.abc import Callable
@@ -25,19 +24,20 @@ from ..loggings import ProgressLogger, get_logger
 from ..paths import ePath, is_remote_path
 from ..pytree.serialization import dtype_from_tag, dtype_to_tag
 from ..pytree.tree_util import tree_path_to_string
-from .durable import (LOCK_PATTERN, MARKER_FILE, TEMP_PATTERN, CheckpointLockedError,
-                                               Ownership, exclusive_writer, fsync_path, is_marked, json_digest, mark,
-                                               object_generation, process_info, refuse_destination, write_json,
-                                               write_json_if_generation)
-
+from .durable import (BARRIER_TIMEOUT_S, LOCK_PATTERN, MARKER_FILE, TEMP_PATTERN,  # noqa: F401
+                                               CheckpointLockedError, Ownership, barrier_timeout_s,
+                                               broadcast_from_first, commit_json, exclusive_writer, fsync_path,
+                                               is_marked, json_digest, mark, object_generation, process_info,
+                                               refuse_destination, sync_processes, write_json)
 
 # %% auto #0
 __all__ = ['INLINE_BYTES', 'MAX_CHUNK_BYTES', 'FORMAT_NAME', 'FORMAT_VERSION', 'READ_VERSIONS', 'INDEX_FILE', 'ARRAYS_DIR',
-           'BARRIER_TIMEOUT_S', 'LOCAL_FAST_WRITE', 'PROGRESS_BYTES', 'WRITE_IO_CONCURRENCY', 'LOCAL_FAST_READ',
-           'is_array_like', 'join_key', 'leaf_key_paths', 'barrier_timeout_s', 'sync_processes', 'broadcast_from_first',
-           'static_fields', 'CheckpointNotFoundError', 'TornCheckpointError', 'CorruptCheckpointError', 'check_digest',
-           'read_json', 'read_index', 'marked_arrays', 'tree_serialize_leaves', 'tree_deserialize_leaves',
-           'derive_base_prefix_from_path', 'shard_filename', 'index_filename', 'group_keys_by_shard_size']
+           'LOCAL_FAST_WRITE', 'PROGRESS_BYTES', 'WRITE_IO_CONCURRENCY', 'LOCAL_FAST_READ', 'is_array_like', 'join_key',
+           'leaf_key_paths', 'array_spec', 'static_fields', 'plan_save', 'CheckpointNotFoundError',
+           'TornCheckpointError', 'CorruptCheckpointError', 'tree_dir_path', 'check_digest', 'read_json', 'read_index',
+           'tree_foreign', 'marked_arrays', 'drop_arrays', 'commit_tree', 'tree_serialize_leaves',
+           'tree_deserialize_leaves', 'derive_base_prefix_from_path', 'shard_filename', 'index_filename',
+           'group_keys_by_shard_size']
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #f6e2ad16
 def is_array_like(
@@ -175,7 +175,7 @@ def _codecs(compression: str | None) -> list[dict]:
     return codecs + [{"name": "crc32c"}]  # TensorStore verifies it on every read: a flipped bit is an error
 
 
-def _array_spec(kvstore: dict, rec: dict, chunks: list[int] | None = None, compression: str | None = None) -> dict:
+def array_spec(kvstore: dict, rec: dict, chunks: list[int] | None = None, compression: str | None = None) -> dict:
     "TensorStore spec of the zarr3 array of leaf record `rec` in the tree directory whose kvstore is `kvstore`."
     kv = dict(kvstore, path=kvstore.get("path", "") + rec["file"] + "/")
     spec = {"driver": "zarr3", "kvstore": kv, "recheck_cached_data": False, "recheck_cached_metadata": False,
@@ -185,65 +185,6 @@ def _array_spec(kvstore: dict, rec: dict, chunks: list[int] | None = None, compr
         spec["metadata"] = {"shape": rec["shape"], "data_type": rec["stored_dtype"], "codecs": _codecs(compression),
                             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}}}
     return spec
-
-# %% ../../nbs/10a_serialization.serialization.ipynb #8626039c
-_barrier_lock = threading.Lock()
-_barrier_seq: dict[str, int] = {}  # per thread name: each thread's sequence of barriers is the same on every process
-BARRIER_TIMEOUT_S = 600.0  # how long a process waits for the others at a checkpoint barrier
-
-
-def barrier_timeout_s() -> float:
-    "Seconds a process waits at a checkpoint barrier: eformer's `GLOBAL_CHECKPOINT_TIMEOUT` when set, else 600."
-    from eformer_nb.loggings import env_setting
-
-    t = env_setting("GLOBAL_CHECKPOINT_TIMEOUT", float, BARRIER_TIMEOUT_S)
-    if not t > 0:
-        raise ValueError(f"environment variable GLOBAL_CHECKPOINT_TIMEOUT={t!r} is invalid: expected seconds > 0")
-    return t
-
-
-def _next_name(tag: str) -> str:
-    "A barrier/key name that every process derives identically: the calling thread's name and its call count."
-    thread = threading.current_thread().name
-    with _barrier_lock:
-        n = _barrier_seq[thread] = _barrier_seq.get(thread, 0) + 1
-    return f"eformer_nb.serialization.{thread}.{n}.{tag}"
-
-
-def sync_processes(
-    tag: str,  # the barrier's name (unique per call site and call)
-    timeout_s: float | None = None,  # how long to wait for the others (None: `barrier_timeout_s()`)
-) -> None:
-    "Block until every JAX process reached this barrier (a no-op with one process); `tag` names it in errors."
-    if process_info()[1] == 1:
-        return
-    timeout_s = barrier_timeout_s() if timeout_s is None else timeout_s
-    from jax._src import distributed  # the runtime client of jax.distributed.initialize
-
-    client = distributed.global_state.client
-    if client is None:
-        raise RuntimeError(f"sync_processes({tag!r}): {process_info()[1]} processes but no jax.distributed client; "
-                           "call jax.distributed.initialize() first")
-    client.wait_at_barrier(_next_name(tag), int(timeout_s * 1000))
-
-
-def broadcast_from_first(
-    value: str,  # process 0's value (others' is ignored)
-    tag: str,  # the broadcast's name
-    timeout_s: float | None = None,  # how long to wait for process 0 (None: `barrier_timeout_s()`)
-) -> str:
-    "Process 0's `value` on every process (decisions that depend on a clock must agree); one process: `value`."
-    if process_info()[1] == 1:
-        return value
-    timeout_s = barrier_timeout_s() if timeout_s is None else timeout_s
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    key = _next_name(tag)
-    if process_info()[0] == 0:
-        client.key_value_set(key, value)
-        return value
-    return client.blocking_key_value_get(key, int(timeout_s * 1000))
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #cd5ca3c0
 class _SavePlan(tp.NamedTuple):
@@ -350,7 +291,7 @@ def _host(x: tp.Any, copy: bool) -> np.ndarray:
     return np.array(a, copy=True) if copy else a
 
 
-def _plan_save(pytree: tp.Any, *, copy: bool = False, dtype: tp.Any = None, with_structure: bool = True) -> _SavePlan:
+def plan_save(pytree: tp.Any, *, copy: bool = False, dtype: tp.Any = None, with_structure: bool = True) -> _SavePlan:
     "Records, structure and this process's shard buffers for `pytree`; `dtype` casts floating arrays first."
     import jax
 
@@ -416,7 +357,7 @@ class CorruptCheckpointError(ValueError):
     "A checkpoint's file is damaged: JSON that does not parse or match its digest, a chunk failing its crc32c, a missing chunk."
 
 
-def _tree_dir(checkpoint_dir: str | ePath, prefix: str | None) -> ePath:
+def tree_dir_path(checkpoint_dir: str | ePath, prefix: str | None) -> ePath:
     root = checkpoint_dir if isinstance(checkpoint_dir, ePath) else ePath(checkpoint_dir)
     if prefix is None or prefix == "":
         return root
@@ -471,7 +412,7 @@ def read_index(
 ) -> dict:
     """The `index.json` of a saved tree, checked: `CheckpointNotFoundError`, `TornCheckpointError` or
     `CorruptCheckpointError`."""
-    d = _tree_dir(tree_dir, prefix)
+    d = tree_dir_path(tree_dir, prefix)
     f = d / INDEX_FILE
     try:
         index = read_json(f, "index")
@@ -613,7 +554,7 @@ def _write_arrays(tree_dir: ePath, plan: _SavePlan, compression: str | None) -> 
     kv, first = kvstore_spec(tree_dir), process_info()[0] == 0
     opened, local = [], []
     for key, chunks, owned in plan.writes:
-        spec, ctx = _array_spec(kv, plan.records[key], chunks, compression), _write_context()
+        spec, ctx = array_spec(kv, plan.records[key], chunks, compression), _write_context()
         files = _local_chunks(tree_dir, plan.records[key], chunks, owned, compression)
         if files is not None:  # its chunk files are ours to write; process 0 still has TensorStore create the array
             local += files
@@ -644,7 +585,7 @@ _TREE_OWNED = Ownership(r"index\.json", r"metadata\.json", r"arrays\.[0-9a-f]{8}
                         TEMP_PATTERN)  # what saves of ours write into a tree directory (and a checkpoint's)
 
 
-def _tree_foreign(d: ePath, index: dict | None) -> list[str]:
+def tree_foreign(d: ePath, index: dict | None) -> list[str]:
     """Names in `d` that no save of ours made (ours: `_TREE_OWNED`, the array directory `index` names, sub-trees)."""
     arrays = index.get("arrays", ARRAYS_DIR) if index else None
     return [n for n in _TREE_OWNED.foreign(d) if n != arrays and not (d / n / INDEX_FILE).is_file()]
@@ -659,12 +600,12 @@ def _begin_tree(tree_dir: ePath, arrays: str, overwrite: bool) -> dict | None:
         index = read_index(tree_dir)  # the committed version: index.json, or the one metadata.json carries
     except (CheckpointNotFoundError, TornCheckpointError):
         index = None
-    foreign = _tree_foreign(tree_dir, index)
+    foreign = tree_foreign(tree_dir, index)
     if foreign and not overwrite:
         raise FileExistsError(f"{str(tree_dir)!r} holds files that are not an eformer_nb tree: {sorted(foreign)[:10]}; "
                               "save into an empty or new directory, or pass overwrite=True to save beside them "
                               "(they are never deleted)")
-    if not is_remote_path(tree_dir):  # a crashed save's arrays; on gs:// only after the commit (`_commit_tree`)
+    if not is_remote_path(tree_dir):  # a crashed save's arrays; on gs:// only after the commit (`commit_tree`)
         _drop_other_arrays(tree_dir, (index or {}).get("arrays"))
     (tree_dir / arrays).mkdir(parents=True, exist_ok=False)
     mark(tree_dir / arrays, FORMAT_NAME)  # proof that a save of ours made it
@@ -687,7 +628,7 @@ def _drop_other_arrays(tree_dir: ePath, keep: str | None) -> None:
             p.rmtree()
 
 
-def _drop_arrays(tree_dir: ePath, old: dict) -> None:
+def drop_arrays(tree_dir: ePath, old: dict) -> None:
     "Remove the arrays of the replaced index `old`: its own array directory, or (version 1) each leaf's directory."
     if old.get("arrays"):
         (tree_dir / old["arrays"]).rmtree(missing_ok=True)
@@ -702,23 +643,17 @@ def _drop_arrays(tree_dir: ePath, old: dict) -> None:
 
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #5b6656ba
-def _commit_index(tree_dir: ePath, body: dict, generation: int | None) -> None:
-    """Write `index.json`, the commit of a bare tree: atomically, and on gs:// only if it is still at `generation`.
-    A lost race removes this save's own new arrays and raises `CheckpointLockedError`; the winner is untouched."""
-    f = tree_dir / INDEX_FILE
-    if generation is None:
-        write_json(f, body)
-        return
-    if write_json_if_generation(f, body, generation):
-        return
-    (tree_dir / body["arrays"]).rmtree(missing_ok=True)
-    raise CheckpointLockedError(
-        f"tree {str(tree_dir)!r} was committed by another writer while this save ran: {str(f)!r} is no longer at "
-        f"generation {generation} (its lock object was deleted mid-save?); this save did not commit and removed only "
-        "its own new arrays; load the tree to see the version that won")
+def _lost_tree(tree_dir: ePath, arrays: str, generation: int | None) -> CheckpointLockedError:
+    """A bare tree's commit (its `index.json`, `commit_json`) lost the race: remove this save's own new `arrays`; the
+    error to raise. The winner is untouched."""
+    (tree_dir / arrays).rmtree(missing_ok=True)
+    return CheckpointLockedError(
+        f"tree {str(tree_dir)!r} was committed by another writer while this save ran: {str(tree_dir / INDEX_FILE)!r} is "
+        f"no longer at generation {generation} (its lock object was deleted mid-save?); this save did not commit and "
+        "removed only its own new arrays; load the tree to see the version that won")
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #9bbde567
-def _commit_tree(tree_dir: ePath, plan: _SavePlan, compression: str | None, overwrite: bool = False,
+def commit_tree(tree_dir: ePath, plan: _SavePlan, compression: str | None, overwrite: bool = False,
                  commit: Callable[[dict], None] | None = None) -> None:
     """Write every process's chunks into a new `arrays.<token>/`, then (process 0) replace `index.json` atomically and
     remove the arrays it replaced: until that rename, the previous tree stays whole and loadable. `commit(index)`, when
@@ -743,13 +678,12 @@ def _commit_tree(tree_dir: ePath, plan: _SavePlan, compression: str | None, over
                 commit(dict(body, digest=json_digest(body)))
                 write_json(tree_dir / INDEX_FILE, body)
             else:
-                _commit_index(tree_dir, body, generation)
+                commit_json(tree_dir / INDEX_FILE, body, generation, lambda: _lost_tree(tree_dir, arrays, generation))
             if old is not None and old.get("arrays") != arrays:
-                _drop_arrays(tree_dir, old)
+                drop_arrays(tree_dir, old)
             if remote:  # committed: no save that began before ours can commit now, so their arrays are garbage
                 _drop_other_arrays(tree_dir, arrays)
         sync_processes("tree-committed")
-
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #9b14f54a
 def tree_serialize_leaves(
@@ -765,17 +699,17 @@ def tree_serialize_leaves(
     overwrite: bool = False,  # save into a directory holding other files (they are kept, never deleted)
 ) -> ePath:
     "Save `pytree` as a tree directory (`index.json` + zarr3 arrays) and return its path; every JAX process calls it."
-    tree_dir = _tree_dir(checkpoint_dir, prefix)
+    tree_dir = tree_dir_path(checkpoint_dir, prefix)
     refuse_destination(tree_dir, "tree_serialize_leaves")
     if manager is not None and not callable(getattr(manager, "submit", None)):
         raise TypeError(
             f"manager must be an AsyncCheckpointManager (anything with submit(fn)), got {type(manager).__name__}"
         )
     _codecs(compression)
-    plan = _plan_save(pytree, copy=manager is not None, dtype=dtype, with_structure=write_index)
+    plan = plan_save(pytree, copy=manager is not None, dtype=dtype, with_structure=write_index)
 
     def finish() -> None:
-        _commit_tree(tree_dir, plan, compression, overwrite)
+        commit_tree(tree_dir, plan, compression, overwrite)
         if commit_callback is not None:
             commit_callback()
 
@@ -1070,7 +1004,7 @@ def _start_reads(tree_dir: ePath, arrays: list[tuple[str, dict, tp.Any]]) -> dic
 
     layout = {key: _local_layout(tree_dir, key, rec) for key, rec, _ in arrays}
     kv = kvstore_spec(tree_dir) if any(c is None for c in layout.values()) else None
-    opened = {key: ts.open(_array_spec(kv, rec), open=True, read=True) for key, rec, _ in arrays if layout[key] is None}
+    opened = {key: ts.open(array_spec(kv, rec), open=True, read=True) for key, rec, _ in arrays if layout[key] is None}
     reads, local = {}, {}
     for key, rec, sharding in arrays:
         shape = tuple(rec["shape"])
@@ -1198,7 +1132,7 @@ def tree_deserialize_leaves(
     allow_unverified_layout: bool = False,  # restore an index older than version 3 into implicit arrays unchecked
 ) -> tp.Any:
     "Restore a tree saved by `tree_serialize_leaves`, in the template's structure when given (else the saved one)."
-    tree_dir = _tree_dir(checkpoint_dir, prefix)
+    tree_dir = tree_dir_path(checkpoint_dir, prefix)
     if dtype is not None and not _is_float(np.dtype(dtype)) and not allow_lossy_cast:
         raise ValueError(f"dtype={np.dtype(dtype).name}: dtype= casts floating leaves, and casting them to a "
                          "non-floating dtype drops their fractions; pass allow_lossy_cast=True if you mean it")

@@ -88,7 +88,7 @@ def auto_namedsharding(
 # %% ../../../nbs/09d_escale.partition.spec_inference.ipynb #d49ebfd8
 import jax
 
-from .constraints import _entry_names, _require_mesh, correct_partition_spec, shard_nbytes
+from .constraints import entry_names, require_mesh, correct_partition_spec, shard_nbytes
 
 
 def auto_shard_array(
@@ -157,7 +157,7 @@ def convert_sharding_strategy(
         spec = PartitionSpec()
     else:
         sizes = mesh_axis_sizes(new_mesh)
-        kept = [tuple(n for n in _entry_names(e) if n in sizes) if e is not None else () for e in old_partition_specs]
+        kept = [tuple(n for n in entry_names(e) if n in sizes) if e is not None else () for e in old_partition_specs]
         spec = correct_partition_spec(np.shape(array),
                                       PartitionSpec(*[k[0] if len(k) == 1 else (k or None) for k in kept]),
                                       new_mesh)
@@ -177,7 +177,7 @@ def sharding_problems(
     for d, entry in enumerate(spec):
         if entry is None or entry is PartitionSpec.UNCONSTRAINED:
             continue
-        names = _entry_names(entry)
+        names = entry_names(entry)
         unknown = [n for n in names if n not in sizes]
         out += [f"axis {n!r} (dim {d}) is not in the mesh {sizes}" for n in unknown]
         out += [f"axis {n!r} is used twice" for n in names if n in seen]
@@ -195,7 +195,7 @@ def validate_sharding_config(
 ) -> bool:
     """True when every spec fits its array on `mesh` (default: in context); otherwise a `ValueError` lists every
     problem by leaf."""
-    mesh = _require_mesh(mesh, "validate_sharding_config")
+    mesh = require_mesh(mesh, "validate_sharding_config")
     is_spec = lambda s: isinstance(s, PartitionSpec)
     leaves, treedef = jax.tree_util.tree_flatten(pytree)
     spec_leaves, spec_def = jax.tree_util.tree_flatten(partition_specs, is_leaf=is_spec)

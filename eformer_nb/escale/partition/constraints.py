@@ -23,15 +23,15 @@ from ...loggings import get_logger
 logger = get_logger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'lax_reshard', 'correct_partition_spec', 'get_corrected_named_sharding', 'with_sharding_constraint',
-           'tree_path_to_string', 'map_leaves_with_path', 'match_partition_rules', 'make_shard_and_gather_fns',
-           'get_incontext_mesh', 'get_mesh_axis_names', 'get_axes_size_in_mesh', 'get_mesh_axis_size',
-           'names_in_current_mesh', 'get_names_from_partition_spec', 'get_submesh_device_index', 'get_partition_spec',
-           'get_shardings_with_structure', 'extract_sharding_structure', 'extract_shardings',
+__all__ = ['logger', 'lax_reshard', 'entry_names', 'correct_partition_spec', 'require_mesh', 'get_corrected_named_sharding',
+           'with_sharding_constraint', 'tree_path_to_string', 'map_leaves_with_path', 'match_partition_rules',
+           'make_shard_and_gather_fns', 'get_incontext_mesh', 'get_mesh_axis_names', 'get_axes_size_in_mesh',
+           'get_mesh_axis_size', 'names_in_current_mesh', 'get_names_from_partition_spec', 'get_submesh_device_index',
+           'get_partition_spec', 'get_shardings_with_structure', 'extract_sharding_structure', 'extract_shardings',
            'create_pattern_based_partition_spec', 'shard_nbytes', 'analyze_sharding_strategy']
 
 # %% ../../../nbs/09b_escale.partition.constraints.ipynb #b65e2364
-def _entry_names(entry) -> tuple:
+def entry_names(entry) -> tuple:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
@@ -57,7 +57,7 @@ def _absent_axis_is_size_one(name: str, sizes: dict) -> bool:
 def _fit_entry(shape, dim: int, entry, sizes: dict, manual: set, spec, auto_correct: bool):
     "One spec entry fitted to dim `dim`: the mesh axes that divide it (others dropped with a warning, or an error)."
     kept, prod = [], 1
-    for name in _entry_names(entry):
+    for name in entry_names(entry):
         if name is None or name in manual:
             continue
         if name not in sizes:
@@ -89,7 +89,7 @@ def _fit_entry(shape, dim: int, entry, sizes: dict, manual: set, spec, auto_corr
             say(f"sharding corrected: {problem}; {name!r} is dropped from that dimension (logged once per axis and "
                 "dimension size)")
     new = kept[0] if len(kept) == 1 and isinstance(entry, str) else (tuple(kept) if kept else None)
-    if len(kept) == len(_entry_names(entry)):
+    if len(kept) == len(entry_names(entry)):
         new = entry  # untouched: keep the caller's spelling so the HLO matches a hand-written spec
     return new
 
@@ -123,7 +123,7 @@ def correct_partition_spec(
     return PartitionSpec(*out) if changed else spec
 
 # %% ../../../nbs/09b_escale.partition.constraints.ipynb #77a573ea
-def _require_mesh(mesh, what: str):
+def require_mesh(mesh, what: str):
     mesh = get_current_mesh() if mesh is None else mesh
     if mesh is None:
         raise ValueError(f"{what} needs a mesh: pass mesh=..., or call it inside `with jax.set_mesh(mesh):` "
@@ -147,7 +147,7 @@ def get_corrected_named_sharding(
         mesh, raise_mesh_error = raise_mesh_error, True
     if mesh is None and get_current_mesh() is None and not raise_mesh_error:
         return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    mesh = _require_mesh(mesh, "get_corrected_named_sharding")
+    mesh = require_mesh(mesh, "get_corrected_named_sharding")
     return NamedSharding(mesh, correct_partition_spec(shape, partition_spec, mesh, auto_correct=auto_correct))
 
 # %% ../../../nbs/09b_escale.partition.constraints.ipynb #c4e0c00d
@@ -166,7 +166,7 @@ def _constrain_leaf(x, sharding, mesh, auto_correct: bool):
     spec = correct_partition_spec(np.shape(x), spec, mesh, auto_correct=auto_correct)
     named = NamedSharding(mesh, spec)
     explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
-    used = {n for e in spec if e is not None and e is not PartitionSpec.UNCONSTRAINED for n in _entry_names(e)}
+    used = {n for e in spec if e is not None and e is not PartitionSpec.UNCONSTRAINED for n in entry_names(e)}
     if used & explicit:
         return jax.sharding.reshard(x, named)
     return jax.lax.with_sharding_constraint(x, named)
@@ -307,7 +307,7 @@ def make_shard_and_gather_fns(
     auto_correct: bool = True,  # drop axes that do not divide (else raise)
 ):
     "Trees of `shard_fn(x) -> sharded array` and `gather_fn(x) -> numpy array`, one per spec in `partition_specs`."
-    mesh = _require_mesh(mesh, "make_shard_and_gather_fns")
+    mesh = require_mesh(mesh, "make_shard_and_gather_fns")
     if not isinstance(mesh, Mesh):
         raise TypeError(f"make_shard_and_gather_fns needs a concrete Mesh to place arrays on, got {mesh!r}")
 
@@ -349,7 +349,7 @@ def get_mesh_axis_names(
     mesh: Mesh | AbstractMesh | None = None,  # the mesh (default: the one in context)
 ) -> tuple[str, ...]:
     "The axis names of `mesh` (default: the mesh in context)."
-    return tuple(_require_mesh(mesh, "get_mesh_axis_names").axis_names)
+    return tuple(require_mesh(mesh, "get_mesh_axis_names").axis_names)
 
 
 def get_axes_size_in_mesh(
@@ -360,8 +360,8 @@ def get_axes_size_in_mesh(
     sizes; 1 for None."""
     if axis_names is None:
         return 1
-    sizes = mesh_axis_sizes(_require_mesh(mesh, "get_axes_size_in_mesh"))
-    names = _entry_names(axis_names)
+    sizes = mesh_axis_sizes(require_mesh(mesh, "get_axes_size_in_mesh"))
+    names = entry_names(axis_names)
     missing = [n for n in names if n not in sizes]
     if missing:
         raise ValueError(f"axis name(s) {missing} are not in the mesh; its axes are {sizes}")
@@ -395,7 +395,7 @@ def get_names_from_partition_spec(
         for entry in spec:
             if entry is None or entry is PartitionSpec.UNCONSTRAINED:
                 continue
-            out += [n for n in _entry_names(entry) if n not in out]
+            out += [n for n in entry_names(entry) if n not in out]
     return out
 
 # %% ../../../nbs/09b_escale.partition.constraints.ipynb #87d7c3f9
@@ -404,8 +404,8 @@ def get_submesh_device_index(
 ) -> int:
     """This process's index along the axes `axis_names` of the mesh in context (row-major over those axes): which data
     shard its first local device holds."""
-    mesh = _require_mesh(None, "get_submesh_device_index")
-    names = _entry_names(axis_names)
+    mesh = require_mesh(None, "get_submesh_device_index")
+    names = entry_names(axis_names)
     local = jax.local_devices()[0]
     coords = np.argwhere(np.vectorize(lambda d: d == local)(mesh.devices))
     if len(coords) == 0:
@@ -451,7 +451,7 @@ def extract_shardings(
         if isinstance(x, jax.sharding.Sharding):
             return x
         if isinstance(x, PartitionSpec):
-            return NamedSharding(_require_mesh(mesh, "extract_shardings"), x)
+            return NamedSharding(require_mesh(mesh, "extract_shardings"), x)
         return getattr(x, "sharding", None)
     return jax.tree_util.tree_map(one, tree, is_leaf=lambda x: isinstance(x, (PartitionSpec, jax.sharding.Sharding)))
 
@@ -485,7 +485,7 @@ def shard_nbytes(
     sizes = dict(mesh) if isinstance(mesh, dict) else mesh_axis_sizes(mesh)
     for d, entry in enumerate(spec):
         if entry is not None and entry is not PartitionSpec.UNCONSTRAINED:
-            shard[d] //= math.prod(sizes[n] for n in _entry_names(entry))
+            shard[d] //= math.prod(sizes[n] for n in entry_names(entry))
     return math.prod(shard) * np.dtype(dtype).itemsize
 
 # %% ../../../nbs/09b_escale.partition.constraints.ipynb #d14e364e
@@ -495,7 +495,7 @@ def analyze_sharding_strategy(
     mesh: Mesh | None = None,  # the mesh (default: the one in context)
 ) -> dict[str, tp.Any]:
     "Memory and balance of placing `pytree`'s arrays with `partition_specs` on `mesh` (default: in context)."
-    mesh = _require_mesh(mesh, "analyze_sharding_strategy")
+    mesh = require_mesh(mesh, "analyze_sharding_strategy")
     is_spec = lambda s: isinstance(s, PartitionSpec)
     leaves = jax.tree_util.tree_leaves(pytree)
     specs = jax.tree_util.tree_leaves(partition_specs, is_leaf=is_spec)

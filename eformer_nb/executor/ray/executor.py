@@ -18,7 +18,7 @@ from fastcore.basics import patch, patch_to
 from .pool_manager import SlicePoolManager
 from eformer_nb.executor.ray.resource_manager import (
     ComputeResourceConfig, HardwareType, TpuAcceleratorConfig,
-    _fresh_process_fn, _merge_env,
+    fresh_process_fn, merge_env,
 )
 from eformer_nb.executor.ray.types import (
     Attempt, InfeasibleRequestError, JobInfo, JobStatus, JobSucceeded, MultisliceInfo, classify_ray_error, handle_ray_error,
@@ -130,7 +130,7 @@ def _launch_gang(remote_fn: tp.Any, cfg: ComputeResourceConfig, args: tuple, kwa
     base_env = opts.pop("runtime_env", {})
     n = cfg.worker_count
     if n == 1:
-        single = {**opts, "runtime_env": _merge_env(base_env, cfg.worker_env(0))}
+        single = {**opts, "runtime_env": merge_env(base_env, cfg.worker_env(0))}
         try:
             fn = _with_options(remote_fn, json.dumps(single, sort_keys=True))
         except TypeError:  # options that are not JSON (a RuntimeEnv object, say): not cached
@@ -148,9 +148,9 @@ def _launch_gang(remote_fn: tp.Any, cfg: ComputeResourceConfig, args: tuple, kwa
         at = lambda i: PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
         coordinator = ray.get(ray.remote(_coordinator_probe).options(num_cpus=0, scheduling_strategy=at(0)).remote(),
                               timeout=schedule_timeout_s)
-        remote_fn = _fresh_process_fn(remote_fn)  # a process that joined a distributed runtime is not reused
+        remote_fn = fresh_process_fn(remote_fn)  # a process that joined a distributed runtime is not reused
         launch.refs = [remote_fn.options(**opts, scheduling_strategy=at(i),
-                                         runtime_env=_merge_env(base_env, cfg.worker_env(i, coordinator))
+                                         runtime_env=merge_env(base_env, cfg.worker_env(i, coordinator))
                                          ).remote(*args, **kwargs) for i in range(n)]
     except BaseException:
         _cleanup(launch)
@@ -179,7 +179,7 @@ def _launch_slices(remote_fn: tp.Any, cfg: TpuAcceleratorConfig, args: tuple, kw
             return cfg.worker_env(h, process_count=info.num_hosts, multislice=ms)
 
         opts = cfg.get_remote_options()
-        rows = pool.execute_on_each_slice(_fresh_process_fn(remote_fn), env=env,
+        rows = pool.execute_on_each_slice(fresh_process_fn(remote_fn), env=env,
                                           runtime_env=opts["runtime_env"], f_args=args, f_kwargs=kwargs,
                                           num_cpus=opts["num_cpus"])
     except BaseException:

@@ -11,7 +11,7 @@ import typing as tp
 
 from fastcore.basics import patch, patch_to
 
-from .resource_manager import _merge_env, tpu_spec
+from .resource_manager import merge_env, tpu_spec
 from .types import RefBox, SliceInfo
 from ...loggings import get_logger
 
@@ -175,7 +175,7 @@ def run_remote_fn(
 
     resources = {**({"TPU": self.num_devices} if self.num_devices else {}), **dict(extra_resources or {})}
     opts = dict(num_cpus=num_cpus, resources=resources, max_retries=0,
-                runtime_env=_merge_env(runtime_env, env),
+                runtime_env=merge_env(runtime_env, env),
                 scheduling_strategy=NodeAffinitySchedulingStrategy(self.node_id, soft=False))
     if memory_bytes:
         opts["memory"] = memory_bytes

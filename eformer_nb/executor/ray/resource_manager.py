@@ -17,8 +17,8 @@ from .types import ExceptionInfo, MultisliceInfo
 
 # %% auto #0
 __all__ = ['TPU_GENERATIONS', 'TPU_GENERATION_ALIASES', 'AcceleratorConfigType', 'TpuGeneration', 'TpuSpec', 'tpu_spec',
-           'HardwareType', 'available_cpu_cores', 'RayResources', 'ComputeResourceConfig', 'CpuAcceleratorConfig',
-           'GpuAcceleratorConfig', 'TpuAcceleratorConfig']
+           'HardwareType', 'available_cpu_cores', 'merge_env', 'RayResources', 'fresh_process_fn',
+           'ComputeResourceConfig', 'CpuAcceleratorConfig', 'GpuAcceleratorConfig', 'TpuAcceleratorConfig']
 
 # %% ../../../nbs/14b_executor.ray.resource_manager.ipynb #8b058028
 @dc.dataclass(frozen=True)
@@ -89,7 +89,7 @@ def available_cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def _merge_env(runtime_env: tp.Mapping | None, env_vars: tp.Mapping[str, tp.Any] | None) -> dict:
+def merge_env(runtime_env: tp.Mapping | None, env_vars: tp.Mapping[str, tp.Any] | None) -> dict:
     "A copy of `runtime_env` with `env_vars` added to its `env_vars` (values as strings)."
     out = dict(runtime_env or {})
     if env_vars:
@@ -217,7 +217,7 @@ def update_fn_resource_env(
 ) -> tp.Any:
     "`remote_fn.options(...)` with `runtime_env` and the extra environment variables merged into its own."
     own = (getattr(remote_fn, "_default_options", None) or {}).get("runtime_env")
-    merged = _merge_env({**dict(own or {}), **dict(runtime_env or {})}, extra_env)
+    merged = merge_env({**dict(own or {}), **dict(runtime_env or {})}, extra_env)
     if own and runtime_env and (own.get("env_vars") or runtime_env.get("env_vars")):
         merged["env_vars"] = {**dict(own.get("env_vars") or {}), **dict(runtime_env.get("env_vars") or {}),
                               **{k: str(v) for k, v in extra_env.items()}}
@@ -235,7 +235,7 @@ def cancel_all_futures(
         ray.cancel(f, force=True, recursive=True)
 
 
-def _fresh_process_fn(remote_fn: tp.Any) -> tp.Any:
+def fresh_process_fn(remote_fn: tp.Any) -> tp.Any:
     "`remote_fn` remade with `max_calls=1` (Ray sets it at decoration only): each call runs in a fresh worker process."
     import ray
 
@@ -312,7 +312,7 @@ def with_environment_variables(
     **kwargs,  # more environment variables, by name
 ) -> ComputeResourceConfig:  # a copy; `self` is unchanged
     "A copy whose workers also get `env_vars` and `kwargs` as environment variables."
-    return dc.replace(self, execution_env=_merge_env(self.execution_env, {**dict(env_vars or {}), **kwargs}))
+    return dc.replace(self, execution_env=merge_env(self.execution_env, {**dict(env_vars or {}), **kwargs}))
 
 
 @patch
@@ -327,9 +327,9 @@ def redecorate_remote_fn_for_call(
 
         remote_fn = ray.remote(remote_fn)
     opts = self.get_remote_options()
-    opts["runtime_env"] = _merge_env(opts.get("runtime_env"), extra_envs)
+    opts["runtime_env"] = merge_env(opts.get("runtime_env"), extra_envs)
     if opts.pop("max_calls", None) == 1:
-        remote_fn = _fresh_process_fn(remote_fn)
+        remote_fn = fresh_process_fn(remote_fn)
     return remote_fn.options(**opts)
 
 # %% ../../../nbs/14b_executor.ray.resource_manager.ipynb #ffc03b8d

@@ -15,17 +15,15 @@ import numpy as np
 from ...loggings import get_logger
 from ..layers import flatten_params
 from ...paths import ePath
-from ...serialization.durable import (MARKER_FILE, CheckpointLockedError, Ownership, exclusive_writer,
-                                               fresh_work_dir, object_generation, refuse_destination,
-                                               rename_into_place, write_file, write_json_if_generation)
+from ...serialization.durable import MARKER_FILE, CheckpointLockedError, DurableSave, Ownership, write_file
 
 logger = get_logger(__name__)
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['logger', 'WEIGHTS_NAME', 'WEIGHTS_INDEX_NAME', 'WEIGHTS_DIGEST_KEY', 'CONFIG_KEY', 'FilesMixin', 'safetensors_parts',
-           'safetensors_dumps', 'safetensors_loads', 'hf_name', 'host_value', 'to_hf_state_dict', 'parse_size',
-           'weights_digest', 'read_verified_weights', 'load_weights']
+__all__ = ['logger', 'WEIGHTS_NAME', 'WEIGHTS_INDEX_NAME', 'WEIGHTS_DIGEST_KEY', 'PRETRAINED_FORMAT', 'CONFIG_KEY', 'FilesMixin',
+           'safetensors_parts', 'safetensors_dumps', 'safetensors_loads', 'hf_name', 'host_value', 'to_hf_state_dict',
+           'parse_size', 'weights_digest', 'read_verified_weights', 'load_weights']
 
 # %% ../../../nbs/11e_infra.mixins.files.ipynb #90959131
 class FilesMixin:
@@ -242,6 +240,7 @@ def read_verified_weights(
 # %% ../../../nbs/11e_infra.mixins.files.ipynb #a1f58579
 _HF_OWNED = Ownership(r"config\.json", r"model(-[0-9a-f]{8})?(-\d+-of-\d+)?\.safetensors", r"model\.safetensors\.index\.json")
 _FRESH_SHARD = re.compile(r"^model-[0-9a-f]{8}-\d{5}-of-\d{5}\.safetensors$")  # the names an in-place save writes
+PRETRAINED_FORMAT = "eformer_nb.pretrained"  # the marker's `format` in a model folder while `save_pretrained` writes it
 
 
 def _write_blob(f: ePath, parts: list) -> None:
@@ -269,13 +268,7 @@ def _write_config(model, d: ePath, tensors: dict) -> None:
 
 
 def _write_files(model, d: ePath, tensors: dict, max_shard_size) -> int:
-    """Write config.json and the safetensors file(s) of `tensors` into folder `d`: a fresh local folder directly; on
-    gs:// or with several processes in place, committed by the index (`_write_committed`)."""
-    import jax
-    from ...paths import is_remote_path
-    if is_remote_path(d) or jax.process_count() > 1:
-        return _write_committed(model, d, tensors, max_shard_size)
-    d.mkdir(parents=True, exist_ok=True)
+    "Write the safetensors file(s) of `tensors` (and their index when several), then config.json, into work folder `d`."
     shards = _shards(tensors, parse_size(max_shard_size))
     n = len(shards)
     names = [WEIGHTS_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -336,16 +329,6 @@ def _drop_replaced_weights(d: ePath, names: list[str]) -> None:
         (d / name).unlink(missing_ok=True)
 
 
-def _commit_index(f: ePath, index: dict, generation: int | None) -> bool:
-    """The commit: write the index `f` only while it is still at `generation` (GCS `ifGenerationMatch`; 0: only while
-    absent), False when another writer committed since; `generation` None (a filesystem without generations): a plain
-    atomic write. On gs:// the index carries a `digest` field (the shared conditional write adds it)."""
-    if generation is None:
-        _write_blob(f, [_index_bytes(index)])
-        return True
-    return write_json_if_generation(f, index, generation)
-
-
 def _lost_commit(d: ePath, created: list[str], generation: int | None):
     """After a refused commit: remove the shards this save created that the index now committed does not name (never
     one the winner wrote); the `CheckpointLockedError` to raise, naming the folder."""
@@ -364,15 +347,15 @@ def _lost_commit(d: ePath, created: list[str], generation: int | None):
 
 # %% ../../../nbs/11e_infra.mixins.files.ipynb #dd313bdc
 def _write_committed(model, d: ePath, tensors: dict, max_shard_size) -> int:
-    """Write into `d` in place without losing the previous version, holding `d`'s lock (`exclusive_writer`): the shards
-    under names no committed index names (`model-<8 hex of their digests>-0000i-of-0000N.safetensors`), then the index
-    recording the config (`CONFIG_KEY`), the commit, conditional on the index's generation read first; then
-    config.json; only then the replaced weight files are removed. Same tensors give the same names and the same index,
-    so several processes agree."""
+    """Write into `d` in place without losing the previous version (`DurableSave(in_place=True)`, under `d`'s lock):
+    the shards under names no committed index names (`model-<8 hex of their digests>-0000i-of-0000N.safetensors`),
+    then the index recording the config (`CONFIG_KEY`): the commit, conditional on the index's generation read in
+    `begin`; then config.json; only then the replaced weight files are dropped. Same tensors give the same names and
+    the same index, so several processes agree."""
     import hashlib
-    d.mkdir(parents=True, exist_ok=True)
-    with exclusive_writer(d, "model folder"):
-        generation = object_generation(d / WEIGHTS_INDEX_NAME)  # first: a commit landing after this makes ours lose
+    with DurableSave(d, PRETRAINED_FORMAT, WEIGHTS_INDEX_NAME, "model folder", "save_pretrained", in_place=True,
+                     marked=False) as save:  # a Hugging Face folder carries no marker
+        save.begin()  # the index's generation first: a commit landing after this makes ours lose
         old, present = _replaced_weights(d), {p.name for p in d.glob("model*.safetensors")}
         shards = _shards(tensors, parse_size(max_shard_size))
         n = len(shards)
@@ -381,10 +364,10 @@ def _write_committed(model, d: ePath, tensors: dict, max_shard_size) -> int:
         config = json.loads(json.dumps(_saved_config(model, tensors).to_dict(), allow_nan=False))  # as read back
         for name, shard in zip(names, shards):
             _write_shard(d / name, shard)
-        if not _commit_index(d / WEIGHTS_INDEX_NAME, _index(tensors, names, shards, config), generation):
-            raise _lost_commit(d, sorted(set(names) - present), generation)
+        save.commit(_index(tensors, names, shards, config),
+                    lost=lambda: _lost_commit(d, sorted(set(names) - present), save.generation))
         _write_config(model, d, tensors)  # after the commit: the index holds this config until config.json does
-        _drop_replaced_weights(d, sorted(old - set(names)))
+        save.drop(lambda: _drop_replaced_weights(d, sorted(old - set(names))))
     return n
 
 # %% ../../../nbs/11e_infra.mixins.files.ipynb #0465a8eb
@@ -393,17 +376,17 @@ def _write_folder(model, d: ePath, tensors: dict, max_shard_size) -> int:
     other files (tokenizer, notes) hard-linked across, so a failed overwrite leaves the previous folder whole; on
     gs:// (or with several processes) in place, committed by the index (`_write_committed`)."""
     import jax
-    from ...paths import is_remote_path
-    refuse_destination(d, "save_pretrained")
-    if is_remote_path(d) or jax.process_count() > 1:  # no directory rename on object stores
-        return _write_files(model, d, tensors, max_shard_size)
-    with exclusive_writer(d, "model folder"):
+    save = DurableSave(d, PRETRAINED_FORMAT, WEIGHTS_INDEX_NAME, "model folder", "save_pretrained",
+                       in_place=jax.process_count() > 1, marked=False)
+    if save.in_place:  # gs:// (no directory rename) or several processes
+        return _write_committed(model, d, tensors, max_shard_size)
+    with save:
         keep = _HF_OWNED.foreign(d)
-        work = fresh_work_dir(d, keep)  # marked ours while it is written: a crash leaves it for the next save to clear
+        work = save.begin(keep)  # marked ours while it is written: a crash leaves it for the next save to clear
         n = _write_files(model, work, tensors, max_shard_size)
-        rename_into_place(work, d)
+        save.commit()  # the rename of the work folder into place
         if MARKER_FILE not in keep:  # a finished Hugging Face folder carries no marker
-            (d / MARKER_FILE).unlink()
+            save.drop((d / MARKER_FILE).unlink)
     return n
 
 # %% ../../../nbs/11e_infra.mixins.files.ipynb #5537fcd3

@@ -141,7 +141,7 @@ def nf4_use_kernel(
     "Let quantized matmuls use the fused kernels where they run (`True`, the default) or always the XLA path (`False`)."
     if not isinstance(value, bool):
         raise TypeError(f"nf4_use_kernel expects True or False, got {value!r}")
-    from eformer_nb.ops.quantization.kernels import _forced_backend, set_default_backend
-    previous = _forced_backend
+    from eformer_nb.ops.quantization.kernels import forced_backend, set_default_backend
+    previous = forced_backend
     set_default_backend(None if value else "xla")
     return _KernelMode(previous)

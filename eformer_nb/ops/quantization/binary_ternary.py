@@ -40,7 +40,7 @@ def _check_scaled(arr: QuantizedArray, codes: jax.Array, per_byte: int) -> None:
         raise ValueError(f"{type(arr).__name__}: n={arr.n} and block={arr.block} do not fit codes of shape {c}")
     want = (*c[:-1], width // arr.block)
     if tuple(arr.scale.shape) != want:
-        raise arr._leaf_error("scale", arr.scale.shape, want)
+        raise arr.leaf_error("scale", arr.scale.shape, want)
 
 
 def _blocked(x: jax.Array, block_size: int | None, per_byte: int) -> tuple[jax.Array, jax.Array, int]:

@@ -213,7 +213,7 @@ class QuantizedArray(ImplicitArray):
     def _check_leaves(self) -> None:
         "Raise a `ValueError` naming the leaf whose shape does not fit the others (subclasses)."
 
-    def _leaf_error(self, what: str, got: tp.Any, expected: tp.Any) -> ValueError:
+    def leaf_error(self, what: str, got: tp.Any, expected: tp.Any) -> ValueError:
         return ValueError(f"{type(self).__name__}: {what} has shape {tuple(got)}, expected {tuple(expected)} "
                           f"for {self._shape_note()}")
 

@@ -93,7 +93,7 @@ class Array8B(QuantizedArray):
                 raise ValueError(f"Array8B: block_size={self.block_size} does not divide the last axis of q {q}")
             want = (*q[:-1], q[-1] // self.block_size)
         if tuple(self.scale.shape) != want:
-            raise self._leaf_error("scale", self.scale.shape, want)
+            raise self.leaf_error("scale", self.scale.shape, want)
 
     def _shape_note(self) -> str:
         how = "per channel" if self.block_size is None else f"per block of {self.block_size}"

@@ -19,12 +19,12 @@ from .nf4 import NF4_CODEBOOK, nf4_decode, nf4_encode, nf4_pack, nf4_unpack
 logger = get_logger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'DEFAULT_BLOCK_SIZE', 'BACKENDS', 'BACKEND_ENV_VAR', 'GEMV_MAX_ROWS', 'VARIANTS', 'GPU_SMS', 'GPU_PROGRAMS',
-           'REDUCE_ELEMS', 'GEMV_ROWS', 'TILE_OVERRIDES', 'MEASURED_TILES', 'H200_HBM_BPS', 'H200_ALU_OPS',
-           'set_default_backend', 'default_backend', 'nf4_unpack_codes', 'nf4_dequantize', 'Tiles', 'measured_tiles',
-           'default_tiles', 'nf4_matmul_pallas', 'nf4_matmul_t_pallas', 'int8_matmul_pallas', 'int8_matmul_t_pallas',
-           'ops_per_weight', 'alu_budget', 'occupancy', 'grid_picture', 'tpu_kernels_enabled', 'nf4_matmul',
-           'nf4_matmul_t', 'int8_matmul', 'int8_matmul_t', 'NF4_CODEBOOK']
+__all__ = ['logger', 'DEFAULT_BLOCK_SIZE', 'BACKENDS', 'BACKEND_ENV_VAR', 'forced_backend', 'GEMV_MAX_ROWS', 'VARIANTS',
+           'GPU_SMS', 'GPU_PROGRAMS', 'REDUCE_ELEMS', 'GEMV_ROWS', 'TILE_OVERRIDES', 'MEASURED_TILES', 'H200_HBM_BPS',
+           'H200_ALU_OPS', 'set_default_backend', 'default_backend', 'nf4_unpack_codes', 'nf4_dequantize', 'Tiles',
+           'measured_tiles', 'default_tiles', 'nf4_matmul_pallas', 'nf4_matmul_t_pallas', 'int8_matmul_pallas',
+           'int8_matmul_t_pallas', 'ops_per_weight', 'alu_budget', 'occupancy', 'grid_picture', 'tpu_kernels_enabled',
+           'nf4_matmul', 'nf4_matmul_t', 'int8_matmul', 'int8_matmul_t', 'NF4_CODEBOOK']
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #80f76e04
 _all_ = ["NF4_CODEBOOK"]  # re-exported from `ops.quantization.nf4`, the one home of the NF4 codec
@@ -33,7 +33,7 @@ DEFAULT_BLOCK_SIZE = 64  # NF4 values per absmax scale along the last axis of W
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #033a01f8
 BACKENDS = ("auto", "pallas", "xla")
 BACKEND_ENV_VAR = "EFORMER_NB_QUANT_BACKEND"
-_forced_backend: str | None = None
+forced_backend: str | None = None
 
 
 def _check_backend(backend: str, what: str = "backend") -> str:
@@ -46,14 +46,14 @@ def set_default_backend(
     backend: str | None,  # 'auto', 'pallas' or 'xla'; None restores the env-var / auto choice
 ) -> None:
     "Force `backend` for every call that passes `backend='auto'`; `None` restores the env-var / auto choice."
-    global _forced_backend
-    _forced_backend = None if backend is None else _check_backend(backend)
+    global forced_backend
+    forced_backend = None if backend is None else _check_backend(backend)
 
 
 def default_backend() -> str:
     "The backend that `backend='auto'` resolves through: `set_default_backend`, then the env var, then `'auto'`."
-    if _forced_backend is not None:
-        return _forced_backend
+    if forced_backend is not None:
+        return forced_backend
     env = os.environ.get(BACKEND_ENV_VAR)
     if env:
         return _check_backend(env.strip().lower(), f"backend in ${BACKEND_ENV_VAR}")

@@ -269,9 +269,9 @@ class ArrayNF4(QuantizedArray):
                              f"shape {p}")
         blocks = (*p[:-1], 2 * p[-1] // self.block_size)
         if self.absmax is not None and tuple(self.absmax.shape) != blocks:
-            raise self._leaf_error("absmax", self.absmax.shape, blocks)
+            raise self.leaf_error("absmax", self.absmax.shape, blocks)
         if self.qabsmax is not None and tuple(self.qabsmax.shape) != blocks:
-            raise self._leaf_error("qabsmax", self.qabsmax.shape, blocks)
+            raise self.leaf_error("qabsmax", self.qabsmax.shape, blocks)
         if (self.absmax is None) == (self.qabsmax is None):
             raise ValueError("ArrayNF4: give exactly one of absmax (float32) and qabsmax (double quantization)")
 
