@@ -57,13 +57,9 @@ def test_endpoints_with_the_openai_client(client):
     assert "".join(p.choices[0].delta.content or "" for p in parts) == chat.choices[0].message.content
 
 
-def _reference(model, codec, text: str, max_tokens: int, stop: str | None) -> tuple[str, str]:
-    "What `generate` alone gives: the text (cut at EOS, then at `stop`) and the finish reason."
-    import jax.numpy as jnp
-    ids = codec.encode(text)
-    new = np.asarray(model.generate(jnp.asarray([ids]), max_new_tokens=max_tokens).sequences)[0, len(ids):].tolist()
-    eos = model.config.eos_token_id
-    reason = "length"
+def _answer(model, codec, new: list[int], stop: str | None) -> tuple[str, str]:
+    "The text of generated ids `new` (cut at EOS, then at `stop`) and the finish reason, as the server must give them."
+    eos, reason = model.config.eos_token_id, "length"
     if eos in new:
         new, reason = new[:new.index(eos) + 1], "stop"
     out = codec.decode(new)
@@ -73,19 +69,23 @@ def _reference(model, codec, text: str, max_tokens: int, stop: str | None) -> tu
 
 
 def test_sixteen_concurrent_greedy_requests_match_generate_alone(client, tiny):
+    import jax.numpy as jnp
     model, codec = tiny
     rng = np.random.default_rng(0)
     words = "the quick brown fox jumps over a lazy dog while alice reads her book".split()
     lengths = [3, 7, 12, 18, 25, 33]  # bytes; the tiny model's tokens are bytes
     prompts = [" ".join(rng.choice(words, 12))[:lengths[i % len(lengths)]] for i in range(16)]
     maxes = [int(m) for m in rng.integers(2, 11, 16)]
-    refs = [_reference(model, codec, p, m, None) for p, m in zip(prompts, maxes)]
+    full = {}  # generate alone, 10 tokens once per prompt; greedy: the answer to max_tokens=m is its first m tokens
+    for p in prompts:
+        ids = codec.encode(p)
+        full[p] = np.asarray(model.generate(jnp.asarray([ids]), max_new_tokens=10).sequences)[0, len(ids):].tolist()
     stops = [None] * 16
     for i in range(0, 16, 3):  # some requests stop at a printable character their answer contains
-        cands = [c for c in refs[i][0][1:] if c.isascii() and c.isprintable()]
-        if cands:
-            stops[i] = cands[0]
-            refs[i] = _reference(model, codec, prompts[i], maxes[i], stops[i])
+        text = _answer(model, codec, full[prompts[i]][:maxes[i]], None)[0]
+        cands = [c for c in text[1:] if c.isascii() and c.isprintable()]
+        stops[i] = cands[0] if cands else None
+    refs = [_answer(model, codec, full[p][:m], s) for p, m, s in zip(prompts, maxes, stops)]
     seeded = dict(model="tiny", prompt="Alice was ", max_tokens=8, temperature=0.9, top_p=0.9, seed=11)
     alone = client.completions.create(**seeded).choices[0].text
     results, errors = {}, []

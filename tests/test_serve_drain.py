@@ -41,7 +41,7 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones():
         assert refused in ("ConnectError", 503), refused
         code = proc.wait(60)
         print(f"drained in {time.monotonic() - t0:.1f} s; a new request got {refused}; exit code {code}")
-        assert code == 0
+        assert code in (0, -signal.SIGTERM), code  # uvicorn re-raises the signal once drained: killed by SIGTERM
     finally:
         if proc.poll() is None:
             proc.kill()
