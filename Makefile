@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed.stamp
 HOST_DEVICES := --xla_force_host_platform_device_count=8
-SINGLE_DEVICE_PAGES := models optimizers quantization llamacpp attention
+SINGLE_DEVICE_PAGES := models optimizers quantization llamacpp attention serving
 space := $(subst ,, )
 NBDEV_TEST_FLAGS ?= multidevice
 NBDEV_WORKERS ?= 2

@@ -255,7 +255,9 @@ class Engine:
         self._inbox, self._aborts, self._lock = [], set(), threading.Lock()
         self._wake, self._thread, self._stopping, self.error = threading.Condition(self._lock), None, False, None
         self._ids, self.shapes = itertools.count(), set()
-        self.counters = collections.Counter()  # prefill/decode tokens, cached tokens, preemptions, finished
+        self.counters = collections.Counter({k: 0 for k in (  # every key up front: `stats()` reads them from other threads
+            "prefill_tokens", "cached_tokens", "decode_tokens", "output_tokens", "preemptions", "finished_stop",
+            "finished_length", "finished_abort", "finished_error")})
         self._keys: dict[str, list[tuple]] = {}
 
 # %% ../../nbs/15a_serve.engine.ipynb #e705731b
