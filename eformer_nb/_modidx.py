@@ -3863,6 +3863,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                   'eformer_nb/serve/engine.py'),
                                          'eformer_nb.serve.engine.Engine.stop': ( 'nbs/serve.engine.html#engine.stop',
                                                                                   'eformer_nb/serve/engine.py'),
+                                         'eformer_nb.serve.engine.Engine.warmup': ( 'nbs/serve.engine.html#engine.warmup',
+                                                                                    'eformer_nb/serve/engine.py'),
                                          'eformer_nb.serve.engine.EngineConfig': ( 'nbs/serve.engine.html#engineconfig',
                                                                                    'eformer_nb/serve/engine.py'),
                                          'eformer_nb.serve.engine.EngineConfig.__post_init__': ( 'nbs/serve.engine.html#engineconfig.__post_init__',

@@ -313,10 +313,15 @@ def _admit(self: Engine):
     "Move waiting requests into free slots while the pool holds their prompts."
     ps = self.config.page_size
     free_slots = sorted(set(range(self.config.max_num_seqs)) - {r.slot for r in self.running})
+    coming = {k for r in self.running if r.computed < r.target and self.config.prefix_caching
+              for k in self._prefix_keys(r, r.target // ps)}  # full pages a running prefill is about to write
     while self.waiting and free_slots:
         req = self.waiting[0]
         shareable = (req.target - (0 if req.output else 1)) // ps if self.config.prefix_caching else 0
-        hits = list(itertools.takewhile(lambda k: k in self.pool.by_prefix, self._prefix_keys(req, shareable)))
+        keys = self._prefix_keys(req, shareable)
+        hits = list(itertools.takewhile(lambda k: k in self.pool.by_prefix, keys))
+        if len(hits) < len(keys) and keys[len(hits)] in coming:
+            break  # its next page is being computed by a running request: wait for it rather than compute it twice
         need = -(-req.target // ps) - len(hits)
         idle_hits = sum(self.pool.by_prefix[k] in self.pool.idle for k in hits)
         if need > self.pool.available - idle_hits:
@@ -328,6 +333,8 @@ def _admit(self: Engine):
             req.cached_tokens = req.computed
             self.counters["cached_tokens"] += req.computed
         self.running.append(req)
+        if self.config.prefix_caching and req.computed < req.target:
+            coming.update(self._prefix_keys(req, req.target // ps))
 
 # %% ../../nbs/15a_serve.engine.ipynb #321cda6f
 @patch
@@ -414,7 +421,7 @@ def _pick(self: Engine, picks: list[tuple[Request, jax.Array]]):
     "Sample one token for each (request, logits) pair and record it."
     if not picks:
         return
-    n = _bucket(len(picks), max(self.config.max_num_seqs, len(picks)))
+    n = _bucket(len(picks), self.config.max_num_seqs + self.config.max_prefill_seqs)
     pad = n - len(picks)
     reqs = [r for r, _ in picks]
     col = lambda f, dt: jnp.asarray([f(r) for r in reqs] + [0] * pad, dt)
@@ -511,7 +518,22 @@ def stats(self: Engine) -> dict:
                 pages_total=self.num_pages, pages_cached=len(self.pool.idle), compiled_shapes=len(self.shapes),
                 **self.counters)
 
-# %% ../../nbs/15a_serve.engine.ipynb #1432c43d
+# %% ../../nbs/15a_serve.engine.ipynb #c5242644
+@patch
+def warmup(self: Engine) -> int:
+    "Compile every step shape (decode and prefill buckets, and the sampler's) before serving; returns their count."
+    cfg, vocab = self.config, self.model.config.vocab_size
+    pow2 = lambda cap: sorted({_bucket(n, cap) for n in range(1, cap + 1)})
+    for b in pow2(cfg.max_num_seqs):
+        self._forward("decode", [], np.zeros((b, 1), np.int32))
+    for p in pow2(cfg.max_prefill_seqs):
+        self._forward("prefill", [], np.zeros((p, cfg.prefill_chunk), np.int32))
+    for n in pow2(cfg.max_num_seqs + cfg.max_prefill_seqs):
+        z, f = jnp.zeros((n,), jnp.int32), jnp.zeros((n,), jnp.float32)
+        sample_rows(jnp.zeros((n, vocab), jnp.float32), f, z, f + 1, z.astype(jnp.uint32), z).block_until_ready()
+    return len(self.shapes)
+
+# %% ../../nbs/15a_serve.engine.ipynb #ae47f6db
 def page_map(engine: Engine) -> str:  # the engine
     "One line: for each page of the pool, the requests holding it (a letter each), '○' idle-cached, '·' free."
     names = {}
@@ -520,7 +542,7 @@ def page_map(engine: Engine) -> str:  # the engine
             names[p] = names.get(p, "") + r.id[-1]
     return " ".join(f"{names.get(p, '○' if p in engine.pool.idle else '·'):>2}" for p in range(engine.num_pages))
 
-# %% ../../nbs/15a_serve.engine.ipynb #4c817af6
+# %% ../../nbs/15a_serve.engine.ipynb #489ee42c
 @patch
 def _loop(self: Engine):
     while True:

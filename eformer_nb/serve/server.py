@@ -500,5 +500,7 @@ def main(argv: list[str] | None = None):  # the arguments (None: sys.argv)
     cfg = EngineConfig(max_num_seqs=a.max_num_seqs, page_size=a.page_size, num_pages=a.num_pages,
                        max_model_length=a.max_model_length, prefill_chunk=a.prefill_chunk)
     name = a.served_model_name or (a.model if a.model in ("smollm2", "tiny") else os.path.basename(a.model.rstrip("/")))
-    Server(Engine(model, cfg, detokenize=codec.decode), codec, name, a.host, a.port, a.api_key, a.max_body_bytes,
-           a.max_pending, a.drain_timeout).run()
+    engine = Engine(model, cfg, detokenize=codec.decode)
+    t0 = time.perf_counter()
+    logger.info(f"compiled {engine.warmup()} step shapes in {time.perf_counter() - t0:.1f} s")
+    Server(engine, codec, name, a.host, a.port, a.api_key, a.max_body_bytes, a.max_pending, a.drain_timeout).run()
