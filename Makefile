@@ -6,14 +6,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed.stamp
 HOST_DEVICES := --xla_force_host_platform_device_count=8
-SINGLE_DEVICE_PAGES := models optimizers quantization llamacpp attention
+SINGLE_DEVICE_PAGES := models optimizers quantization llamacpp attention serving
 space := $(subst ,, )
 NBDEV_TEST_FLAGS ?= multidevice
 NBDEV_WORKERS ?= 2
 PYTEST_WORKERS ?= 2
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: help install test bench-gpu bench-gpu-tiny gpu-wheels lint check-sync check-notebooks check-readme nbtest pytest docs readme bench bench-llamacpp bench-check demo mutate clean client peer-suite gpu-lower
+.PHONY: help install test serve bench-gpu bench-gpu-tiny gpu-wheels lint check-sync check-notebooks check-readme nbtest pytest docs readme bench bench-llamacpp bench-check demo mutate clean client peer-suite gpu-lower
 
 help:
 	@echo "make install  - create $(VENV) and install eformer-nb with its dev extras"
@@ -30,6 +30,7 @@ help:
 	@echo "make bench-check - re-judge the saved benchmark verdicts and re-run the cheap headline rows (BENCH_PAGES=all: every page)"
 	@echo "make mutate   - apply each mutation in tests/mutations/*.yaml in a scratch copy; fails if one survives (MUTATE_ARGS=\"-j 2 --only NAME\")"
 	@echo "make peer-suite EFORMER_SRC=<eformer tree> - eformer's own tests/ against eformer_nb (.ci/peer_suite.py); fails under PEER_MIN_PASS=0.90 passing or a file that cannot be collected; summary in _peer/; not in CI (CI has no copy of eformer)"
+	@echo "make serve    - an OpenAI-compatible server for SmolLM2-135M-Instruct on http://127.0.0.1:8000/v1 (SERVE_ARGS=\"--model tiny --port 8001\")"
 	@echo "make demo     - QLoRA fine-tuning of SmolLM2-135M through a local Ray cluster: held-out perplexity before/after, SIGKILL, bit-identical resume, chat sample (DEMO_ARGS=\"--model tiny\": a random byte model)"
 
 install: $(STAMP)
@@ -241,3 +242,9 @@ peer-suite: install
 	PYTHONPATH="$(CURDIR):$(CURDIR)/.ci:$(CURDIR)/.ci/peer_site:$(CURDIR)/tests$${PYTHONPATH:+:$$PYTHONPATH}" PEER_SUMMARY="$(CURDIR)/_peer/summary.md" PEER_MIN_PASS=$(PEER_MIN_PASS) \
 	  XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python -m pytest -q -p peer_suite -p no:cacheprovider --rootdir "$(EFORMER_SRC)" \
 	  --continue-on-collection-errors $(or $(PEER_TESTS),"$(EFORMER_SRC)/tests") $(PEER_ARGS)
+
+# `make serve`: SmolLM2-135M-Instruct (the packaged GGUF, float32) behind OpenAI's HTTP API on 127.0.0.1:8000 until
+# Ctrl-C / SIGTERM (in-flight requests drain). SERVE_ARGS adds options: python -m eformer_nb.serve --help
+SERVE_ARGS ?=
+serve: install
+	$(BIN)/python -m eformer_nb.serve --model smollm2 $(SERVE_ARGS)

@@ -24,6 +24,7 @@ dev_requirements = cfg.get("dev_requirements", "").split()
 bench_requirements = cfg.get("bench_requirements", "").split()
 hf_requirements = cfg.get("hf_requirements", "").split()
 llamacpp_requirements = cfg.get("llamacpp_requirements", "").split()
+serve_requirements = cfg.get("serve_requirements", "").split()
 
 readme = here / "README.md"
 setuptools.setup(
@@ -50,7 +51,7 @@ setuptools.setup(
     package_data={lib: ["data/*.txt", "data/*.yaml", "data/*.json"]},  # the demo's corpus, example configs, GPU tiles
     install_requires=requirements,
     extras_require={"dev": dev_requirements, "bench": bench_requirements, "hf": hf_requirements,
-                    "llamacpp": llamacpp_requirements},
+                    "llamacpp": llamacpp_requirements, "serve": serve_requirements},
     entry_points={"nbdev": [f"{cfg['lib_path']}={cfg['lib_path']}._modidx:d"]},
     project_urls={"Documentation": cfg["doc_host"] + cfg["doc_baseurl"], "Source": cfg.get("git_url", "")},
     zip_safe=False,
