@@ -3,7 +3,8 @@
 
 `save_then_die PORT PID DIR`: both save checkpoint 2 of a tree sharded over all 8 devices and print its digest; then
 both start checkpoint 4, and process 1 SIGKILLs itself as soon as the new checkpoint's first entry appears under DIR
-(its write has begun, nothing is committed).
+(its write has begun, nothing is committed); process 0 exits
+`GIVE_UP_S` later.
 `restore PORT PID DIR`: both restore the latest checkpoint under DIR and print its step and digest.
 """
 from __future__ import annotations
@@ -15,6 +16,8 @@ import threading
 import time
 
 import numpy as np
+
+GIVE_UP_S = 20  # process 0 gives up on checkpoint 4 this long after starting it
 
 
 def tree_of(step: int, mesh) -> dict:
@@ -58,6 +61,11 @@ def save_then_die(port: int, pid: int, root: str) -> None:
     print(f"saved 2 {state_digest(tree_of(2, mesh))}", flush=True)
     if pid == 1:
         die_when_a_new_entry_appears(root, set(os.listdir(root)))
+    else:  # process 0 waits in the save for a peer that is gone (JAX would end it after its 100 s heartbeat timeout)
+        def give_up():
+            print(f"gave up on 4 after {GIVE_UP_S} s", flush=True)
+            os._exit(1)
+        threading.Timer(GIVE_UP_S, give_up).start()
     ckpt.save_checkpoint(tree_of(4, mesh), step=4)
     print("saved 4", flush=True)  # neither process may get here: process 1 dies, process 0 waits for it
 
