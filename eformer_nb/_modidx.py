@@ -671,6 +671,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                  'eformer_nb/executor/ray/executor.py'),
                                                   'eformer_nb.executor.ray.executor._coordinator_probe': ( 'nbs/executor.ray.executor.html#_coordinator_probe',
                                                                                                            'eformer_nb/executor/ray/executor.py'),
+                                                  'eformer_nb.executor.ray.executor._dead_peer': ( 'nbs/executor.ray.executor.html#_dead_peer',
+                                                                                                   'eformer_nb/executor/ray/executor.py'),
                                                   'eformer_nb.executor.ray.executor._decorator': ( 'nbs/executor.ray.executor.html#_decorator',
                                                                                                    'eformer_nb/executor/ray/executor.py'),
                                                   'eformer_nb.executor.ray.executor._flat': ( 'nbs/executor.ray.executor.html#_flat',
