@@ -31,7 +31,7 @@ help:
 	@echo "make mutate   - apply each mutation in tests/mutations/*.yaml in a scratch copy; fails if one survives (MUTATE_ARGS=\"-j 2 --only NAME\")"
 	@echo "make peer-suite EFORMER_SRC=<eformer tree> - eformer's own tests/ against eformer_nb (.ci/peer_suite.py); fails under PEER_MIN_PASS=0.90 passing or a file that cannot be collected; summary in _peer/; not in CI (CI has no copy of eformer)"
 	@echo "make serve    - an OpenAI-compatible server for SmolLM2-135M-Instruct on http://127.0.0.1:8000/v1 (SERVE_ARGS=\"--model tiny --port 8001\")"
-	@echo "make demo     - QLoRA fine-tuning of SmolLM2-135M through a local Ray cluster: held-out perplexity before/after, SIGKILL, bit-identical resume, chat sample (DEMO_ARGS=\"--model tiny\": a random byte model)"
+	@echo "make demo     - QLoRA fine-tuning of SmolLM2-135M through a local Ray cluster: held-out perplexity before/after, SIGKILL, bit-identical resume, chat sample (DEMO_ARGS=\"--model tiny\": a random byte model; \"--hosts 2\": two JAX processes, one mesh)"
 
 install: $(STAMP)
 
@@ -195,7 +195,7 @@ mutate: install
 	$(BIN)/python .ci/mutate.py --bin $(BIN) $(MUTATE_ARGS)
 
 demo: install
-	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python -m eformer_nb.demo --mesh dp:2,fsdp:2,tp:2 $(DEMO_ARGS)
+	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python -m eformer_nb.demo $(DEMO_ARGS)
 
 clean:
 	rm -rf _proc _docs _mutate build dist *.egg-info .pytest_cache

@@ -25,14 +25,15 @@ from .paths import ePath
 logger = get_logger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'MODEL_SIZES', 'REAL_MODELS', 'MODEL_PRESETS', 'MESH_AXES', 'SKIP_LOG_EVERY', 'data_file', 'load_corpus',
-           'ByteTokenizer', 'corpus_batch', 'model_preset', 'AcceleratorSpec', 'DemoConfig', 'parse_config',
-           'accelerator_config', 'demo_tokenizer', 'encode_text', 'prompt_ids', 'decode_ids', 'split_corpus',
-           'heldout_windows', 'demo_mesh', 'model_config', 'trainable_filter', 'build_model', 'pretrained_model',
-           'partition_rules', 'optimizer', 'create_state', 'train_step_fn', 'heldout_perplexity', 'state_digest',
-           'read_step_logs', 'check_resume', 'train_job', 'merge_adapters', 'generate_sample', 'plain_model',
-           'sample_and_save', 'measure_before', 'connect_ray', 'run_job', 'summarize', 'format_report',
-           'DemoCheckError', 'report_problems', 'save_report', 'load_report', 'plot_losses', 'main']
+__all__ = ['logger', 'MODEL_SIZES', 'REAL_MODELS', 'MODEL_PRESETS', 'MESH_AXES', 'DEFAULT_MESH', 'HOSTS_MESH', 'INIT_TIMEOUT_S',
+           'SKIP_LOG_EVERY', 'LOSS_NOISE', 'data_file', 'load_corpus', 'ByteTokenizer', 'corpus_batch', 'model_preset',
+           'AcceleratorSpec', 'DemoConfig', 'parse_config', 'accelerator_config', 'worker_spec', 'demo_tokenizer',
+           'encode_text', 'prompt_ids', 'decode_ids', 'split_corpus', 'heldout_windows', 'demo_mesh', 'model_config',
+           'trainable_filter', 'build_model', 'pretrained_model', 'partition_rules', 'optimizer', 'create_state',
+           'train_step_fn', 'heldout_perplexity', 'state_digest', 'read_step_logs', 'check_resume', 'axis_processes',
+           'train_job', 'merge_adapters', 'generate_sample', 'plain_model', 'sample_and_save', 'measure_before',
+           'connect_ray', 'submit', 'run_job', 'summarize', 'format_report', 'DemoCheckError', 'report_problems',
+           'save_report', 'load_report', 'plot_losses', 'restore_job', 'cross_check', 'main']
 
 # %% ../nbs/90_demo.ipynb #59e8f262
 def data_file(name: str  # a file in eformer_nb/data, such as 'corpus.txt' or 'demo_tpu_v4_32.yaml'
@@ -133,6 +134,7 @@ class AcceleratorSpec:
 
 # %% ../nbs/90_demo.ipynb #b5d38130
 _PRESET = "(default: the model's preset, MODEL_PRESETS)"
+DEFAULT_MESH, HOSTS_MESH = "dp:2,fsdp:2,tp:2", "fsdp:-1,tp:2"  # one process / several: fsdp spans the processes
 
 
 @dataclasses.dataclass
@@ -147,8 +149,13 @@ class DemoConfig:
     steps: int | None = Argu(default=None, help=f"training steps {_PRESET}")
     batch_size: int | None = Argu(default=None, help=f"sequences per step, sharded over dp×fsdp {_PRESET}")
     seq_len: int | None = Argu(default=None, help=f"tokens per sequence {_PRESET}")
-    mesh: str = Argu(default="dp:2,fsdp:2,tp:2",
-                     help=f"mesh dims over {MESH_AXES}, e.g. 'dp:2,fsdp:2,tp:2' (one may be -1)")
+    mesh: str | None = Argu(default=None, help=f"mesh dims over {MESH_AXES}, e.g. 'dp:2,fsdp:2,tp:2' (one may be -1); "
+                                                 f"default {DEFAULT_MESH} (hosts > 1: {HOSTS_MESH})")
+    hosts: int = Argu(default=1, help="JAX processes (Ray CPU workers) that share the accelerator.host_devices: one "
+                                      "mesh over all of them, CPU collectives through gloo")
+    cross_check: bool = Argu(default=True, help="with hosts > 1: also train in one process (same mesh, no kill), "
+                                                "compare the loss curves, and restore each run's checkpoint in the "
+                                                "other's process layout (state digests)")
     policy: str | None = Argu(default=None, help=f"precision policy (params, compute, output) {_PRESET}")
     optimizer: str = Argu(default="adamw", help="optimizer registered with OptimizerFactory")
     learning_rate: float | None = Argu(default=None, help=f"peak learning rate (warmup, cosine decay) {_PRESET}")
@@ -180,12 +187,14 @@ class DemoConfig:
         for k, v in model_preset(self.model).items():
             if getattr(self, k) is None:
                 setattr(self, k, v)
+        if self.mesh is None:
+            self.mesh = DEFAULT_MESH if self.hosts == 1 else HOSTS_MESH
         _check_config(self)
 
 # %% ../nbs/90_demo.ipynb #f582ee21
 def _check_config(cfg: DemoConfig) -> None:
     "Refuse settings the job cannot honour, naming the field, the value and what is expected."
-    for name in ("steps", "batch_size", "seq_len", "lora_rank", "checkpoint_every", "max_new_tokens"):
+    for name in ("steps", "batch_size", "seq_len", "lora_rank", "checkpoint_every", "max_new_tokens", "hosts"):
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"DemoConfig.{name}={v!r}; expected a positive int")
@@ -198,6 +207,11 @@ def _check_config(cfg: DemoConfig) -> None:
     if not (cfg.temperature >= 0 and cfg.top_k >= 0):
         raise ValueError(f"DemoConfig.temperature={cfg.temperature!r}, top_k={cfg.top_k!r}; expected both >= 0 "
                          f"(0: greedy, all tokens)")
+    acc = cfg.accelerator
+    if cfg.hosts > 1 and (acc.kind != "cpu" or acc.host_devices % cfg.hosts):
+        raise ValueError(f"DemoConfig.hosts={cfg.hosts} splits the host devices of one CPU machine; expected "
+                         f"accelerator.kind 'cpu' (got {acc.kind!r}) and accelerator.host_devices divisible by it "
+                         f"(got {acc.host_devices})")
     for name in ("also_train", "lora_pattern"):
         try:
             re.compile(getattr(cfg, name))
@@ -252,6 +266,18 @@ def accelerator_config(spec: AcceleratorSpec,  # the `accelerator` settings
         return TpuAcceleratorConfig(spec.tpu_type, pod_count=spec.slices, cpu_count=spec.cpus,
                                     execution_env={"env_vars": env})
     raise ValueError(f"accelerator kind {spec.kind!r}; valid choices are ['cpu', 'gpu', 'tpu']")
+
+# %% ../nbs/90_demo.ipynb #fbd28f8b
+def worker_spec(
+    cfg: DemoConfig,  # the demo's settings
+) -> AcceleratorSpec:
+    """The workers `cfg` asks for: `cfg.accelerator`, or with `hosts > 1` that many CPU workers splitting its host
+    devices and CPUs (at least one CPU each)."""
+    acc = cfg.accelerator
+    if cfg.hosts == 1:
+        return acc
+    return dataclasses.replace(acc, workers=cfg.hosts, host_devices=acc.host_devices // cfg.hosts,
+                               cpus=max(1, acc.cpus // cfg.hosts))
 
 # %% ../nbs/90_demo.ipynb #ccc300f5
 def demo_tokenizer(
@@ -505,6 +531,9 @@ def heldout_perplexity(
     return float(np.exp(float(_EVAL["fn"](state, windows))))
 
 # %% ../nbs/90_demo.ipynb #eec1ec4c
+INIT_TIMEOUT_S = 120  # a process whose peers do not arrive within this fails (naming the coordinator)
+
+
 def _init_distributed() -> None:
     "Join the job's other processes (multi-host TPU, multi-process GPU/CPU); nothing for one process."
     if int(os.environ.get("EFORMER_PROCESS_COUNT", "1")) <= 1:
@@ -514,7 +543,9 @@ def _init_distributed() -> None:
         jax.distributed.initialize()  # TPU hosts find each other
     else:
         from eformer_nb.executor import DistributedConfig
-        DistributedConfig().initialize()  # JAX_COORDINATOR_ADDRESS etc. from the executor
+        if os.environ.get("EFORMER_HARDWARE", "") == "CPU":
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")  # collectives across CPU processes
+        DistributedConfig(initialization_timeout_s=INIT_TIMEOUT_S).initialize()  # JAX_COORDINATOR_ADDRESS etc.
 
 
 def _checkpoint_tree(state, loss_scale) -> dict:
@@ -686,6 +717,38 @@ def _reference_losses(cfg: DemoConfig, mesh, step_fn, tokens, stop: int) -> list
     return _run_steps(ref_state, ref_scale, step_fn, tokens, cfg, 0, stop, desc="reference")[2]
 
 
+# %% ../nbs/90_demo.ipynb #174f10ac
+def _written_bytes() -> int:
+    "Bytes this process has passed to `write()` so far, all threads (`wchar` of Linux's `/proc/self/io`)."
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+
+
+def _owned_bytes(tree) -> int:
+    "Bytes of the shards of `tree` this process owns: the first replica (`replica_id == 0`) of each, on its devices."
+    import jax
+    return int(sum(s.data.nbytes for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)
+                   for s in x.addressable_shards if s.replica_id == 0))
+
+
+def axis_processes(
+    mesh,  # a `jax.sharding.Mesh`
+) -> dict[str, int]:
+    "For each axis of `mesh`, how many processes its devices belong to (along the axis, at index 0 of the others)."
+    dev = mesh.devices
+    return {name: len({d.process_index for d in np.moveaxis(dev, i, 0).reshape(dev.shape[i], -1)[:, 0]})
+            for i, name in enumerate(mesh.axis_names)}
+
+
+def _host_facts(mesh, written: list) -> dict:
+    "This process's line of the report: its devices, the axes that span processes, what it wrote per checkpoint."
+    import jax
+    import resource
+    return {"process": jax.process_index(), "processes": jax.process_count(), "pid": os.getpid(),
+            "devices": [d.id for d in jax.local_devices()], "axis_processes": axis_processes(mesh),
+            "written": [list(w) for w in written],
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
 # %% ../nbs/90_demo.ipynb #d24ce30a
 def train_job(cfg: DemoConfig | dict,  # the job's settings (or `dataclasses.asdict` of them)
               run_dir: str,  # run directory (local or gs://): checkpoints/, step logs, the merged model
@@ -721,8 +784,12 @@ def train_job(cfg: DemoConfig | dict,  # the job's settings (or `dataclasses.asd
         crash = cfg.crash_at_step if start == 0 else 0
         stop = cfg.steps if until_step is None else min(until_step, cfg.steps)
 
+        written = []  # (step, bytes this process wrote, bytes of the shards it owns) per checkpoint
+
         def on_step(step, state, loss_scale, losses):
-            ckpt.on_step(_checkpoint_tree(state, loss_scale), step=step, extras={"losses": history + losses})
+            tree, w0 = _checkpoint_tree(state, loss_scale), _written_bytes()
+            if ckpt.on_step(tree, step=step, extras={"losses": history + losses}):
+                written.append((step, _written_bytes() - w0, _owned_bytes(tree)))
             _log_step(log, step, state, loss_scale, losses[-1])
             if step == crash and jax.process_index() == 0:
                 logger.warning("step %d: killing this worker (pid %d) with SIGKILL", step, os.getpid())
@@ -744,6 +811,7 @@ def train_job(cfg: DemoConfig | dict,  # the job's settings (or `dataclasses.asd
         with phase("sample"):
             out.update(sample_and_save(cfg, state, run, tok))
     out["phases"] = phase.times
+    out["host"] = _host_facts(mesh, written)
     out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     return out
 
@@ -795,10 +863,14 @@ def plain_model(
     state,  # an `EasyDeLState` of the demo, sharded or not
 ):
     """The state's model on one device with its adapters folded into the dequantized base (`merge_adapters`). The
-    arrays are copied through the host, so no collective runs; the state is left as it was."""
+    arrays are copied through the host (gathered from every process when they span several: every process calls it
+    then); the state is left as it was."""
     import jax
     from flax import nnx
-    host = jax.device_get((state.graphstate, state.graphother))
+    from jax.experimental import multihost_utils
+    gather = lambda x: (multihost_utils.process_allgather(x, tiled=True)  # a leaf spanning processes (`--hosts 2`)
+                        if isinstance(x, jax.Array) and not x.is_fully_addressable else x)
+    host = jax.device_get(jax.tree.map(gather, (state.graphstate, state.graphother)))
     trainable, frozen = jax.device_put(host, jax.local_devices()[0])
     return merge_adapters(nnx.merge(state.graphdef, trainable, frozen))
 
@@ -809,15 +881,19 @@ def sample_and_save(
     run: ePath,  # the run directory
     tok=None,  # the model's tokenizer (default: `demo_tokenizer(cfg)`)
 ) -> dict:
-    "Merge the adapters, save the merged model under `run/merged` (bf16 safetensors), and generate the sample."
+    """Merge the adapters, save the merged model under `run/merged` (bf16 safetensors; process 0 of several), and
+    generate the sample."""
+    import jax
     import jax.numpy as jnp
     tok = demo_tokenizer(cfg) if tok is None else tok
     model = plain_model(state)
-    merged_dir = run / "merged"
-    model.save_pretrained(str(merged_dir), float_dtype=jnp.bfloat16)
+    merged_dir, first = run / "merged", jax.process_index() == 0
+    if first:  # every process holds the whole merged model: one writes it
+        model.save_pretrained(str(merged_dir), float_dtype=jnp.bfloat16)
     t0 = time.perf_counter()
     sample = generate_sample(cfg, model, tok)
-    return {"sample": sample, "generate_s": time.perf_counter() - t0, "merged_bytes": _du(str(merged_dir))}
+    return {"sample": sample, "generate_s": time.perf_counter() - t0,
+            "merged_bytes": _du(str(merged_dir)) if first else None}
 
 
 def measure_before(
@@ -847,23 +923,37 @@ def connect_ray(
     return auto_ray_cluster("local", num_cpus=cfg.ray_cpus, include_dashboard=False)
 
 
+def submit(
+    cfg: DemoConfig,  # the demo's settings: the workers (`worker_spec`), retries
+    fn_name: str,  # a job function of this module: 'train_job' or 'restore_job'
+    *args,  # its arguments after the settings (which travel as a dict)
+    resumable: bool = False,  # retry preemptions (`execute_resumable`), else one attempt (`execute`)
+):
+    """Run `eformer_nb.demo.<fn_name>(asdict(cfg), *args)` on the workers of `cfg`, on the Ray cluster this process
+    is connected to; the `JobStatus`."""
+    import importlib
+    import ray
+    from eformer_nb.executor import RayExecutor
+    # the function travels by name: under `python -m eformer_nb.demo` this module is `__main__`, which Ray would
+    # pickle by value (with its logger). Each worker process runs one job and exits (`max_calls=1`): Ray never
+    # hands a process that has started JAX's runtime to another task.
+    job = ray.remote(max_calls=1)(getattr(importlib.import_module("eformer_nb.demo"), fn_name))
+    acc, fn_args = accelerator_config(worker_spec(cfg)), (dataclasses.asdict(cfg), *args)
+    if resumable:
+        return RayExecutor.execute_resumable(job, acc, max_retries_preemption=cfg.max_retries, max_retries_failure=0,
+                                             fn_args=fn_args, job_name="qlora-demo", retry_delay_s=0.5,
+                                             schedule_timeout_s=120)
+    return RayExecutor.execute(job, acc, fn_args=fn_args, job_name=fn_name, schedule_timeout_s=120)
+
+
 def run_job(
     cfg: DemoConfig,  # the demo's settings
     run_dir: str,  # run directory (local or gs://)
 ):
     "Submit `train_job` through `RayExecutor.execute_resumable` on the Ray cluster of `cfg`; the `JobStatus`."
-    import importlib
-    from eformer_nb.executor import RayExecutor
     handle = connect_ray(cfg)
     try:
-        # the function and settings travel by name and as a dict: under `python -m eformer_nb.demo` this module is
-        # `__main__`, which Ray would pickle by value (with its logger)
-        job = importlib.import_module("eformer_nb.demo").train_job
-        return RayExecutor.execute_resumable(job, accelerator_config(cfg.accelerator),
-                                             max_retries_preemption=cfg.max_retries, max_retries_failure=0,
-                                             fn_args=(dataclasses.asdict(cfg), run_dir), job_name="qlora-demo",
-                                             retry_delay_s=0.5,
-                                             schedule_timeout_s=120)
+        return submit(cfg, "train_job", run_dir, resumable=True)
     finally:
         handle.shutdown()
 
@@ -876,7 +966,8 @@ def summarize(
 ) -> dict:
     """The report of a finished job: the model, steps, throughput, perplexity, losses, bytes, the samples, the time of
     each attempt's phases, and the resume checks of `check_resume` on the attempts' step logs."""
-    res = status.unwrap()[0]  # process 0's result
+    results = status.unwrap()  # one per process
+    res = results[0]  # process 0's
     losses = np.asarray(res["losses"], np.float32)
     report = {"model": cfg.model, "setup": f"{cfg.quantization} base, LoRA rank {cfg.lora_rank} on "
                                           f"{cfg.lora_pattern or 'every projection'!r}, {cfg.batch_size}x{cfg.seq_len} "
@@ -889,6 +980,7 @@ def summarize(
               "checkpoint_bytes": res["checkpoints"], "merged_bytes": res["merged_bytes"], "mesh": res["mesh"],
               "prompt": cfg.prompt, "sample_before": res["sample_before"], "sample": res["sample"], "wall_s": wall_s,
               "run_dir": run_dir, "losses": losses.tolist()}
+    report["hosts"] = [r["host"] for r in results]
     logs = read_step_logs(run_dir)
     report["phases"] = [{**log["phases"], "killed_after": log["steps"][-1]["step"],
                          "until_s": log["steps"][-1]["elapsed_s"]} for log in logs[:-1] if log["steps"]]
@@ -927,6 +1019,12 @@ def format_report(
              "checkpoints          " + ", ".join(f"step-{s}: {mib(b)}"
                                                   for s, b in sorted(r["checkpoint_bytes"].items())),
              f"merged model         {mib(r['merged_bytes'])} (bf16 safetensors)"]
+    for h in r.get("hosts", []):
+        spans = [a for a, n in h["axis_processes"].items() if n > 1]
+        wrote = ", ".join(f"step-{s} {mib(w)} (its shards {mib(o)})" for s, w, o in h["written"]) or "no checkpoint"
+        lines.append(f"{'host ' + str(h['process']) + ' of ' + str(h['processes']):<21}pid {h['pid']}, devices "
+                     f"{h['devices']}" + (f", {'/'.join(spans)} spanning processes" if spans else "") +
+                     f"; wrote {wrote}")
     if r.get("resume_step") and "replayed_steps_identical" in r:
         (nr, same_r), (n, same), (nf, same_f) = (r["restored_state_identical"], r["replayed_steps_identical"],
                                                  r["frozen_base_identical"])
@@ -939,6 +1037,16 @@ def format_report(
                   f"frozen base          rebuilt by each of {nf} attempts, the same sha256: {same_f}"]
     if "identical_to_uninterrupted" in r:
         lines.append(f"uninterrupted run    all {r['steps']} losses bit-identical: {r['identical_to_uninterrupted']}")
+    if "cross_restore" in r:
+        hosts = r["hosts"][0]["processes"]
+        lines.append(f"one process          the same job on the same mesh, not killed: "
+                     f"{r['losses_bit_identical']} of {r['steps']} losses bit-identical to the {hosts}-process run, "
+                     f"max |difference| {r['loss_max_abs_diff']:.2e}")
+        for key, what in (("hosts_in_one", f"{hosts}-process checkpoint restored in 1 process"),
+                          ("one_in_hosts", f"1-process checkpoint restored in {hosts} processes")):
+            c = r["cross_restore"][key]
+            lines.append(f"{'cross-layout restore':<21}step-{c['step']} of the {what}: digest equal to the "
+                         f"recorded one: {all(d == c['written'] for d in c['restored'])}")
     for i, ph in enumerate(r.get("phases", [])):
         until = f", stopped after step {ph['killed_after']} at {ph['until_s']:.0f}" if "until_s" in ph else ""
         parts = ", ".join(f"{k} {v:.0f}" for k, v in ph.items() if k not in ("killed_after", "until_s"))
@@ -947,10 +1055,12 @@ def format_report(
               "before fine-tuning   " + repr(r["sample_before"]), "after fine-tuning    " + repr(r["sample"])]
     return "\n".join(lines)
 
-
 # %% ../nbs/90_demo.ipynb #803fc837
 class DemoCheckError(RuntimeError):
     "The job finished, but its report fails a check the demo makes (perplexity, resume)."
+
+
+LOSS_NOISE = 1e-4  # relative loss difference that counts as float32 reduction-order noise between process layouts
 
 
 def report_problems(
@@ -969,6 +1079,14 @@ def report_problems(
             problems.append("the job resumed, but no step was recorded by two attempts: nothing was compared")
         elif not all(same for _, same in checks):
             problems.append("the resumed job differs from the killed run: " + "; ".join(r["resume_mismatches"]))
+    for key, c in r.get("cross_restore", {}).items():
+        if any(d != c["written"] for d in c["restored"]):
+            problems.append(f"cross-layout restore {key} of step {c['step']}: the restored digests {c['restored']} "
+                            f"differ from the recorded {c['written']}")
+    if r.get("loss_max_abs_diff", 0.0) > LOSS_NOISE * max(abs(r["loss_start"]), 1.0):
+        problems.append(f"the one-process loss curve differs from the multi-process one by "
+                        f"{r['loss_max_abs_diff']:.3g}, more than float32 reduction-order noise "
+                        f"({LOSS_NOISE:g} of the loss)")
     if r.get("identical_to_uninterrupted", True) is not True:
         problems.append("the resumed loss curve differs from an uninterrupted run")
     return problems
@@ -1015,6 +1133,55 @@ def plot_losses(
     ax.legend(fontsize=8)
     return ax
 
+# %% ../nbs/90_demo.ipynb #733dd025
+def restore_job(cfg: DemoConfig | dict,  # the job's settings (or `dataclasses.asdict` of them): model, mesh
+                checkpoints: str,  # a `checkpoints` directory written by `train_job` (any process layout)
+                step: int,  # the checkpoint to restore
+                ) -> dict:
+    """Restore checkpoint `step` into this layout's fresh state (every process of the job calls it); its
+    `state_digest`, and the processes and devices that restored it."""
+    if isinstance(cfg, dict):
+        cfg, = DataClassArgumentParser(DemoConfig).parse_dict(cfg)
+    _init_distributed()
+    import jax
+    from eformer_nb.serialization import Checkpointer
+    mesh = demo_mesh(cfg.mesh)
+    state, loss_scale, _ = create_state(cfg, mesh)
+    with jax.set_mesh(mesh):
+        tree = Checkpointer(checkpoints, save_interval=None).load_checkpoint(
+            template=_checkpoint_tree(state, loss_scale), step=step)
+    return {"digest": state_digest(tree), "processes": jax.process_count(), "devices": jax.device_count()}
+
+# %% ../nbs/90_demo.ipynb #37fd5f24
+def _logged_digest(run_dir: str, step: int) -> str:
+    "The state digest the job in `run_dir` recorded after `step` (every attempt that recorded it agrees)."
+    found = {rec["digest"] for log in read_step_logs(run_dir) for rec in log["steps"] if rec["step"] == step}
+    if len(found) != 1:
+        raise DemoCheckError(f"{run_dir}: expected one state digest recorded after step {step}, found {len(found)}")
+    return found.pop()
+
+
+def cross_check(
+    cfg: DemoConfig,  # the settings of a job of `hosts > 1` processes
+    run_dir: str,  # its run directory
+    report: dict,  # its report (`summarize`)
+) -> dict:
+    """Train the job in one process (same mesh, no kill) under `run_dir/one-process`; compare the loss curves; restore
+    each run's checkpoint of the resume step in the other layout and compare the digests with the recorded ones. Runs
+    on the Ray cluster this process is connected to."""
+    one = dataclasses.replace(cfg, hosts=1, crash_at_step=0, cross_check=False)
+    one_dir = str(ePath(run_dir) / "one-process")
+    ref = np.asarray(submit(one, "train_job", one_dir).unwrap()[0]["losses"], np.float32)
+    ours = np.asarray(report["losses"], np.float32)
+    step = report.get("resume_step") or cfg.checkpoint_every  # a checkpoint both runs wrote
+    restored = {"hosts_in_one": submit(one, "restore_job", str(ePath(run_dir) / "checkpoints"), step).unwrap(),
+                "one_in_hosts": submit(cfg, "restore_job", str(ePath(one_dir) / "checkpoints"), step).unwrap()}
+    written = {"hosts_in_one": _logged_digest(run_dir, step), "one_in_hosts": _logged_digest(one_dir, step)}
+    return {"one_process_losses": ref.tolist(), "loss_max_abs_diff": float(np.max(np.abs(ref - ours))),
+            "losses_bit_identical": int((ref.view(np.uint32) == ours.view(np.uint32)).sum()),
+            "cross_restore": {k: {"step": step, "processes": [r["processes"] for r in v], "written": written[k],
+                                  "restored": [r["digest"] for r in v]} for k, v in restored.items()}}
+
 # %% ../nbs/90_demo.ipynb #fec5f12d
 def main(
     argv: tp.Sequence[str] | None = None,  # command-line flags (default `sys.argv[1:]`); see `--help`
@@ -1026,8 +1193,14 @@ def main(
     logger.info("run directory %s; %d steps of %s (%s) on mesh %s", run_dir, cfg.steps, cfg.model,
                 cfg.quantization, cfg.mesh)
     t0 = time.perf_counter()
-    status = run_job(cfg, run_dir)
-    report = summarize(cfg, status, run_dir, time.perf_counter() - t0)
+    handle = connect_ray(cfg)
+    try:
+        status = submit(cfg, "train_job", run_dir, resumable=True)
+        report = summarize(cfg, status, run_dir, time.perf_counter() - t0)
+        if cfg.hosts > 1 and cfg.cross_check:
+            report.update(cross_check(cfg, run_dir, report))
+    finally:
+        handle.shutdown()
     print(format_report(report), flush=True)
     if cfg.report_json:
         save_report(report, cfg.report_json)

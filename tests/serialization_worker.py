@@ -52,10 +52,10 @@ def state_of(step: int):
     return state.replace(step=jnp.int32(step))
 
 
-def run_pair(mode: str, args_of, env: dict, timeout: float = 240) -> list[tuple[int, str]]:
-    """Run `python serialization_worker.py MODE PORT PID *args_of(PID)` as the two JAX processes of one job (a free
-    loopback port for their coordinator); `[(exit code, output)]` per process. One still running after `timeout`
-    seconds is killed (and reads as failed)."""
+def run_pair(mode: str, args_of, env: dict, timeout: float = 240, script: str | None = None) -> list[tuple[int, str]]:
+    """Run `python serialization_worker.py MODE PORT PID *args_of(PID)` (or `script` in its place) as the two JAX
+    processes of one job (a free loopback port for their coordinator); `[(exit code, output)]` per process. One still
+    running after `timeout` seconds is killed (and reads as failed)."""
     import os
     import socket
     import subprocess
@@ -63,7 +63,7 @@ def run_pair(mode: str, args_of, env: dict, timeout: float = 240) -> list[tuple[
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    me = os.path.abspath(__file__)
+    me = os.path.abspath(script or __file__)
     procs = [subprocess.Popen([sys.executable, me, mode, str(port), str(i), *args_of(i)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outs = []

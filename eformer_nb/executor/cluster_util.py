@@ -14,7 +14,9 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 import typing as tp
 
@@ -27,9 +29,9 @@ from ..paths import pid_alive  # the leader claim's holder check: one for the pa
 logger = get_logger("eformer_nb.executor")
 
 # %% auto #0
-__all__ = ['logger', 'expand_hostlist', 'eSlurmCluster', 'DistributedConfig', 'is_local_leader', 'resolve_ray_address',
-           'ray_start_command', 'RayClusterHandle', 'RayStartError', 'ray_processes', 'stop_processes',
-           'auto_ray_cluster', 'RayClusterConfig']
+__all__ = ['logger', 'JOIN_TIMEOUT_EXIT', 'expand_hostlist', 'eSlurmCluster', 'DistributedConfig', 'is_local_leader',
+           'resolve_ray_address', 'ray_start_command', 'RayClusterHandle', 'RayStartError', 'ray_processes',
+           'stop_processes', 'auto_ray_cluster', 'RayClusterConfig']
 
 # %% ../../nbs/14f_executor.cluster_util.ipynb #e8c0ea5b
 _GROUP = re.compile(r"\[([^\[\]]*)\]")
@@ -132,6 +134,7 @@ class DistributedConfig:
     num_processes: int | None = None  # processes in the job
     process_id: int | None = None  # this process, in [0, num_processes)
     local_device_ids: int | list[int] | None = None  # the devices this process uses (default: all it sees)
+    initialization_timeout_s: float = 300.0  # every process must join within this; else this process exits (status 3)
 
     def resolved(
         self,
@@ -158,11 +161,27 @@ class DistributedConfig:
                 out.local_device_ids = eSlurmCluster.get_local_device_ids_for_process()
         return out
 
+# %% ../../nbs/14f_executor.cluster_util.ipynb #01838fe2
+JOIN_TIMEOUT_EXIT = 3  # the exit status of a process whose peers did not join in time
+
+
+def _join_deadline(cfg: DistributedConfig, joined: threading.Event) -> None:
+    "Wait up to `cfg.initialization_timeout_s` for `joined`; past it, say which coordinator was waited for and exit."
+    if joined.wait(cfg.initialization_timeout_s):
+        return
+    msg = (f"DistributedConfig.initialize: process {cfg.process_id} of {cfg.num_processes} waited "
+           f"{cfg.initialization_timeout_s:g}s for the job's processes to join the coordinator at "
+           f"{cfg.coordinator_address}; exiting with status {JOIN_TIMEOUT_EXIT}")
+    logger.error(msg)
+    print(msg, file=sys.stderr, flush=True)
+    os._exit(JOIN_TIMEOUT_EXIT)
+
 # %% ../../nbs/14f_executor.cluster_util.ipynb #53edf7cd
 @patch
 def initialize(self: DistributedConfig) -> DistributedConfig:
     """Call `jax.distributed.initialize` with the resolved settings (once; nothing for a single process); the settings
-    used."""
+    used. A process whose peers do not all join within `initialization_timeout_s` logs an error naming the coordinator
+    address and exits with status `JOIN_TIMEOUT_EXIT` (the join blocks in JAX's C++ client: no exception can end it)."""
     import jax
     from jax._src import distributed
 
@@ -170,7 +189,8 @@ def initialize(self: DistributedConfig) -> DistributedConfig:
     if cfg.num_processes in (None, 1) and cfg.coordinator_address is None:
         logger.info("DistributedConfig: one process, nothing to initialize")
         return cfg
-    missing = [f.name for f in dc.fields(cfg) if f.name != "local_device_ids" and getattr(cfg, f.name) is None]
+    missing = [f.name for f in dc.fields(cfg) if f.name in ("coordinator_address", "num_processes", "process_id")
+               and getattr(cfg, f.name) is None]
     if missing:
         raise ValueError(f"DistributedConfig.initialize: {missing} not given and not found in the environment "
                          "(JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID or SLURM_*)")
@@ -182,7 +202,13 @@ def initialize(self: DistributedConfig) -> DistributedConfig:
                                f"{state.process_id} of {state.num_processes} at {state.coordinator_address}, "
                                f"not as {cfg}")
         return cfg
-    jax.distributed.initialize(cfg.coordinator_address, cfg.num_processes, cfg.process_id, cfg.local_device_ids)
+    joined = threading.Event()
+    threading.Thread(target=_join_deadline, args=(cfg, joined), daemon=True, name="jax-join-deadline").start()
+    try:  # JAX's own deadline is later: past it, its C++ client aborts the process with no address in the message
+        jax.distributed.initialize(cfg.coordinator_address, cfg.num_processes, cfg.process_id, cfg.local_device_ids,
+                                   initialization_timeout=int(cfg.initialization_timeout_s) + 60)
+    finally:
+        joined.set()
     return cfg
 
 # %% ../../nbs/14f_executor.cluster_util.ipynb #35b23b22

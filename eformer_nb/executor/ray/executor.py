@@ -28,7 +28,7 @@ from ...loggings import get_logger
 logger = get_logger("eformer_nb.executor")
 
 # %% auto #0
-__all__ = ['logger', 'PROGRESS_EVERY_S', 'RayExecutor', 'execute', 'execute_resumable', 'autoscale_execute',
+__all__ = ['logger', 'PROGRESS_EVERY_S', 'PEER_GRACE_S', 'RayExecutor', 'execute', 'execute_resumable', 'autoscale_execute',
            'autoscale_execute_resumable', 'device_remote', 'execute_multislice', 'execute_multislice_resumable']
 
 # %% ../../../nbs/14d_executor.ray.executor.ipynb #24cdd3f2
@@ -202,6 +202,28 @@ def cancel_and_drain(
         ray.wait(calls, num_returns=len(calls), timeout=timeout_s)
     self.drain_actor_pool()
 
+# %% ../../../nbs/14d_executor.ray.executor.ipynb #3ab23ad9
+PEER_GRACE_S = 20.0  # after a worker of a gang raises, how long its peers' deaths are waited for
+
+
+def _dead_peer(pending: list, grace_s: float = PEER_GRACE_S) -> BaseException | None:
+    """For a CPU/GPU gang (the processes of one JAX job): the error of a worker among `pending` that died (a
+    preemption by `classify_ray_error`) within `grace_s`, else None. When one process of a gang dies, its peers'
+    collectives fail with an error of their own (gloo's "connection closed by peer"), which can reach the driver
+    first: the death is the cause, and it decides the retry budget."""
+    import ray
+
+    deadline = time.monotonic() + grace_s
+    while pending and (left := deadline - time.monotonic()) > 0:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as e:  # classified here; a raised error of another peer is one more consequence
+                if classify_ray_error(e)[0] == "preempted":
+                    return e
+    return None
+
 # %% ../../../nbs/14d_executor.ray.executor.ipynb #cf7d8b8a
 def _cleanup(launch: _Launch, finished: bool = False) -> None:
     """Force-cancel the attempt's unfinished tasks (none when `finished`), then run its clean-up actions (each one,
@@ -242,7 +264,13 @@ def _await(launch: _Launch, timeout_s: float | None, name: str = "job") -> list:
         else:
             ready, pending = ray.wait(pending, num_returns=1, timeout=wait)
             if ready:
-                ray.get(ready)  # raises the worker's error
+                try:
+                    ray.get(ready)  # raises the worker's error
+                except ray.exceptions.RayTaskError:  # raised by the function: a dead peer's consequence?
+                    dead = _dead_peer(pending) if launch.rows is None else None  # a CPU/GPU gang (not slices)
+                    if dead is None:
+                        raise
+                    raise dead  # the raised error stays its context
                 continue
         now = time.monotonic()
         if deadline is not None and now >= deadline:

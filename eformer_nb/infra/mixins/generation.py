@@ -539,7 +539,7 @@ def available_memory_bytes(
 ) -> int:  # the device's free memory (default: the first device)
     "Free memory: the device allocator's limit less what is in use, or on a CPU the host's `MemAvailable`."
     import os
-    stats = (device or jax.devices()[0]).memory_stats() or {}
+    stats = (device or jax.local_devices()[0]).memory_stats() or {}  # a device of this process (multi-process)
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
     try:
@@ -768,7 +768,7 @@ class RaggedPagesCache:
 
 # %% ../../../nbs/11g_infra.mixins.generation.ipynb #08149bbb
 def _memory_bytes() -> int:
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"])
     import os
