@@ -13,7 +13,7 @@ NBDEV_WORKERS ?= 2
 PYTEST_WORKERS ?= 2
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: help install test serve bench-gpu bench-gpu-tiny gpu-wheels lint check-sync check-notebooks check-readme nbtest pytest docs readme bench bench-llamacpp bench-check demo mutate clean client peer-suite gpu-lower
+.PHONY: help install test client-venv jax011-venv serve bench-gpu bench-gpu-tiny gpu-wheels lint check-sync check-notebooks check-readme nbtest pytest docs readme bench bench-llamacpp bench-check demo mutate clean client peer-suite gpu-lower
 
 help:
 	@echo "make install  - create $(VENV) and install eformer-nb with its dev extras"
@@ -81,7 +81,16 @@ lint: install
 	$(BIN)/ruff check tests .ci
 	$(BIN)/ruff check --line-length 130 eformer_nb
 
-test: check-sync check-notebooks check-readme lint nbtest pytest bench-check bench-gpu-tiny client gpu-lower
+# The client's and JAX 0.11's venvs (pip: downloads and unpacking, minutes) are built in the background while the
+# notebooks and tests run in .venv, their log kept in _venvs.log and shown after; their tests run last.
+test: check-sync check-notebooks check-readme lint
+	@rm -f _venvs.log; ( $(MAKE) --no-print-directory client-venv jax011-venv > _venvs.log 2>&1; \
+	  echo "venvs: exit $$?" >> _venvs.log ) & \
+	  $(MAKE) --no-print-directory nbtest pytest bench-check bench-gpu-tiny; rc=$$?; wait; \
+	  echo "--- the client and JAX 0.11 venvs, built meanwhile:"; cat _venvs.log; \
+	  test $$rc -eq 0 && grep -q "^venvs: exit 0$$" _venvs.log
+	$(MAKE) --no-print-directory client gpu-lower
+
 
 # The real client: EasyDeL from PyPI (pinned, --no-deps), then its own requirements except `eformer`, then eformer_nb
 # (non-editable, from this checkout) and the test tools, in one resolve so EasyDeL's pins (jax 0.9.2) win. EasyDeL
@@ -248,3 +257,8 @@ peer-suite: install
 SERVE_ARGS ?=
 serve: install
 	$(BIN)/python -m eformer_nb.serve --model smollm2 $(SERVE_ARGS)
+
+# (after the variables they name: make expands a rule's prerequisites when it reads the rule)
+client-venv: $(CLIENT_STAMP)
+
+jax011-venv: $(J11_STAMP)
