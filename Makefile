@@ -10,6 +10,7 @@ SINGLE_DEVICE_PAGES := models optimizers quantization llamacpp attention
 space := $(subst ,, )
 NBDEV_TEST_FLAGS ?= multidevice
 NBDEV_WORKERS ?= 2
+PYTEST_WORKERS ?= 2
 TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: help install test bench-gpu bench-gpu-tiny gpu-wheels lint check-sync check-notebooks check-readme nbtest pytest docs readme bench bench-llamacpp bench-check demo mutate clean client peer-suite gpu-lower
@@ -34,6 +35,7 @@ help:
 install: $(STAMP)
 
 $(STAMP): settings.ini setup.py pyproject.toml
+	@date +"[%T] install"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
 	# [hf] brings transformers + torch for the interop examples; torch is pinned to the CPU build
@@ -60,12 +62,17 @@ check-readme: install
 # nbdev-test, through .ci/docs_outputs.py: the same run, and each notebook's passing run is kept in .docs-cache/
 # (keyed by the notebook's and the package's content hash), so `make docs` afterwards shows every page's outputs
 nbtest: install
+	@date +"[%T] nbtest"
 	# the `hf` flag (transformers interop examples) runs where torch and transformers import (pip install -e ".[hf]")
 	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python .ci/docs_outputs.py nbtest --n-workers $(NBDEV_WORKERS) --flags "$(NBDEV_TEST_FLAGS) $$($(BIN)/python -c 'import torch, transformers; print("hf")' 2>/dev/null)" --timing
 
 # tests/test_cuda_lowering.py runs in `gpu-lower`, on the GPU hosts' JAX (0.11); here it would repeat it on 0.10 (~20 s)
+# Two pytest-xdist workers (PYTEST_WORKERS=0: one process); each module runs whole on one worker, the Ray modules one
+# after another on the same worker (tests/conftest.py: the groups)
 pytest: install
-	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python -m pytest -q --durations=25 tests/ --ignore=tests/test_cuda_lowering.py
+	@date +"[%T] pytest"
+	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python -m pytest -q --durations=25 -n $(PYTEST_WORKERS) --dist loadgroup tests/ \
+	  --ignore=tests/test_cuda_lowering.py
 
 # ruff (settings in pyproject.toml): line length 120, unused imports/variables, undefined names. The package is
 # checked at 130: nbdev wraps the `__all__` it generates at 120 characters and then prefixes `__all__ = `.
@@ -90,6 +97,7 @@ CLIENT_STAMP := $(CLIENT_VENV)/.installed.stamp
 CLIENT_TESTS ?= tests/test_client_easydel.py tests/test_jax_range.py tests/test_pytree_files.py tests/test_jaximus.py
 
 $(CLIENT_STAMP): settings.ini setup.py pyproject.toml Makefile
+	@date +"[%T] client venv"
 	test -x $(CBIN)/python || $(PYTHON) -m venv $(CLIENT_VENV)
 	$(CBIN)/python -m pip install -q --upgrade pip setuptools wheel
 	$(CBIN)/python -m pip install -q --no-deps "easydel==$(EASYDEL_VERSION)"
@@ -102,6 +110,7 @@ $(CLIENT_STAMP): settings.ini setup.py pyproject.toml Makefile
 # eformer_nb is reinstalled (no deps, seconds) on every run: the stamp does not follow the package's sources. pytest's
 # own script (not `python -m`) keeps the checkout off sys.path, so the installed copy is what runs.
 client: $(CLIENT_STAMP)
+	@date +"[%T] client"
 	$(CBIN)/python -m pip install -q --no-deps --force-reinstall .
 	XLA_FLAGS="$(HOST_DEVICES)" EFORMER_NB_CLIENT=1 $(CBIN)/pytest -q $(CLIENT_TESTS)
 
@@ -121,6 +130,7 @@ PY312 ?= $(firstword $(foreach p,$(shell command -v python3.12 2>/dev/null) $(wi
 J11_TESTS ?= tests/test_cuda_lowering.py tests/test_jax_range.py tests/test_pytree_files.py tests/test_jaximus.py
 
 $(J11_STAMP): settings.ini setup.py pyproject.toml Makefile
+	@date +"[%T] jax 0.11 venv"
 	@test -n "$(PY312)" || { echo "gpu-lower needs a Python 3.12 (python3.12 on PATH or under ~/.pyenv; or PY312=<path>)"; exit 2; }
 	test -x $(J11BIN)/python || $(PY312) -m venv $(J11_VENV)
 	$(J11BIN)/python -m pip install -q "jax==$(JAX011_VERSION)" "jaxlib==$(JAX011_VERSION)" flax optax numpy ml_dtypes \
@@ -131,6 +141,7 @@ $(J11_STAMP): settings.ini setup.py pyproject.toml Makefile
 # Then the GPU host's own command path on this JAX, as that host runs it (wheels unpacked after the venv's packages):
 # the quantization page in tiny mode (the train page needs torch, which this venv does not carry; .venv runs it).
 gpu-lower: $(J11_STAMP)
+	@date +"[%T] gpu-lower"
 	XLA_FLAGS= $(J11BIN)/python -m pytest -q -p no:cacheprovider $(J11_TESTS)
 	test -d .gpu-wheels || $(MAKE) --no-print-directory gpu-wheels
 	XLA_FLAGS= $(MAKE) --no-print-directory bench-gpu GPU_PYTHON=$(J11BIN)/python TINY=1 PAGE=quantization \
@@ -174,6 +185,7 @@ bench-llamacpp: install
 BENCH_PAGES ?=
 CHEAP_PAGES := optimizers escale quantization pytree_serialization serialization
 bench-check: install
+	@date +"[%T] bench-check"
 	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python tests/bench_check.py $(or $(BENCH_PAGES),$(filter-out $(SINGLE_DEVICE_PAGES),$(CHEAP_PAGES)))
 	$(if $(BENCH_PAGES),,XLA_FLAGS= $(BIN)/python tests/bench_check.py $(filter $(SINGLE_DEVICE_PAGES),$(CHEAP_PAGES)))
 
@@ -213,6 +225,7 @@ bench-gpu:
 # The quantization page's tiny run is in `gpu-lower` (JAX 0.11, the wheels as the GPU host uses them); the train page
 # needs torch and transformers, which only .venv has.
 bench-gpu-tiny: install
+	@date +"[%T] bench-gpu-tiny"
 	$(MAKE) --no-print-directory bench-gpu GPU_PYTHON=$(BIN)/python TINY=1 PAGE=train OUT=_gpu_tiny/train
 
 # eformer's own test suite (tests/ of an eformer source tree, e.g. erfanzar/eformer at 4b17881 = 0.1.0) against

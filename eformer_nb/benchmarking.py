@@ -611,11 +611,12 @@ class RunLog:
         budget_s: float,  # seconds for all sections together
         strict: bool = False,  # re-raise a failed or timed-out section (a dry run fails loudly; a real run goes on)
         quiet: bool = False,  # do not print each row
+        deadlines: bool = True,  # False: no deadline, no budget (a dry run checks the path, not a busy machine's clock)
     ):
         if not (isinstance(budget_s, (int, float)) and budget_s > 0):
             raise ValueError(f"RunLog: budget_s={budget_s!r}; expected a positive number of seconds")
         self.path, self.budget_s, self.strict, self.quiet = os.fspath(path), float(budget_s), strict, quiet
-        self.start, self.rows = time.perf_counter(), []
+        self.deadlines, self.start, self.rows = deadlines, time.perf_counter(), []
         open(self.path, "w").close()
 
     def left(self) -> float:
@@ -674,11 +675,11 @@ def run(
 ) -> bool:  # True when `fn` finished
     "Run `fn()` as section `name` under a deadline; a skip, a timeout or a failure is recorded (re-raised if `strict`)."
     limit = min(float(max_s), self.left())
-    if limit < 1:
+    if limit < 1 and self.deadlines:
         self.record(name, skipped=f"{self.left():.0f} s of the {self.budget_s:.0f} s budget left")
         return False
     t0 = time.perf_counter()
-    disarm = _deadline(limit, f"section {name!r} ran past its deadline of {limit:.0f} s")
+    disarm = _deadline(limit, f"section {name!r} ran past its deadline of {limit:.0f} s") if self.deadlines else lambda: None
     try:
         fn()
         disarm()
@@ -702,14 +703,29 @@ def target(
     measured: float,  # the value
     goal: float,  # the goal it is judged against
     op: str = ">=",  # '>=' (at least `goal`) or '<=' (at most)
+    ci: Sequence[float] | None = None,  # the 95% interval of `measured`: judged by its ends, not by the median
     **fields,  # more fields for the row
-) -> bool:  # met or not
-    "Record `measured` against `goal`: met or missed is a field of the row, never an assert."
+) -> bool | None:  # met, missed, or None: the interval straddles the goal (too noisy to judge)
+    "Record `measured` against `goal`: met, missed or too noisy is a field of the row, never an assert."
     if op not in (">=", "<="):
         raise ValueError(f"RunLog.target: op={op!r}; expected '>=' or '<='")
-    met = bool(measured >= goal) if op == ">=" else bool(measured <= goal)
-    self.record(section, row=label, measured=measured, goal=f"{op} {goal}", target=goal, met=met, **fields)
+    lo, hi = (measured, measured) if ci is None else (float(ci[0]), float(ci[1]))
+    if not lo <= measured <= hi:
+        raise ValueError(f"RunLog.target: ci={list(ci)!r} does not hold measured={measured!r}; expected (low, high) around it")
+    ok = (lambda v: v >= goal) if op == ">=" else (lambda v: v <= goal)
+    met = True if ok(lo) and ok(hi) else False if not ok(lo) and not ok(hi) else None
+    extra = {} if ci is None else {"ci": [lo, hi]}
+    self.record(section, row=label, measured=measured, goal=f"{op} {goal}", target=goal, met=met,
+                verdict={True: MET, False: MISSED, None: NOISY}[met], **extra, **fields)
     return met
+
+
+def _said(met) -> str:
+    return MET if met is True else f"**{MISSED}**" if met is False else NOISY
+
+
+def _interval(r: dict) -> str:
+    return f"[{r['ci'][0]:.4g}, {r['ci'][1]:.4g}]" if r.get("ci") else "-"
 
 
 def run_summary(
@@ -719,8 +735,8 @@ def run_summary(
     out = []
     targets = [r for r in rows if "met" in r and "goal" in r]
     if targets:
-        out += ["| section | row | measured | goal | met |", "|---|---|---|---|---|"]
-        out += [f"| {r['section']} | {r['row']} | {r['measured']:.4g} | {r['goal']} | {'met' if r['met'] else '**missed**'} |"
+        out += ["| section | row | measured | 95% interval | goal | verdict |", "|---|---|---|---|---|---|"]
+        out += [f"| {r['section']} | {r['row']} | {r['measured']:.4g} | {_interval(r)} | {r['goal']} | {_said(r['met'])} |"
                 for r in targets]
     bad = [r for r in rows if any(k in r for k in ("error", "timed_out", "skipped"))]
     out += [f"- {r['section']}: " + next(f"{k}: {r[k]}" for k in ("error", "timed_out", "skipped") if k in r)[:300]

@@ -5,6 +5,11 @@ also when tests fail. `gcs_fs` points every `gs://` ePath at it (`set_gcs_filesy
 `GCS_TEST_BUCKET`; `gcs_root` is a fresh, not yet existing `gs://` directory for one test. `any_root` runs a test
 body twice: on a local temporary directory and on a `gs://` directory. `warnings_seen` collects the warnings that
 `infra.mixins.files` logs during a test.
+
+Parallel runs: `make pytest` runs two pytest-xdist workers with `--dist loadgroup`. Every test gets the group of its
+module, so a module runs whole on one worker and its shared set-up (a server, a model, a cluster) starts once; the
+modules that start Ray clusters share one group, `ray`, and so run one after another on one worker: two Ray clusters
+starting at once on a 2-core machine can miss Ray's start window.
 """
 from __future__ import annotations
 
@@ -15,6 +20,19 @@ import pytest
 from gcs_emulator import GCSEmulator
 
 GCS_TEST_BUCKET = "eformer-nb-tests"
+
+RAY_MODULES = {"test_demo", "test_executor_api", "test_executor_faults", "test_ray_stress", "test_robust_budgets",
+               "test_hosts"}
+
+
+def pytest_configure(config):  # where pytest-xdist is not installed (the client venv) the mark is still known
+    config.addinivalue_line("markers", "xdist_group(name): the tests of one group run on one xdist worker")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = item.path.stem
+        item.add_marker(pytest.mark.xdist_group("ray" if name in RAY_MODULES else name))
 
 
 @pytest.fixture(scope="session")

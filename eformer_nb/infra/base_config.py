@@ -9,6 +9,7 @@ import copy
 import difflib
 import inspect
 import json
+import math
 import os
 import typing as tp
 
@@ -26,7 +27,8 @@ _HF_METADATA_KEYS = ("architectures", "transformers_version", "torch_dtype", "dt
 
 
 class EasyDeLBaseConfig:
-    "Base of every model configuration: token ids, embedding tying, a `PartitionAxis`, and the JSON round trip."
+    """Base of every model configuration: token ids, embedding tying, a `PartitionAxis`, the model-agnostic
+    options every family reads (attention, rematerialisation, loss chunking, window, soft-caps), the JSON round trip."""
     model_type: tp.ClassVar[str] = ""  # set by each model's config class (and by `register_config`)
 
     def __init__(self, bos_token_id: int | None = None,  # beginning-of-sequence token
@@ -35,6 +37,14 @@ class EasyDeLBaseConfig:
                  tie_word_embeddings: bool = False,  # the LM head reuses the input embedding matrix
                  use_cache: bool = True,  # whether generation uses a KV cache by default
                  partition_axis: PartitionAxis | dict | None = None,  # semantic axis → mesh axis layout
+                 attn_mechanism: str = "auto",  # attention of forwards and prefills (`ops.attention.ATTENTION_MECHANISMS`)
+                 decode_attn_mechanism: str = "auto",  # attention of one-token decode steps (`DECODE_ATTENTION_MECHANISMS`)
+                 gradient_checkpointing: str = "",  # rematerialisation policy of each decoder layer (GRADIENT_CHECKPOINTING)
+                 gradient_checkpointing_names: list[str] | None = None,  # the CHECKPOINT_NAMES the name-based policies mean
+                 loss_chunk_size: int | None = 2048,  # tokens per chunk of `compute_loss`'s cross-entropy (None: whole logits)
+                 sliding_window: int | None = None,  # a layer with a window sees this many keys back, itself included
+                 attn_logit_softcapping: float | None = None,  # attention scores become `cap * tanh(score / cap)`
+                 final_logit_softcapping: float | None = None,  # the LM head's logits become `cap * tanh(logit / cap)`
                  **kwargs):  # other keys, kept as attributes (see `from_dict(strict=...)`)
         self.bos_token_id, self.eos_token_id, self.pad_token_id = bos_token_id, eos_token_id, pad_token_id
         self.tie_word_embeddings, self.use_cache = bool(tie_word_embeddings), bool(use_cache)
@@ -43,9 +53,61 @@ class EasyDeLBaseConfig:
         if partition_axis is not None and not isinstance(partition_axis, PartitionAxis):
             raise TypeError(f"partition_axis must be a PartitionAxis, a dict or None, got {partition_axis!r}")
         self.partition_axis = partition_axis or PartitionAxis()
+        self.attn_mechanism, self.decode_attn_mechanism = attn_mechanism, decode_attn_mechanism
+        self.gradient_checkpointing, self.loss_chunk_size = gradient_checkpointing, loss_chunk_size
+        self.gradient_checkpointing_names = (list(gradient_checkpointing_names) if isinstance(
+            gradient_checkpointing_names, (list, tuple)) else gradient_checkpointing_names)  # a JSON list either way
+        self.sliding_window = sliding_window
+        self.attn_logit_softcapping, self.final_logit_softcapping = attn_logit_softcapping, final_logit_softcapping
         kwargs.pop("model_type", None)
         for key, value in kwargs.items():
             setattr(self, key, value)
+        self.validate_model_options()
+
+# %% ../../nbs/11b_infra.base_config.ipynb #298cb5a0
+@patch
+def validate_model_options(self: EasyDeLBaseConfig) -> EasyDeLBaseConfig:
+    "The attention mechanisms, the checkpointing policy and its names, the loss chunk, the window and the soft-caps."
+    from eformer_nb.infra.layers import CHECKPOINT_NAMES, GRADIENT_CHECKPOINTING
+    from eformer_nb.ops.attention import ATTENTION_MECHANISMS, DECODE_ATTENTION_MECHANISMS
+    name = type(self).__name__
+    for field, valid in (("attn_mechanism", ATTENTION_MECHANISMS), ("decode_attn_mechanism", DECODE_ATTENTION_MECHANISMS),
+                         ("gradient_checkpointing", GRADIENT_CHECKPOINTING)):
+        if not isinstance(getattr(self, field), str) or getattr(self, field) not in valid:
+            raise ValueError(f"{name}.{field}={getattr(self, field)!r}; valid choices are {list(valid)}")
+    gc, names = self.gradient_checkpointing, self.gradient_checkpointing_names
+    by_name = gc in ("save_only_these_names", "save_anything_except_these_names")
+    if by_name and not names:
+        raise ValueError(f"{name}.gradient_checkpointing={gc!r} needs gradient_checkpointing_names, a non-empty "
+                         f"list of {list(CHECKPOINT_NAMES)}")
+    if names is not None and not by_name:
+        raise ValueError(f"{name}.gradient_checkpointing_names={names!r} is read only by the policies "
+                         f"'save_only_these_names' and 'save_anything_except_these_names', not by {gc!r}")
+    bad = [n for n in names or () if n not in CHECKPOINT_NAMES]
+    if bad or (names is not None and not isinstance(names, list)):
+        raise ValueError(f"{name}.gradient_checkpointing_names={names!r}: {bad or 'not a list'}; expected a list "
+                         f"of {list(CHECKPOINT_NAMES)}")
+    for field, integer in (("loss_chunk_size", True), ("sliding_window", True), ("attn_logit_softcapping", False),
+                           ("final_logit_softcapping", False)):
+        v = getattr(self, field)
+        ok = v is None or (not isinstance(v, bool) and (isinstance(v, int) if integer else isinstance(v, (int, float)))
+                           and math.isfinite(v) and v > 0)
+        if not ok:
+            want = "a positive int" if integer else "a finite number > 0"
+            raise ValueError(f"{name}.{field}={v!r}; expected None (off) or {want}")
+    return self
+
+# %% ../../nbs/11b_infra.base_config.ipynb #e29bdfa2
+@patch
+def attention_window(
+    self: EasyDeLBaseConfig,
+    layer_idx: int,  # the decoder layer's index
+) -> int | None:
+    "The sliding window of layer `layer_idx` (None: it sees every earlier key)."
+    types = getattr(self, "layer_types", None)
+    if self.sliding_window is None or (types is not None and types[layer_idx] != "sliding_attention"):
+        return None
+    return self.sliding_window
 
 # %% ../../nbs/11b_infra.base_config.ipynb #b0d474e8
 @patch(cls_method=True)

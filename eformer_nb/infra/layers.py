@@ -15,15 +15,16 @@ import weakref
 import flax.struct
 import jax
 import jax.numpy as jnp
+from fastcore.basics import patch
 from flax import nnx
 
 from ..jaximus import implicit, is_implicit
 
 # %% auto #0
-__all__ = ['GRADIENT_CHECKPOINTING', 'Linear', 'Embed', 'RMSNorm', 'rope_inv_freq', 'apply_rotary', 'LayerCache',
-           'TransformerCache', 'TransformerMetadata', 'make_attention_mask', 'grouped_attention', 'decode_attention',
-           'shard_activation', 'attend_heads', 'check_values', 'check_traced_values', 'gradient_checkpoint_policy',
-           'LayerAux', 'collecting_layer_aux', 'run_layers', 'stack_layers', 'using_stacked_layers', 'flatten_params',
+__all__ = ['GRADIENT_CHECKPOINTING', 'CHECKPOINT_NAMES', 'Linear', 'Embed', 'RMSNorm', 'rope_inv_freq', 'apply_rotary',
+           'LayerCache', 'TransformerCache', 'TransformerMetadata', 'scale_embeddings', 'lm_logits', 'shard_activation',
+           'attend_heads', 'check_values', 'check_traced_values', 'gradient_checkpoint_policy', 'LayerAux',
+           'collecting_layer_aux', 'run_layers', 'stack_layers', 'using_stacked_layers', 'flatten_params',
            'param_bytes']
 
 # %% ../../nbs/11d_infra.layers.ipynb #60798828
@@ -206,63 +207,42 @@ class TransformerMetadata:
     dtype: tp.Any = jnp.float32
     pad_token_id: int | None = None
 
-# %% ../../nbs/11d_infra.layers.ipynb #10c1c2e6
-def make_attention_mask(
-    q_slots: jax.Array,  # slot of each query
-    k_slots: jax.Array,  # slot of each key
-    key_valid: jax.Array | None,  # real keys (None: all)
-    q_segments: jax.Array | None = None,  # segment of each query
-    k_segments: jax.Array | None = None,  # segment of each key
+# %% ../../nbs/11d_infra.layers.ipynb #a62b4a2d
+@patch
+def update(
+    self: LayerCache,
+    k: jax.Array,  # this step's keys `(batch, t, kv_heads, head_dim)`
+    v: jax.Array,  # this step's values, the same shape
+    index,  # the first slot to write (a scalar: one for the batch)
+    layer=None,  # the layer's index into a stacked cache `(layers, ...)` (None: a cache of one layer)
+) -> tuple:
+    "Write `k, v` at slots `[index, index + t)`: `(the new cache, all keys, all values, the queries' slots (t,))`."
+    lead = () if layer is None else (layer,)
+    put = lambda buf, x: jax.lax.dynamic_update_slice(buf, x.astype(buf.dtype).reshape((1,) * len(lead) + x.shape),
+                                                      (*lead, 0, index, 0, 0))
+    new = LayerCache(key=put(self.key, k), value=put(self.value, v))
+    read = lambda buf: buf if layer is None else jax.lax.dynamic_index_in_dim(buf, layer, 0, keepdims=False)
+    return new, read(new.key), read(new.value), index + jnp.arange(k.shape[1])
+
+# %% ../../nbs/11d_infra.layers.ipynb #cc4eb264
+def scale_embeddings(
+    h: jax.Array,  # embedded tokens `(batch, length, hidden)`
+    scale: float | None,  # the family's embedding scale (Gemma: `sqrt(hidden_size)`), None: none
 ) -> jax.Array:
-    "Boolean mask `(batch, 1, 1, q_len, k_len)`: causal over slots, padding over keys (None: all real), equal segments."
-    mask = (k_slots[None, :] <= q_slots[:, None])[None]  # (1 or b, q, k)
-    if key_valid is not None:
-        mask = mask & key_valid[:, None, :]
-    if q_segments is not None:
-        mask = mask & (q_segments[:, :, None] == k_segments[:, None, :])
-    return mask[:, None, None]
+    "`h * scale` in `h`'s dtype (the scale rounded to it first, as transformers does), or `h` itself."
+    return h if scale is None else h * jnp.asarray(scale, h.dtype)
 
-# %% ../../nbs/11d_infra.layers.ipynb #c7cdfe9f
-def grouped_attention(
-    q,  # queries
-    k,  # keys
-    v,  # values
-    mask,  # boolean attention mask
-    dtype,  # compute dtype
-):
-    "Softmax attention of `q (b, t, h, d)` over `k, v (b, s, kvh, d)` with `mask (b, 1, 1, t, s)`."
-    b, t, h, d = q.shape
-    kvh = k.shape[2]
-    qg = q.reshape(b, t, kvh, h // kvh, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg.astype(jnp.float32), k.astype(jnp.float32)) / math.sqrt(d)
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(dtype))
-    return out.reshape(b, t, h * d)
 
-# %% ../../nbs/11d_infra.layers.ipynb #06f47115
-def decode_attention(
-    q,  # queries of one step `(b, 1, h, d)`
-    k,  # keys
-    v,  # values
-    mask,  # boolean attention mask
-    dtype,  # compute dtype
-):
-    """`grouped_attention` for one query per row (a decode step) over one layer's cache `k, v (b, s, kvh, d)`, as
-    broadcast products summed over `d`, then over `s`. The cache is read in its own layout: the two einsums of
-    `grouped_attention` transpose the whole cache of every layer at every step (on XLA:CPU, at batch 8, half the
-    time of a decode step). Sums in float32."""
-    b, t, h, d = q.shape
-    if t != 1:
-        raise ValueError(f"decode_attention takes one query per row, got q of shape {tuple(q.shape)} (t={t}); "
-                         "use grouped_attention for longer queries")
-    kvh = k.shape[2]
-    qg = q.reshape(b, 1, kvh, h // kvh, d).astype(jnp.float32)  # (b, 1, kvh, g, d) against k (b, s, kvh, 1, d)
-    scores = jnp.sum(qg * k.astype(jnp.float32)[:, :, :, None, :], -1) / math.sqrt(d)  # (b, s, kvh, g)
-    scores = jnp.where(mask[:, 0, 0, 0, :, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=1).astype(dtype).astype(jnp.float32)
-    out = jnp.sum(probs[..., None] * v.astype(jnp.float32)[:, :, :, None, :], 1)  # (b, kvh, g, d)
-    return out.astype(dtype).reshape(b, 1, h * d)
+def lm_logits(
+    h: jax.Array,  # final (normed) hidden states
+    embed_tokens,  # the model's `Embed` (the head when `lm_head` is None: tied)
+    lm_head,  # the LM head `Linear`, or None
+    precision=None,  # `jax.lax.Precision` of the tied head's matmul
+    soft_cap: float | None = None,  # the config's `final_logit_softcapping`
+) -> jax.Array:
+    "The LM head on `h` (the tied embedding when `lm_head` is None), soft-capped as `cap * tanh(logit / cap)`."
+    logits = embed_tokens.attend(h, precision) if lm_head is None else lm_head(h)
+    return logits if soft_cap is None else soft_cap * jnp.tanh(logits / soft_cap)
 
 # %% ../../nbs/11d_infra.layers.ipynb #32755671
 def shard_activation(config, x, preset):
@@ -273,22 +253,22 @@ def shard_activation(config, x, preset):
     return config.partition_manager.shard(x, dynamic_axes=preset)
 
 
-def attend_heads(c, q, k, v, q_slots, key_valid, segment_ids, dtype, decode: bool, stacked: bool):
+def attend_heads(c, q, k, v, q_slots, key_valid, segment_ids, dtype, decode: bool, stacked: bool, *,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 softmax_scale: float | None = None):
     """`ops.attention` with `c.attn_mechanism`, or for a one-token step over a cache (`decode`) `ops.decode_attention`
-    with `c.decode_attn_mechanism`. A "vanilla" decode step keeps the two dense forms above: `decode_attention` over a
-    layer's own cache (generate's dispatched steps on CPU), `grouped_attention` over a slice of the stacked cache
-    inside the layer scan (where XLA:CPU fuses the slice into the sums of the decode form: 5x slower at batch 8)."""
+    with `c.decode_attn_mechanism`; the layer's window, soft-cap and scale go to either. A "vanilla" decode step
+    inside the layer scan (`stacked`) runs `ops.attention`'s dense einsum form: XLA:CPU fuses the slice of the
+    stacked cache into the sums of the decode form (5x slower at batch 8)."""
     from eformer_nb.ops import attention as ops
-    k_slots = jnp.arange(k.shape[1])
-    if decode and ops.resolve_attention_mechanism(c.decode_attn_mechanism, decode=True) == "vanilla":
-        mask = make_attention_mask(q_slots, k_slots, key_valid)
-        return (grouped_attention if stacked else decode_attention)(q, k, v, mask, dtype)
-    kw = dict(q_slots=q_slots, k_slots=k_slots, key_valid=key_valid, q_segments=segment_ids, k_segments=segment_ids,
-              dtype=dtype)
+    kw = dict(q_slots=q_slots, k_slots=jnp.arange(k.shape[1]), key_valid=key_valid, q_segments=segment_ids,
+              k_segments=segment_ids, dtype=dtype, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+              softmax_scale=softmax_scale)
+    if decode and stacked and ops.resolve_attention_mechanism(c.decode_attn_mechanism, decode=True) == "vanilla":
+        return ops.attention(q, k, v, mechanism="vanilla", **kw)
     if decode:
         return ops.decode_attention(q, k, v, mechanism=c.decode_attn_mechanism, **kw)
     return ops.attention(q, k, v, mechanism=c.attn_mechanism, **kw)
-
 
 # %% ../../nbs/11d_infra.layers.ipynb #bddc138b
 def _concrete(x) -> bool:
@@ -335,6 +315,8 @@ def check_traced_values(config, input_ids, position_ids):
 GRADIENT_CHECKPOINTING = ("", "none", "nothing_saveable", "everything_saveable", "checkpoint_dots",
                           "checkpoint_dots_with_no_batch_dims", "dots_saveable", "dots_with_no_batch_dims_saveable",
                           "save_only_these_names", "save_anything_except_these_names")  # EasyDeL's policy names
+CHECKPOINT_NAMES = ("attn_query", "attn_key", "attn_value", "attn_output", "attn_residual", "mlp_gate", "mlp_up",
+                    "mlp_intermediate", "mlp_output")  # the tensors of a decoder layer named for the name-based policies
 
 
 def gradient_checkpoint_policy(
@@ -449,11 +431,11 @@ def run_layers(model, h, positions, key_valid, segment_ids, kv, index, keep_stat
 
 # %% ../../nbs/11d_infra.layers.ipynb #fa78eec8
 _PRESTACKED = contextvars.ContextVar("eformer_nb_prestacked_layers", default=None)
-_STACK_CACHE = weakref.WeakKeyDictionary()  # LlamaModel -> (the leaves it was stacked from, the stacked leaves)
+_STACK_CACHE = weakref.WeakKeyDictionary()  # a decoder stack -> (the leaves it was stacked from, the stacked leaves)
 
 
 def stack_layers(
-    model,  # a `LlamaForCausalLM` or its `LlamaModel`
+    model,  # a causal LM (its `.model`, the decoder stack, is read) or the decoder stack itself
 ) -> list | None:
     """The decoder layers' parameter leaves stacked layers-first, for `using_stacked_layers`. Built on first use and
     kept with the model (one more copy of the layer weights) until one of the layers' arrays is replaced (a load, an

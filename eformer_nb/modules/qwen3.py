@@ -46,16 +46,16 @@ class Qwen3Config(LlamaConfig):
         **kwargs,  # the other `LlamaConfig` fields, with its defaults (rms_norm_eps, rope_theta, tie_word_embeddings...)
     ):
         self.use_sliding_window, self.max_window_layers = use_sliding_window, max_window_layers
-        self.sliding_window = sliding_window if use_sliding_window else None
+        window = sliding_window if use_sliding_window else None
         n = num_hidden_layers if type(num_hidden_layers) is int else 0  # a bad count: LlamaConfig's check names it
         self.layer_types = list(layer_types) if isinstance(layer_types, (list, tuple)) else layer_types if (
-            layer_types is not None) else ["sliding_attention" if self.sliding_window is not None
+            layer_types is not None) else ["sliding_attention" if window is not None
                                            and i >= max_window_layers else "full_attention" for i in range(n)]
         super().__init__(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
                          num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
                          num_key_value_heads=num_key_value_heads, head_dim=head_dim,
                          max_position_embeddings=max_position_embeddings, bos_token_id=bos_token_id,
-                         eos_token_id=eos_token_id, **kwargs)
+                         eos_token_id=eos_token_id, sliding_window=window, **kwargs)
 
 # %% ../../nbs/12i_modules.qwen3.ipynb #b8ac7081
 @patch
@@ -99,8 +99,9 @@ class Qwen3Attention(LlamaAttention):
         param_dtype=jnp.float32,  # storage dtype of parameters
         precision=None,  # `jax.lax.Precision` of the matmuls
         rngs: nnx.Rngs,  # initialisation randomness
+        layer_idx: int = 0,  # the layer's index (`LlamaAttention`'s)
     ):
-        super().__init__(config, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
+        super().__init__(config, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs, layer_idx=layer_idx)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
 

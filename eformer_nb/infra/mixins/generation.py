@@ -19,8 +19,8 @@ from flax import nnx
 
 from .protocol import GenerateOutput
 from ...common_types import HiddenStateSharding
-from ..layers import (LayerCache, TransformerCache, TransformerMetadata, check_values, shard_activation,
-                                     grouped_attention, param_bytes, stack_layers, using_stacked_layers)
+from ..layers import (LayerCache, TransformerCache, TransformerMetadata, check_values, lm_logits, param_bytes,
+                                     scale_embeddings, shard_activation, stack_layers, using_stacked_layers)
 from fastcore.basics import patch
 
 # %% auto #0
@@ -320,8 +320,8 @@ def _own_forward(model) -> bool:
 
 
 def _head(parts, embed_tokens, h):
-    "The LM head of `LlamaForCausalLM` on `h`: `parts.lm_head`, or the tied embedding at `parts.precision`."
-    return embed_tokens.attend(h, parts.precision) if parts.lm_head is None else parts.lm_head(h)
+    "The LM head on `h`: `parts.lm_head`, or the tied embedding at `parts.precision`; the config's final soft-cap."
+    return lm_logits(h, embed_tokens, parts.lm_head, parts.precision, parts.config.final_logit_softcapping)
 
 
 def _prefill_pick(model, input_ids, attention_mask, key, eos, pad, g: GenerationConfig, processor, stream_id):
@@ -340,7 +340,6 @@ def _prefill_pick(model, input_ids, attention_mask, key, eos, pad, g: Generation
         logits = out.logits[:, -1]
     carry = (seqs, valid, jnp.zeros((b,), bool), jnp.zeros((b,), jnp.float32), jnp.zeros((b,), jnp.int32), key)
     return _pick(0, logits, carry, g, t, processor, eos, pad, stream_id), out.past_key_values
-
 
 # %% ../../../nbs/11g_infra.mixins.generation.ipynb #8d53e9e1
 def _decode(model, input_ids, attention_mask, key, eos, pad, g: GenerationConfig, processor, stream_id):
@@ -381,11 +380,13 @@ def _eos_pad(g: GenerationConfig) -> tuple[jax.Array, jax.Array, GenerationConfi
 
 # %% ../../../nbs/11g_infra.mixins.generation.ipynb #c777b453
 class _DecodeParts(nnx.Module):
-    "What a dispatched decode step needs besides the layers: the embedding, the final norm, the head, the config."
+    """What a dispatched decode step needs besides the layers: the embedding and its scale, the family's final norm,
+    the head, the config."""
 
     def __init__(self, model):
         self.config, self.precision = model.model.config, model.precision
         self.embed_tokens, self.norm, self.lm_head = model.model.embed_tokens, model.model.norm, model.lm_head
+        self.embedding_scale = model.model.embedding_scale  # a number: static
 
 # %% ../../../nbs/11g_infra.mixins.generation.ipynb #79e4f5f7
 def _prefill_split(graphdef, state, input_ids, attention_mask, key, eos, pad, g, processor, stream_id, stacked):
@@ -398,13 +399,13 @@ def _prefill_split(graphdef, state, input_ids, attention_mask, key, eos, pad, g,
 
 # %% ../../../nbs/11g_infra.mixins.generation.ipynb #335e74f0
 def _step_in(graphdef, treedef, leaves, seqs, key_mask, index):
-    """One decode step's input, as `LlamaModel` computes it for one real token: the last token, at column `index`
-    of `seqs` (sequences and cache share columns), embedded; its position (the real slots before it); the key mask
-    with its slot `index` added."""
+    """One decode step's input, as the family's decoder stack computes it for one real token: the last token, at
+    column `index` of `seqs` (sequences and cache share columns), embedded and scaled; its position (the real slots
+    before it); the key mask with its slot `index` added."""
     parts, b = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)), seqs.shape[0]
     positions = jnp.sum(key_mask, axis=-1, keepdims=True)
     key_valid = jax.lax.dynamic_update_slice(key_mask, jnp.ones((b, 1), bool), (0, index))
-    h = parts.embed_tokens(jax.lax.dynamic_slice(seqs, (0, index), (b, 1)))
+    h = scale_embeddings(parts.embed_tokens(jax.lax.dynamic_slice(seqs, (0, index), (b, 1))), parts.embedding_scale)
     return shard_activation(parts.config, h, HiddenStateSharding), positions, key_valid
 
 # %% ../../../nbs/11g_infra.mixins.generation.ipynb #733ff47f
@@ -494,7 +495,7 @@ def decode_dispatched(
 
 # %% ../../../nbs/11g_infra.mixins.generation.ipynb #470e426f
 def _dispatches(model, g: GenerationConfig) -> bool:
-    """Whether `generate` runs `decode_dispatched`: a cached greedy/sampling decode of our own Llama forward (not
+    """Whether `generate` runs `decode_dispatched`: a cached greedy/sampling decode of the family's own forward (not
     overridden, values not checked in the jit), where `model.model.dispatch_decode` says so (None: on CPU)."""
     if not (g.use_cache and _own_forward(model)) or model.model.check_values_in_jit:
         return False
@@ -858,39 +859,49 @@ def free_pages(
     return cache.replace(page_table=cache.page_table.at[seq].set(-1), seq_lens=cache.seq_lens.at[seq].set(0))
 
 # %% ../../../nbs/11g_infra.mixins.generation.ipynb #e5c2a897
-def _paged_forward(model, cache: RaggedPagesCache, input_ids, seq_ids):
+@flax.struct.dataclass
+class _PagedLayer:
+    """One layer's pages as a family's attention sees a cache: `update` writes the new tokens' keys and values to
+    their pages and reads each sequence's pages back as a dense row, right-aligned (a left-padded dense cache)."""
+    key_pages: jax.Array  # (num_pages, page_size, kv_heads, head_dim)
+    value_pages: jax.Array
+    page: jax.Array  # (b, t) the page of each new token
+    off: jax.Array  # (b, t) its offset in the page
+    read: jax.Array  # (b, slots) the flat page slot each row slot reads (0 where the slot holds nothing)
+    q_slots: jax.Array  # (t,) the row slots of the new tokens: the last t
 
-    c, b, t = model.config, *input_ids.shape
-    lens = cache.seq_lens[seq_ids]
+    def update(self, k, v, index=None, layer=None):
+        "`LayerCache.update` for pages (`index`, `layer`: unused, each sequence has its own length)."
+        kp = self.key_pages.at[self.page, self.off].set(k.astype(self.key_pages.dtype))
+        vp = self.value_pages.at[self.page, self.off].set(v.astype(self.value_pages.dtype))
+        view = lambda pages: pages.reshape(-1, *pages.shape[2:])[self.read]
+        return self.replace(key_pages=kp, value_pages=vp), view(kp), view(vp), self.q_slots
+
+
+def _paged_forward(model, cache: RaggedPagesCache, input_ids, seq_ids):
+    "The family's own embedding, layers, norm and head over the pages of sequences `seq_ids`."
+    inner, t = model.model, input_ids.shape[1]
+    lens, table, ps = cache.seq_lens[seq_ids], cache.page_table[seq_ids], cache.key_pages[0].shape[1]
     pos = lens[:, None] + jnp.arange(t)  # (b, t) positions of the new tokens
-    table = cache.page_table[seq_ids]
-    ps = cache.key_pages[0].shape[1]
     page, off = jnp.take_along_axis(table, pos // ps, 1), pos % ps
-    total = table.shape[1] * ps
-    k_pos = jnp.arange(total)
-    mask = ((k_pos[None, None, :] <= pos[:, :, None]) & (k_pos[None, None, :] < (lens + t)[:, None, None]))[
-        :, None, None
-    ]
-    h = model.model.embed_tokens(input_ids)
+    slots = table.shape[1] * ps  # a row holds a whole sequence, its last token at the last slot
+    held = jnp.arange(slots)[None, :] - (slots - (lens + t))[:, None]  # (b, slots) the position each slot holds
+    key_valid, held = held >= 0, jnp.maximum(held, 0)
+    read = jnp.where(key_valid, jnp.take_along_axis(table, held // ps, 1) * ps + held % ps, 0)
+    q_slots = slots - t + jnp.arange(t)
+    h = scale_embeddings(inner.embed_tokens(input_ids), inner.embedding_scale)
     kps, vps = [], []
-    for i, layer in enumerate(model.model.layers):
-        a, x = layer.self_attn, layer.input_layernorm(h)
-        q, k, v = a.qkv(x, pos)  # the attention's own hook: a variant's q/k norms apply here too
-        kp = cache.key_pages[i].at[page, off].set(k.astype(cache.key_pages[i].dtype))
-        vp = cache.value_pages[i].at[page, off].set(v.astype(cache.value_pages[i].dtype))
-        kps.append(kp)
-        vps.append(vp)
-        view = lambda p: p[table].reshape(b, total, c.num_key_value_heads, c.head_dim)  # the sequence's pages in order
-        h = h + a.o_proj(grouped_attention(q, view(kp), view(vp), mask, a.dtype))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    h = model.model.norm(h)
-    logits = model.model.embed_tokens.attend(h, model.precision) if model.lm_head is None else model.lm_head(h)
+    for i, layer in enumerate(inner.layers):
+        view = _PagedLayer(cache.key_pages[i], cache.value_pages[i], page, off, read, q_slots)
+        h, view = layer(h, pos, key_valid, None, view, None, None)
+        kps.append(view.key_pages)
+        vps.append(view.value_pages)
+    logits = _head(model, inner.embed_tokens, inner.norm(h))
     new = cache.replace(key_pages=tuple(kps), value_pages=tuple(vps), seq_lens=cache.seq_lens.at[seq_ids].add(t))
     return logits, new
 
 
 _paged_jit = nnx.jit(_paged_forward)
-
 
 # %% ../../../nbs/11g_infra.mixins.generation.ipynb #f68e8fc3
 def paged_forward(

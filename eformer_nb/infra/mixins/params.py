@@ -10,7 +10,6 @@ import jax.numpy as jnp
 from fastcore.basics import patch
 from flax import nnx
 
-from ..base_state import EasyDeLState
 from ..layers import flatten_params
 from .protocol import printify_nnx
 from ...jaximus import is_implicit
@@ -182,4 +181,5 @@ def to_state(
     **kwargs,  # `tx`, `opt_state`, `step`, ... passed to `EasyDeLState.create`
 ):
     "The `EasyDeLState` holding this model."
+    from eformer_nb.infra.base_state import EasyDeLState  # here: a model mixin does not load the training state
     return EasyDeLState.create(model=self, **kwargs)

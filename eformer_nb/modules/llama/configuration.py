@@ -14,19 +14,17 @@ from fastcore.basics import patch
 
 from ...infra.base_config import EasyDeLBaseConfig
 from ...infra.factory import register_config
-from ...infra.layers import GRADIENT_CHECKPOINTING
+from ...infra.layers import CHECKPOINT_NAMES, GRADIENT_CHECKPOINTING  # noqa: F401 (CHECKPOINT_NAMES: its old path)
 from ...loggings import get_logger
 
 logger = get_logger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'ACTIVATIONS', 'ROPE_TYPES', 'CHECKPOINT_NAMES', 'LlamaConfig']
+__all__ = ['logger', 'ACTIVATIONS', 'ROPE_TYPES', 'LlamaConfig']
 
 # %% ../../../nbs/12a_modules.llama.configuration.ipynb #a3f1c2d4
 ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 ROPE_TYPES = ("default", "linear", "llama3")
-CHECKPOINT_NAMES = ("attn_query", "attn_key", "attn_value", "attn_output", "attn_residual", "mlp_gate", "mlp_up",
-                    "mlp_intermediate", "mlp_output")  # the tensors of a decoder layer named for the name-based policies
 
 
 def _read_rope_parameters(
@@ -42,7 +40,6 @@ def _read_rope_parameters(
     if rope_parameters.get("rope_type", rope_parameters.get("type", "default")) != "default":
         rope_scaling = rope_parameters
     return rope_theta, rope_scaling
-
 
 # %% ../../../nbs/12a_modules.llama.configuration.ipynb #0e84bdcc
 @register_config("llama")
@@ -73,12 +70,7 @@ class LlamaConfig(EasyDeLBaseConfig):
         eos_token_id: int | list[int] | None = 2,  # end-of-sequence id (or ids)
         pad_token_id: int | None = None,  # padding id (None: none)
         tie_word_embeddings: bool = False,  # the LM head reuses the embedding
-        attn_mechanism: str = "auto",  # attention of forwards and prefills: a name of `ops.attention.ATTENTION_MECHANISMS`
-        decode_attn_mechanism: str = "auto",  # attention of one-token decode steps (`DECODE_ATTENTION_MECHANISMS`)
-        gradient_checkpointing: str = "",  # rematerialisation policy of each decoder layer (GRADIENT_CHECKPOINTING)
-        gradient_checkpointing_names: list[str] | None = None,  # the CHECKPOINT_NAMES the name-based policies mean
-        loss_chunk_size: int | None = 2048,  # tokens per chunk of `compute_loss`'s cross-entropy (None: whole logits)
-        **kwargs,  # more fields (`EasyDeLBaseConfig`)
+        **kwargs,  # more fields: `EasyDeLBaseConfig`'s (attn_mechanism, gradient_checkpointing, loss_chunk_size, ...)
     ):
         self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
         self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
@@ -92,10 +84,6 @@ class LlamaConfig(EasyDeLBaseConfig):
         self.rope_scaling = dict(rope_scaling) if rope_scaling else None
         self.attention_bias, self.attention_dropout, self.mlp_bias = attention_bias, attention_dropout, mlp_bias
         self.pretraining_tp = pretraining_tp
-        self.attn_mechanism, self.decode_attn_mechanism = attn_mechanism, decode_attn_mechanism
-        self.gradient_checkpointing, self.loss_chunk_size = gradient_checkpointing, loss_chunk_size
-        self.gradient_checkpointing_names = (list(gradient_checkpointing_names) if isinstance(
-            gradient_checkpointing_names, (list, tuple)) else gradient_checkpointing_names)  # a JSON list either way
         super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                          tie_word_embeddings=tie_word_embeddings, **kwargs)
         self.validate()
@@ -123,7 +111,7 @@ def validate(self: LlamaConfig) -> LlamaConfig:
         if kind not in ROPE_TYPES:
             raise ValueError(f"{type(self).__name__}.rope_scaling rope_type={kind!r}; valid choices are {list(ROPE_TYPES)}")
         _validate_rope_scaling(self.rope_scaling, kind, type(self).__name__)
-    return _validate_training(_validate_values(self))
+    return _validate_values(self).validate_model_options()  # then the base config's options (attention, ...)
 
 
 def _validate_rope_scaling(rs: dict, kind: str, name: str) -> None:
@@ -141,34 +129,6 @@ def _validate_rope_scaling(rs: dict, kind: str, name: str) -> None:
     if kind == "llama3" and not rs.get("low_freq_factor", 1.0) < rs.get("high_freq_factor", 4.0):
         raise ValueError(f"{name}.rope_scaling={rs!r}: low_freq_factor must be below high_freq_factor "
                          "(the llama3 ramp divides by their difference)")
-
-# %% ../../../nbs/12a_modules.llama.configuration.ipynb #093b265e
-def _validate_training(self: LlamaConfig) -> LlamaConfig:
-    """The attention mechanisms (by name: whether one runs on this backend is decided at the first call, so a
-    config written on a GPU host reads on a CPU), the checkpointing policy and its names, the loss chunk."""
-    from eformer_nb.ops.attention import ATTENTION_MECHANISMS, DECODE_ATTENTION_MECHANISMS
-    for name, valid in (("attn_mechanism", ATTENTION_MECHANISMS), ("decode_attn_mechanism", DECODE_ATTENTION_MECHANISMS)):
-        if not isinstance(getattr(self, name), str) or getattr(self, name) not in valid:
-            raise ValueError(f"{type(self).__name__}.{name}={getattr(self, name)!r}; valid choices are {list(valid)}")
-    gc, names = self.gradient_checkpointing, self.gradient_checkpointing_names
-    if not isinstance(gc, str) or gc not in GRADIENT_CHECKPOINTING:
-        raise ValueError(f"{type(self).__name__}.gradient_checkpointing={gc!r}; valid choices are {list(GRADIENT_CHECKPOINTING)}")
-    by_name = gc in ("save_only_these_names", "save_anything_except_these_names")
-    if by_name and not names:
-        raise ValueError(f"{type(self).__name__}.gradient_checkpointing={gc!r} needs gradient_checkpointing_names, a non-empty "
-                         f"list of {list(CHECKPOINT_NAMES)}")
-    if names is not None and not by_name:
-        raise ValueError(f"{type(self).__name__}.gradient_checkpointing_names={names!r} is read only by the policies "
-                         f"'save_only_these_names' and 'save_anything_except_these_names', not by {gc!r}")
-    bad = [n for n in names or () if n not in CHECKPOINT_NAMES]
-    if bad or (names is not None and not isinstance(names, list)):
-        raise ValueError(f"{type(self).__name__}.gradient_checkpointing_names={names!r}: {bad or 'not a list'}; expected a list "
-                         f"of {list(CHECKPOINT_NAMES)}")
-    n = self.loss_chunk_size
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n <= 0):
-        raise ValueError(f"{type(self).__name__}.loss_chunk_size={n!r}; expected a positive int (tokens per chunk) or None")
-    return self
-
 
 # %% ../../../nbs/12a_modules.llama.configuration.ipynb #3f939a56
 _READING_FILE = contextvars.ContextVar("llama_config_reading_file", default=False)

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import dataclasses
-import typing as tp
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +16,9 @@ from flax import nnx
 from ...common_types import AttnKVSharding, AttnQSharding, HiddenStateSharding
 from ...infra.factory import TaskType, register_module
 from ...infra.layers import (Embed, LayerCache, Linear, RMSNorm, TransformerCache, attend_heads, check_traced_values,
-                                     check_values, run_layers, shard_activation, apply_rotary, rope_inv_freq)
+                                     check_values, lm_logits, run_layers, scale_embeddings, shard_activation, apply_rotary,
+                                     rope_inv_freq)
+from ...infra.losses import causal_lm_loss, chunked_causal_lm_loss  # noqa: F401 (their old home's names)
 from ...infra.mixins.adapters import AdaptersMixin
 from ...infra.mixins.files import FilesMixin
 from ...infra.mixins.generation import GenerationMixin
@@ -28,8 +29,7 @@ from ...infra.mixins.protocol import BaseModelOutput, BaseModuleProtocol, Causal
 from .configuration import LlamaConfig
 
 # %% auto #0
-__all__ = ['LlamaAttention', 'LlamaMLP', 'LlamaDecoderLayer', 'LlamaModel', 'causal_lm_loss', 'chunked_causal_lm_loss',
-           'LlamaForCausalLM']
+__all__ = ['LlamaAttention', 'LlamaMLP', 'LlamaDecoderLayer', 'LlamaModel', 'LlamaForCausalLM']
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #a06be002
 class LlamaAttention(nnx.Module):
@@ -43,8 +43,11 @@ class LlamaAttention(nnx.Module):
         param_dtype=jnp.float32,  # storage dtype of parameters
         precision=None,  # `jax.lax.Precision` of the matmuls
         rngs: nnx.Rngs,  # initialisation randomness
+        layer_idx: int = 0,  # the layer's index: `config.attention_window(layer_idx)` is its sliding window
     ):
         self.config, self.dtype = config, dtype
+        self.sliding_window = config.attention_window(layer_idx)  # static: None, or keys this many slots back
+        self.softmax_scale = None  # None: 1/sqrt(head_dim); a family with another scale sets it
         c, kw = config, dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs,
                              use_bias=config.attention_bias, std=config.initializer_range)
         self.q_proj = Linear(c.hidden_size, c.num_attention_heads * c.head_dim, **kw)
@@ -75,15 +78,11 @@ class LlamaAttention(nnx.Module):
         k, v = shard_activation(c, k, AttnKVSharding), shard_activation(c, v, AttnKVSharding)
         q, k, v = checkpoint_name(q, "attn_query"), checkpoint_name(k, "attn_key"), checkpoint_name(v, "attn_value")
         q_slots = jnp.arange(t)
-        if layer_cache is not None:  # write this step's keys/values at slots [index, index + t) (of layer `layer`)
-            lead = () if layer is None else (layer,)  # a stacked cache (layers, ...): this layer's slice, in place
-            put = lambda buf, x: jax.lax.dynamic_update_slice(buf, x.astype(buf.dtype).reshape((1,) * len(lead) + x.shape),
-                                                              (*lead, 0, index, 0, 0))
-            layer_cache = LayerCache(key=put(layer_cache.key, k), value=put(layer_cache.value, v))
-            read = lambda buf: buf if layer is None else jax.lax.dynamic_index_in_dim(buf, layer, 0, keepdims=False)
-            k, v, q_slots = read(layer_cache.key), read(layer_cache.value), index + q_slots
+        if layer_cache is not None:  # a dense `LayerCache` or a paged view: write this step, read every slot
+            layer_cache, k, v, q_slots = layer_cache.update(k, v, index, layer)
         out = attend_heads(c, q, k, v, q_slots, key_valid, segment_ids, self.dtype, t == 1 and layer_cache is not None,
-                      layer is not None)
+                           layer is not None, sliding_window=self.sliding_window,
+                           logits_soft_cap=c.attn_logit_softcapping, softmax_scale=self.softmax_scale)
         return self.o_proj(checkpoint_name(out, "attn_output")), layer_cache
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #887e9b67
@@ -130,6 +129,7 @@ class LlamaMLP(nnx.Module):
 class LlamaDecoderLayer(nnx.Module):
     "Pre-norm residual block: attention, then the MLP."
     attention_class = LlamaAttention  # a variant (e.g. Qwen3) names its own attention here, nothing else
+    norm_class = RMSNorm  # the family's norm (its weights under the same names)
 
     def __init__(
         self,
@@ -139,15 +139,14 @@ class LlamaDecoderLayer(nnx.Module):
         param_dtype=jnp.float32,  # storage dtype of parameters
         precision=None,  # `jax.lax.Precision` of the matmuls
         rngs: nnx.Rngs,  # initialisation randomness
+        layer_idx: int = 0,  # the layer's index (its attention's window)
     ):
         kw = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
         self.config = config
-        self.self_attn = self.attention_class(config, **kw)
+        self.self_attn = self.attention_class(config, **kw, layer_idx=layer_idx)
         self.mlp = LlamaMLP(config, **kw)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
-        self.post_attention_layernorm = RMSNorm(
-            config.hidden_size, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype
-        )
+        norm = lambda: self.norm_class(config.hidden_size, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
 
     def __call__(self, h, positions, key_valid, segment_ids=None, layer_cache=None, index=None, layer=None):
         attn, layer_cache = self.self_attn(
@@ -156,7 +155,6 @@ class LlamaDecoderLayer(nnx.Module):
         h = checkpoint_name(shard_activation(self.config, h + attn, HiddenStateSharding), "attn_residual")
         h = shard_activation(self.config, h + self.mlp(self.post_attention_layernorm(h)), HiddenStateSharding)
         return h, layer_cache
-
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #9c08c611
 def _check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids, segment_ids, cache):
@@ -206,6 +204,8 @@ def _check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids
 class LlamaModel(nnx.Module):
     "The Llama decoder stack: embeddings, `num_hidden_layers` decoder layers, the final RMSNorm."
     decoder_layer_class = LlamaDecoderLayer  # the layer a variant builds
+    norm_class = RMSNorm  # the final norm's class
+    embedding_scale: float | None = None  # the embeddings are multiplied by it (a family's hook; None: not scaled)
 
     def __init__(
         self,
@@ -220,8 +220,8 @@ class LlamaModel(nnx.Module):
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, std=config.initializer_range, dtype=dtype,
                                   param_dtype=param_dtype, rngs=rngs)
         self.layers = nnx.List([self.decoder_layer_class(config, dtype=dtype, param_dtype=param_dtype, precision=precision,
-                                                  rngs=rngs) for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+                                                         rngs=rngs, layer_idx=i) for i in range(config.num_hidden_layers)])
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.scan_layers = True  # run the layers as one `jax.lax.scan` step when they share one structure
         self.scan_decode = True  # scan a one-token decode step too (False: unrolled, slower to compile, faster on CPU)
         self.dispatch_decode = None  # generate's decode steps one call per layer from the host (None: on CPU only)
@@ -244,7 +244,7 @@ class LlamaModel(nnx.Module):
             index = cache.index
             key_valid = jax.lax.dynamic_update_slice(cache.key_mask, mask, (0, index))
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.astype(self.dtype)
-        h = shard_activation(self.config, h, HiddenStateSharding)
+        h = shard_activation(self.config, scale_embeddings(h, self.embedding_scale), HiddenStateSharding)
         kv = None if cache is None else LayerCache(key=cache.key, value=cache.value)
         h, kv, states = run_layers(self, h, position_ids, key_valid, segment_ids, kv, index, output_hidden_states)
         h = self.norm(h)
@@ -252,78 +252,6 @@ class LlamaModel(nnx.Module):
                                                                  index=index + t)
         return BaseModelOutput(last_hidden_state=h, hidden_states=tuple(states) if states else None,
                                past_key_values=new_cache)
-
-# %% ../../../nbs/12b_modules.llama.modeling.ipynb #71380c98
-def causal_lm_loss(
-    logits: jax.Array,  # `(batch, vocab)` logits of the last position
-    labels: jax.Array,  # target ids (default: the inputs)
-    config: LossConfig | None = None,  # smoothing, z-loss, reduction (None: the defaults)
-) -> tuple[jax.Array, LossMetrics]:
-    "Cross-entropy (+ z-loss) of `logits (batch, length, vocab)` against integer `labels (batch, length)`."
-    config = config or LossConfig()
-    if logits.ndim != 3 or labels.shape != logits.shape[:2]:
-        raise ValueError(
-            f"logits must be (batch, length, vocab) and labels (batch, length); got logits "
-            f"{tuple(logits.shape)} and labels {tuple(labels.shape)}"
-        )
-    if config.shift_tokens:
-        logits, labels = logits[:, :-1], labels[:, 1:]
-    return _reduce_loss(*_token_terms(logits.astype(jnp.float32), labels, config), labels, config)
-
-
-def _token_terms(
-    logits: jax.Array,  # float32 `(..., vocab)`
-    labels: jax.Array,  # `(...)` target ids
-    config: LossConfig,  # its ignore_index and label_smoothing are read
-) -> tuple:
-    "Per token: the (smoothed) negative log-likelihood, the log-sum-exp, and whether the argmax is the label."
-    safe = jnp.where(labels != config.ignore_index, labels, 0)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    nll = lse - jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]
-    if config.label_smoothing:
-        nll = (1 - config.label_smoothing) * nll - config.label_smoothing * (jnp.mean(logits, axis=-1) - lse)
-    return nll, lse, jnp.argmax(logits, -1) == labels
-
-
-def _reduce_loss(nll, lse, correct, labels, config: LossConfig) -> tuple[jax.Array, LossMetrics]:
-    "Cross-entropy and z-loss over the counted tokens (`labels != ignore_index`), accuracy and their count."
-    valid = labels != config.ignore_index
-    n = jnp.sum(valid)
-    denom = jnp.maximum(n, 1) if config.reduction == "mean" else 1
-    ce = jnp.sum(jnp.where(valid, nll, 0.0)) / denom
-    zl = jnp.sum(jnp.where(valid, config.z_loss * lse**2, 0.0)) / denom if config.z_loss else jnp.zeros((), jnp.float32)
-    acc = jnp.sum(valid & correct) / jnp.maximum(n, 1)
-    return ce + zl, LossMetrics(loss=ce + zl, accuracy=acc, num_tokens=n, z_loss=zl, cross_entropy=ce)
-
-# %% ../../../nbs/12b_modules.llama.modeling.ipynb #b93e941c
-def chunked_causal_lm_loss(
-    hidden: jax.Array,  # final (normed) hidden states `(batch, length, hidden)`
-    labels: jax.Array,  # target ids `(batch, length)` (before the shift, as for `causal_lm_loss`)
-    head: tp.Callable,  # `head(head_params, x (n, hidden)) -> logits (n, vocab)`: the LM head
-    head_params,  # the head's parameters (a pytree), differentiated through
-    config: LossConfig | None = None,  # smoothing, z-loss, reduction (None: the defaults)
-    chunk_size: int = 2048,  # tokens scored at a time
-) -> tuple[jax.Array, LossMetrics]:
-    "`causal_lm_loss(head(hidden), labels)` without the `(batch, length, vocab)` logits: `chunk_size` tokens at a time."
-    config = config or LossConfig()
-    if hidden.ndim != 3 or labels.shape != hidden.shape[:2]:
-        raise ValueError(f"hidden must be (batch, length, hidden) and labels (batch, length); got hidden "
-                         f"{tuple(hidden.shape)} and labels {tuple(labels.shape)}")
-    if config.shift_tokens:
-        hidden, labels = hidden[:, :-1], labels[:, 1:]
-    b, t, d = hidden.shape
-    n = b * t
-    c = max(1, min(chunk_size, n))
-    pad = -n % c  # the last chunk is filled with ignored tokens
-    xs = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0))).reshape(-1, c, d)
-    ys = jnp.pad(labels.reshape(n), (0, pad), constant_values=config.ignore_index).reshape(-1, c)
-    terms = lambda params, x, y: _token_terms(head(params, x).astype(jnp.float32), y, config)
-    if len(xs) > 1:  # the backward recomputes each chunk's logits: none kept (one chunk: kept, as whole logits are)
-        terms = jax.checkpoint(terms)
-
-    _, (nll, lse, correct) = jax.lax.scan(lambda _, xy: (None, terms(head_params, *xy)), None, (xs, ys))
-    flat = lambda a: a.reshape(-1)[:n].reshape(b, t)
-    return _reduce_loss(flat(nll), flat(lse), flat(correct), labels, config)
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #27954659
 @register_module(TaskType.CAUSAL_LM, "llama", config=LlamaConfig)
@@ -362,10 +290,9 @@ class LlamaForCausalLM(ParamsMixin, GenerationMixin, AdaptersMixin, FilesMixin, 
                          segment_ids=segment_ids, past_key_values=past_key_values, inputs_embeds=inputs_embeds,
                          output_hidden_states=output_hidden_states)
         h = out.last_hidden_state
-        logits = self.model.embed_tokens.attend(h, self.precision) if self.lm_head is None else self.lm_head(h)
+        logits = lm_logits(h, self.model.embed_tokens, self.lm_head, self.precision, self.config.final_logit_softcapping)
         return CausalLMOutput(logits=logits, last_hidden_state=h, hidden_states=out.hidden_states,
                               past_key_values=out.past_key_values)
-
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #dd74f904
 # forward and loss (this module)
@@ -454,7 +381,8 @@ def _compute_loss(self: LlamaForCausalLM, input_ids=None, labels=None, inputs_em
         loss, metrics = causal_lm_loss(out.logits, labels, config)
     else:
         graphdef, params = nnx.split(self.model.embed_tokens if self.lm_head is None else self.lm_head)
-        head = ((lambda p, x: nnx.merge(graphdef, p).attend(x, self.precision)) if self.lm_head is None
-                else (lambda p, x: nnx.merge(graphdef, p)(x)))
+        tied, cap = self.lm_head is None, self.config.final_logit_softcapping
+        head = lambda p, x: lm_logits(x, *((nnx.merge(graphdef, p), None) if tied else (None, nnx.merge(graphdef, p))),
+                                      self.precision, cap)
         loss, metrics = chunked_causal_lm_loss(out.last_hidden_state, labels, head, params, config, chunk)
     return out.replace(loss=loss), metrics
