@@ -23,8 +23,9 @@ from ..jaximus import implicit, is_implicit
 # %% auto #0
 __all__ = ['GRADIENT_CHECKPOINTING', 'CHECKPOINT_NAMES', 'Linear', 'Embed', 'RMSNorm', 'rope_inv_freq', 'apply_rotary',
            'LayerCache', 'TransformerCache', 'TransformerMetadata', 'scale_embeddings', 'lm_logits', 'shard_activation',
-           'attend_heads', 'check_values', 'check_traced_values', 'gradient_checkpoint_policy', 'run_layers',
-           'stack_layers', 'using_stacked_layers', 'flatten_params', 'param_bytes']
+           'attend_heads', 'check_values', 'check_traced_values', 'gradient_checkpoint_policy', 'LayerAux',
+           'collecting_layer_aux', 'run_layers', 'stack_layers', 'using_stacked_layers', 'flatten_params',
+           'param_bytes']
 
 # %% ../../nbs/11d_infra.layers.ipynb #60798828
 def _normal(key, shape, std, dtype):
@@ -339,12 +340,38 @@ def _scannable(layers) -> bool:
     first = sig(layers[0])
     return all(sig(m) == first for m in layers[1:])
 
+# %% ../../nbs/11d_infra.layers.ipynb #34bd3428
+_LAYER_AUX = contextvars.ContextVar("eformer_nb_layer_aux", default=None)
+
+
+@dataclasses.dataclass
+class LayerAux:
+    "A collector of `collecting_layer_aux`: `value` is the pytree the layers add to."
+    value: tp.Any
+
+
+@contextlib.contextmanager
+def collecting_layer_aux(
+    init,  # a pytree of zeros: what each layer adds its terms to
+):
+    "Inside this block a cache-less `run_layers` threads `init` through the layers; yields the `LayerAux` holding the sum."
+    box = LayerAux(init)
+    token = _LAYER_AUX.set(box)
+    try:
+        yield box
+    finally:
+        _LAYER_AUX.reset(token)
+
 # %% ../../nbs/11d_infra.layers.ipynb #93140812
-def _remat_layer(layer, policy, h, positions, key_valid, segment_ids):
-    "One decoder layer of a forward without a cache under `jax.checkpoint(policy)` (the unrolled path)."
+def _remat_layer(layer, policy, h, positions, key_valid, segment_ids, aux=None):
+    """One decoder layer of a forward without a cache under `jax.checkpoint(policy)` (the unrolled path): `h`, or
+    `(h, aux)` when `aux` (see `collecting_layer_aux`) is given."""
     graphdef, state = nnx.split(layer)
-    run = lambda state, h: nnx.merge(graphdef, state)(h, positions, key_valid, segment_ids)[0]
-    return jax.checkpoint(run, policy=policy)(state, h)
+    if aux is None:
+        run = lambda state, h: nnx.merge(graphdef, state)(h, positions, key_valid, segment_ids)[0]
+        return jax.checkpoint(run, policy=policy)(state, h)
+    run = lambda state, h, aux: nnx.merge(graphdef, state)(h, positions, key_valid, segment_ids, aux=aux)[::2]
+    return jax.checkpoint(run, policy=policy)(state, h, aux)
 
 # %% ../../nbs/11d_infra.layers.ipynb #a46a9b77
 def run_layers(model, h, positions, key_valid, segment_ids, kv, index, keep_states: bool):
@@ -353,18 +380,26 @@ def run_layers(model, h, positions, key_valid, segment_ids, kv, index, keep_stat
     one-token step with a cache (decode) runs unrolled when `model.scan_decode` is False: a scan step slices each
     layer's weights out of the stack, which XLA:CPU does as a copy (all the weights again per token), but the
     unrolled step compiles every layer (SmolLM2-135M's first `generate` about 5x slower). Without a cache (training)
-    each layer runs under `jax.checkpoint` with the config's `gradient_checkpoint_policy`, when it has one."""
+    each layer runs under `jax.checkpoint` with the config's `gradient_checkpoint_policy`, when it has one. Inside
+    `collecting_layer_aux`, a forward without a cache also threads the collector's pytree through every layer."""
     policy = gradient_checkpoint_policy(model.config) if kv is None else None
+    box = _LAYER_AUX.get() if kv is None else None
+    aux = None if box is None else box.value
     decode = kv is not None and h.shape[1] == 1 and not model.scan_decode
     if decode or not (model.scan_layers and _scannable(model.layers)):
         states = [h] if keep_states else None
         for i, layer in enumerate(model.layers):
-            if policy is not None:  # a forward without a cache
+            if aux is not None:  # a forward without a cache, collecting the layers' aux terms
+                h, aux = (_remat_layer(layer, policy, h, positions, key_valid, segment_ids, aux) if policy is not None
+                          else layer(h, positions, key_valid, segment_ids, aux=aux)[::2])
+            elif policy is not None:  # a forward without a cache
                 h = _remat_layer(layer, policy, h, positions, key_valid, segment_ids)
             else:
                 h, kv = layer(h, positions, key_valid, segment_ids, kv, index, None if kv is None else i)
             if keep_states:
                 states.append(h)
+        if box is not None:
+            box.value = aux
         return h, kv, states
     graphdef = nnx.graphdef(model.layers[0])
     treedef = jax.tree.structure(nnx.state(model.layers[0]))
@@ -383,6 +418,14 @@ def run_layers(model, h, positions, key_valid, segment_ids, kv, index, keep_stat
         return (h, kv), (h if keep_states else None)
 
     h0 = h
+    if aux is not None:  # a forward without a cache, collecting: the carry is `(h, aux)`
+        def aux_step(carry, leaves):
+            run = lambda leaves, h, aux: nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))(
+                h, positions, key_valid, segment_ids, aux=aux)[::2]
+            h, aux = (run if policy is None else jax.checkpoint(run, policy=policy, prevent_cse=False))(leaves, *carry)
+            return (h, aux), (h if keep_states else None)
+        (h, box.value), hs = jax.lax.scan(aux_step, (h, aux), stacked)
+        return h, None, ([h0, *hs] if keep_states else None)
     (h, kv), hs = jax.lax.scan(step, (h, kv), (jnp.arange(len(model.layers)), stacked))
     return h, kv, ([h0, *hs] if keep_states else None)
 

@@ -515,6 +515,8 @@ def load_weights(
     if mesh is not None:
         rules = config.get_partition_rules() if partition_rules is None else partition_rules
         place = flatten_params(make_shard_and_gather_fns(match_partition_rules(rules, shapes), mesh)[0])
+    prepare = getattr(cls, "prepare_hf_sources", None)  # a family's hook (MoE: per-expert tensors stacked)
+    sources = sources if prepare is None else prepare(config, sources)
     values, unexpected = _read_weights(sources, by_hf, flat_shapes, place, config, param_dtype)
     missing = sorted(hf_name(p)[0] for p in flat_shapes if p not in values)
     if missing or unexpected:
