@@ -125,7 +125,7 @@ _PAIRED = ("import sys, time; t0 = time.perf_counter(); exec(sys.argv[2]); t1 = 
            "__import__(sys.argv[1]); t2 = time.perf_counter(); print(t1 - t0, t2 - t1)")
 # Modules that define flax nnx models (the model packages and the training state) cannot avoid importing flax.nnx,
 # which alone costs about half of `import jax`: their baseline includes it, so the budget bounds what *we* add.
-NNX_PACKAGES = ("eformer_nb.modules", "eformer_nb.infra")
+NNX_PACKAGES = ("eformer_nb.modules", "eformer_nb.infra", "eformer_nb.serve")  # serve runs the nnx models
 
 
 def _baseline(module: str) -> str:
