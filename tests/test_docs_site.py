@@ -674,3 +674,18 @@ def test_silent_page_fails_nbtest(tmp_path, monkeypatch):
     assert all(why.strip() for why in docs_outputs.SILENT.values()), "every page SILENT names says why"
     gone = [p for p in docs_outputs.SILENT if not (ROOT / p).exists() and p != docs_outputs._rel(silent)]
     assert not gone, f"SILENT names pages that do not exist: {gone}"
+
+
+def test_nbtest_starts_the_slowest_notebooks_first():
+    "`make nbtest` hands the notebooks of `SLOW_FIRST` to its workers longest first; nbdev gets results in its order"
+    import docs_outputs
+
+    files = [Path(f"/x/nbs/{n}") for n in ("00_common_types.ipynb", "14d_executor.ray.executor.ipynb",
+                                            "11f_infra.mixins.gguf.ipynb", "01_loggings.ipynb")]
+    started = []
+    res = docs_outputs._parallel_longest_first(lambda f: started.append(f.name) or f.name.upper(), files, n_workers=0)
+    assert started == ["11f_infra.mixins.gguf.ipynb", "14d_executor.ray.executor.ipynb", "00_common_types.ipynb",
+                       "01_loggings.ipynb"], started
+    assert res == [f.name.upper() for f in files], res
+    stale = [n for n in docs_outputs.SLOW_FIRST if not list((ROOT / "nbs").rglob(n))]
+    assert not stale, f"SLOW_FIRST names notebooks that do not exist: {stale}"
