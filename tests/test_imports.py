@@ -140,15 +140,36 @@ def _paired_ratio(module: str) -> float:
     return (base + extra) / base
 
 
+RECHECK_ABOVE = 0.85 * IMPORT_COST_BUDGET  # a first ratio above this is re-timed twice, the median of 3 judged
+
+
+def _judged_ratio(module: str, ratio=None) -> float:
+    "the module's import-cost ratio: one interpreter's, or the median of 3 when the first is near or over the budget"
+    ratio = ratio or _paired_ratio
+    first = ratio(module)
+    return first if first <= RECHECK_ABOVE else statistics.median([first, ratio(module), ratio(module)])
+
+
+def test_a_ratio_near_the_budget_is_timed_three_times():
+    calls = []
+    def fake(m):  # noqa: E306
+        calls.append(m)
+        return {"a": 1.05, "b": 1.2}[m] if len(calls) == 1 or m == "a" else [9.0, 1.25][len(calls) % 2]
+    assert _judged_ratio("a", fake) == 1.05 and calls == ["a"]
+    calls.clear()
+    assert _judged_ratio("b", fake) == 1.25 and calls == ["b", "b", "b"]
+
+
 def test_import_cost_per_submodule():
     """`import eformer_nb.<m>` costs at most 1.3x `import jax; import optax` for every public module (plus `flax.nnx` in
     the baseline of the nnx model packages, `NNX_PACKAGES`). The modules no
-    other closure contains are timed, each in 3 fresh interpreters (median). Each interpreter times the baseline and
-    then what the module adds, so the two are measured side by side under the same load (on these shared machines,
-    separate runs drift by more than the budget). A module that does not import JAX is charged the baseline anyway,
-    an upper bound."""
+    other closure contains are timed in a fresh interpreter; one whose first ratio comes within `RECHECK_ABOVE` of the
+    budget is timed in 2 more and judged by the median of the 3 (a module far under the budget needs no second look:
+    the 75 interpreters of always-3 cost ~80 s). Each interpreter times the baseline and then what the module adds,
+    so the two are measured side by side under the same load (on these shared machines, separate runs drift by more
+    than the budget). A module that does not import JAX is charged the baseline anyway, an upper bound."""
     subprocess.run([sys.executable, "-c", "; ".join(f"import {m}" for m in MAXIMAL)], check=True)  # warm the file cache
-    ratios = {m: statistics.median(_paired_ratio(m) for _ in range(3)) for m in MAXIMAL}
+    ratios = {m: _judged_ratio(m) for m in MAXIMAL}
     print(", ".join(f"{m}: {r:.2f}x" for m, r in sorted(ratios.items(), key=lambda kv: -kv[1])))
     over = {m: round(r, 2) for m, r in ratios.items() if r > IMPORT_COST_BUDGET}
     assert not over, f"modules over {IMPORT_COST_BUDGET}x `{BASELINE}`: {over}"
