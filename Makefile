@@ -82,14 +82,20 @@ lint: install
 	$(BIN)/ruff check --line-length 130 eformer_nb
 
 # The client's and JAX 0.11's venvs (pip: downloads and unpacking, minutes) are built in the background while the
-# notebooks and tests run in .venv, their log kept in _venvs.log and shown after; their tests run last.
+# notebooks and tests run in .venv, their log kept in _venvs.log and shown after. Then two chains run side by side,
+# one per core (each is mostly one busy process): the benchmark check and the client's tests (log in _chain.log,
+# shown after), and JAX 0.11's tests and the tiny GPU page (which finds .gpu-wheels as gpu-lower left it).
 test: check-sync check-notebooks check-readme lint
 	@rm -f _venvs.log; ( $(MAKE) --no-print-directory client-venv jax011-venv > _venvs.log 2>&1; \
 	  echo "venvs: exit $$?" >> _venvs.log ) & \
-	  $(MAKE) --no-print-directory nbtest pytest bench-check bench-gpu-tiny; rc=$$?; wait; \
+	  $(MAKE) --no-print-directory nbtest pytest; rc=$$?; wait; \
 	  echo "--- the client and JAX 0.11 venvs, built meanwhile:"; cat _venvs.log; \
 	  test $$rc -eq 0 && grep -q "^venvs: exit 0$$" _venvs.log
-	$(MAKE) --no-print-directory client gpu-lower
+	@rm -f _chain.log; ( $(MAKE) --no-print-directory bench-check client > _chain.log 2>&1; \
+	  echo "chain: exit $$?" >> _chain.log ) & \
+	  $(MAKE) --no-print-directory gpu-lower bench-gpu-tiny; rc=$$?; wait; \
+	  echo "--- bench-check and client, run meanwhile:"; cat _chain.log; \
+	  test $$rc -eq 0 && grep -q "^chain: exit 0$$" _chain.log
 
 
 # The real client: EasyDeL from PyPI (pinned, --no-deps), then its own requirements except `eformer`, then eformer_nb
