@@ -504,7 +504,7 @@ def test_gcs_unlink_missing_ok_survives_a_concurrent_removal(gcs_root, monkeypat
     (two processes of one save cleaning the same replaced files) returns; without `missing_ok` it names the path."""
     f = gcs_root / "gone.bin"
     f.write_bytes(b"x")
-    fs = f._fs_obj
+    fs = f.fs
     real = fs.rm_file
 
     def other_process_first(path, *a, **k):
