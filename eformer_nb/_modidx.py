@@ -394,6 +394,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                                           'eformer_nb/escale/partition/auto_spec.py')},
             'eformer_nb.escale.partition.constraints': { 'eformer_nb.escale.partition.constraints._absent_axis_is_size_one': ( 'nbs/escale.partition.constraints.html#_absent_axis_is_size_one',
                                                                                                                                'eformer_nb/escale/partition/constraints.py'),
+                                                         'eformer_nb.escale.partition.constraints._check_coverage': ( 'nbs/escale.partition.constraints.html#_check_coverage',
+                                                                                                                      'eformer_nb/escale/partition/constraints.py'),
                                                          'eformer_nb.escale.partition.constraints._check_shape': ( 'nbs/escale.partition.constraints.html#_check_shape',
                                                                                                                    'eformer_nb/escale/partition/constraints.py'),
                                                          'eformer_nb.escale.partition.constraints._compile_rules': ( 'nbs/escale.partition.constraints.html#_compile_rules',
