@@ -3808,6 +3808,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                        'eformer_nb/serialization/durable.py'),
                                                   'eformer_nb.serialization.durable._exchange': ( 'nbs/serialization.durable.html#_exchange',
                                                                                                   'eformer_nb/serialization/durable.py'),
+                                                  'eformer_nb.serialization.durable._flock': ( 'nbs/serialization.durable.html#_flock',
+                                                                                               'eformer_nb/serialization/durable.py'),
                                                   'eformer_nb.serialization.durable._json_blob': ( 'nbs/serialization.durable.html#_json_blob',
                                                                                                    'eformer_nb/serialization/durable.py'),
                                                   'eformer_nb.serialization.durable._link_into': ( 'nbs/serialization.durable.html#_link_into',
