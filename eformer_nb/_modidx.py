@@ -3714,6 +3714,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                                  'eformer_nb/serialization/base_manager.py'),
                                                        'eformer_nb.serialization.base_manager._step_regex': ( 'nbs/serialization.base_manager.html#_step_regex',
                                                                                                               'eformer_nb/serialization/base_manager.py'),
+                                                       'eformer_nb.serialization.base_manager._write_checkpoint': ( 'nbs/serialization.base_manager.html#_write_checkpoint',
+                                                                                                                    'eformer_nb/serialization/base_manager.py'),
                                                        'eformer_nb.serialization.base_manager.apply_by_key': ( 'nbs/serialization.base_manager.html#apply_by_key',
                                                                                                                'eformer_nb/serialization/base_manager.py'),
                                                        'eformer_nb.serialization.base_manager.clean_stale': ( 'nbs/serialization.base_manager.html#clean_stale',
