@@ -3744,6 +3744,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                                         'eformer_nb/serialization/checkpointer.py'),
                                                        'eformer_nb.serialization.checkpointer.Checkpointer.__repr__': ( 'nbs/serialization.checkpointer.html#checkpointer.__repr__',
                                                                                                                         'eformer_nb/serialization/checkpointer.py'),
+                                                       'eformer_nb.serialization.checkpointer.Checkpointer._checkpoint_path': ( 'nbs/serialization.checkpointer.html#checkpointer._checkpoint_path',
+                                                                                                                                'eformer_nb/serialization/checkpointer.py'),
                                                        'eformer_nb.serialization.checkpointer.Checkpointer._decide': ( 'nbs/serialization.checkpointer.html#checkpointer._decide',
                                                                                                                        'eformer_nb/serialization/checkpointer.py'),
                                                        'eformer_nb.serialization.checkpointer.Checkpointer._resolve': ( 'nbs/serialization.checkpointer.html#checkpointer._resolve',
