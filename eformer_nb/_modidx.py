@@ -1273,6 +1273,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                'eformer_nb/infra/mixins/files.py'),
                                                'eformer_nb.infra.mixins.files._ours': ( 'nbs/infra.mixins.files.html#_ours',
                                                                                         'eformer_nb/infra/mixins/files.py'),
+                                               'eformer_nb.infra.mixins.files._placements': ( 'nbs/infra.mixins.files.html#_placements',
+                                                                                              'eformer_nb/infra/mixins/files.py'),
                                                'eformer_nb.infra.mixins.files._read_weights': ( 'nbs/infra.mixins.files.html#_read_weights',
                                                                                                 'eformer_nb/infra/mixins/files.py'),
                                                'eformer_nb.infra.mixins.files._replaced_weights': ( 'nbs/infra.mixins.files.html#_replaced_weights',
