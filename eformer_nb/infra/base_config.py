@@ -117,7 +117,7 @@ def known_keys(cls: EasyDeLBaseConfig) -> list[str]:
                      if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
     return sorted(keys)
 
-
+# %% ../../nbs/11b_infra.base_config.ipynb #f672a493
 @patch
 def to_dict(self: EasyDeLBaseConfig) -> dict[str, tp.Any]:
     "The configuration as a JSON-ready dict: `model_type` first, then every public attribute."
@@ -132,7 +132,7 @@ def to_dict(self: EasyDeLBaseConfig) -> dict[str, tp.Any]:
         out[key] = copy.deepcopy(value)
     return out
 
-
+# %% ../../nbs/11b_infra.base_config.ipynb #68b53f22
 @patch(cls_method=True)
 def from_dict(
     cls: EasyDeLBaseConfig,
@@ -173,7 +173,7 @@ def config_file(
         )
     return p
 
-
+# %% ../../nbs/11b_infra.base_config.ipynb #07dbebad
 @patch
 def save_pretrained(
     self: EasyDeLBaseConfig,
@@ -197,7 +197,7 @@ def from_pretrained(
         config_file(pretrained_model_name_or_path).load_dict(format="json"), strict=strict, **overrides
     )
 
-
+# %% ../../nbs/11b_infra.base_config.ipynb #5fca9dd8
 @patch
 def to_json_string(self: EasyDeLBaseConfig) -> str:
     return json.dumps(self.to_dict(), indent=2, sort_keys=False)

@@ -57,7 +57,7 @@ def _keeps_old(old: type | None, new: type) -> bool:
     return (old is not None and old is not new and _same_class(old, new)
             and new.__module__ == "__main__" and old.__module__ != "__main__")
 
-
+# %% ../../nbs/11c_infra.factory.ipynb #d8ee64bd
 def register_config(
     model_type: str,  # the config's `model_type`
     override: bool = False,  # replace an existing registration
@@ -80,7 +80,7 @@ def register_config(
         return cls
     return decorator
 
-
+# %% ../../nbs/11c_infra.factory.ipynb #67a948a1
 def register_module(
     task: TaskType | str,  # a `TaskType` or its value
     model_type: str,  # the config's `model_type`

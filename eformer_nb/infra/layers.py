@@ -373,6 +373,34 @@ def _remat_layer(layer, policy, h, positions, key_valid, segment_ids, aux=None):
     run = lambda state, h, aux: nnx.merge(graphdef, state)(h, positions, key_valid, segment_ids, aux=aux)[::2]
     return jax.checkpoint(run, policy=policy)(state, h, aux)
 
+# %% ../../nbs/11d_infra.layers.ipynb #5338b708
+def _run_unrolled(model, h, positions, key_valid, segment_ids, kv, index, keep_states: bool, policy, box, aux):
+    "`run_layers` as a Python loop over the layers (unrolled): `(h, kv, states)`; the collector's value set at the end."
+    states = [h] if keep_states else None
+    for i, layer in enumerate(model.layers):
+        if aux is not None:  # a forward without a cache, collecting the layers' aux terms
+            h, aux = (_remat_layer(layer, policy, h, positions, key_valid, segment_ids, aux) if policy is not None
+                      else layer(h, positions, key_valid, segment_ids, aux=aux)[::2])
+        elif policy is not None:  # a forward without a cache
+            h = _remat_layer(layer, policy, h, positions, key_valid, segment_ids)
+        else:
+            h, kv = layer(h, positions, key_valid, segment_ids, kv, index, None if kv is None else i)
+        if keep_states:
+            states.append(h)
+    if box is not None:
+        box.value = aux
+    return h, kv, states
+
+# %% ../../nbs/11d_infra.layers.ipynb #22d5585d
+def _stacked_leaves(layers) -> list:
+    """The raw leaves of `layers` stacked on a new first axis: a quantized kernel is rebuilt per layer inside the scan
+    step, with its own shapes. Given by `using_stacked_layers` (stacked once, outside the call), else stacked here: a
+    copy of the weights per call."""
+    stacked = _prestacked(layers)
+    if stacked is None:
+        stacked = [jnp.stack(xs) for xs in zip(*(jax.tree.leaves(nnx.state(m)) for m in layers))]
+    return stacked
+
 # %% ../../nbs/11d_infra.layers.ipynb #a46a9b77
 def run_layers(model, h, positions, key_valid, segment_ids, kv, index, keep_states: bool):
     """The decoder layers over `h`: one `jax.lax.scan` step over their stacked parameters when `model.scan_layers`
@@ -387,27 +415,10 @@ def run_layers(model, h, positions, key_valid, segment_ids, kv, index, keep_stat
     aux = None if box is None else box.value
     decode = kv is not None and h.shape[1] == 1 and not model.scan_decode
     if decode or not (model.scan_layers and _scannable(model.layers)):
-        states = [h] if keep_states else None
-        for i, layer in enumerate(model.layers):
-            if aux is not None:  # a forward without a cache, collecting the layers' aux terms
-                h, aux = (_remat_layer(layer, policy, h, positions, key_valid, segment_ids, aux) if policy is not None
-                          else layer(h, positions, key_valid, segment_ids, aux=aux)[::2])
-            elif policy is not None:  # a forward without a cache
-                h = _remat_layer(layer, policy, h, positions, key_valid, segment_ids)
-            else:
-                h, kv = layer(h, positions, key_valid, segment_ids, kv, index, None if kv is None else i)
-            if keep_states:
-                states.append(h)
-        if box is not None:
-            box.value = aux
-        return h, kv, states
+        return _run_unrolled(model, h, positions, key_valid, segment_ids, kv, index, keep_states, policy, box, aux)
     graphdef = nnx.graphdef(model.layers[0])
     treedef = jax.tree.structure(nnx.state(model.layers[0]))
-    # the raw leaves stacked: a quantized kernel is rebuilt per layer inside the step, with its own shapes. Given
-    # by `using_stacked_layers` (stacked once, outside the call), else stacked here: a copy of the weights per call
-    stacked = _prestacked(model.layers)
-    if stacked is None:
-        stacked = [jnp.stack(xs) for xs in zip(*(jax.tree.leaves(nnx.state(m)) for m in model.layers))]
+    stacked = _stacked_leaves(model.layers)
 
     def step(carry, xs):
         h, kv = carry

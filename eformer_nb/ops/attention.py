@@ -75,7 +75,7 @@ class _Spec:
     soft_cap: float | None = None
     dtype: tp.Any = jnp.float32
 
-
+# %% ../../nbs/09h_ops.attention.ipynb #82d5c176
 def _check(q, k, v, q_slots, k_slots, key_valid, q_segments, k_segments, causal):
     "Raise a ValueError naming the first input whose shape does not fit `q (b,t,h,d)`, `k, v (b,s,kvh,d)`."
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
@@ -98,7 +98,7 @@ def _check(q, k, v, q_slots, k_slots, key_valid, q_segments, k_segments, causal)
     if (q_segments is None) != (k_segments is None):
         raise ValueError("give both q_segments and k_segments, or neither")
 
-
+# %% ../../nbs/09h_ops.attention.ipynb #0c31d560
 def visible_mask(
     q_slots, k_slots,  # slots `(t,)`, `(s,)` (None when not causal and no window)
     key_valid=None,  # `(b, s)` bool or None
@@ -257,7 +257,7 @@ def _bwd_tile(carry, qb, kb, vb, dob, lseb, Db, mask, spec):
     dq = carry + jnp.einsum("bkgqs,bskd->bqkgd", ds, kb.astype(spec.dtype), **f32)
     return dq, (jnp.einsum("bkgqs,bqkgd->bskd", ds, qb.astype(spec.dtype), **f32), dv)
 
-
+# %% ../../nbs/09h_ops.attention.ipynb #7d8cae96
 def _blockwise_bwd_impl(spec, nq, nk, res, cts):
     q, k, v, q_slots, k_slots, key_ok, q_seg, k_seg, out, lse = res
     dout, dlse = cts
@@ -284,7 +284,7 @@ def _blockwise_bwd_impl(spec, nq, nk, res, cts):
     return (_unblocks(dq).astype(q.dtype), _unblocks(dk).astype(k.dtype), _unblocks(dv).astype(v.dtype),
             None, None, None, None, None)
 
-
+# %% ../../nbs/09h_ops.attention.ipynb #40261b74
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
 def _blockwise_core(q, k, v, q_slots, k_slots, key_ok, q_seg, k_seg, spec, nq, nk):
     "Output `(b,kvh,g,t,d)` in `spec.dtype` and float32 lse `(b,kvh,g,t)`; differentiable in q, k, v (and via lse)."
@@ -312,7 +312,7 @@ def _pad_to(x, n, axis, value=0):
     widths[axis] = (0, extra)
     return jnp.pad(x, widths, constant_values=value)
 
-
+# %% ../../nbs/09h_ops.attention.ipynb #c516440d
 def blockwise_parts(
     q, k, v,  # `q (b,t,h,d)`, `k, v (b,s,kvh,d)`
     q_slots, k_slots, key_valid, q_segments, k_segments,  # the mask ingredients (`attention`)
@@ -420,7 +420,7 @@ def _pick(mechanism, q, k, ing, spec, decode=False):
                          f"Valid choices: {DECODE_ATTENTION_MECHANISMS if decode else ATTENTION_MECHANISMS}")
     return name
 
-
+# %% ../../nbs/09h_ops.attention.ipynb #a52da2cd
 def attention(
     q, k, v,  # `q (b, t, h, d)`; `k, v (b, s, kvh, d)`, `h % kvh == 0`
     *,
@@ -450,7 +450,7 @@ def _prepare(q, k, v, q_slots, k_slots, key_valid, q_segments, k_segments, dtype
     return dict(q_slots=q_slots, k_slots=k_slots, key_valid=key_valid, q_segments=q_segments,
                 k_segments=k_segments), spec
 
-
+# %% ../../nbs/09h_ops.attention.ipynb #6aa8133c
 def blockwise_attention(
     q, k, v,  # as `attention`
     *,
@@ -564,7 +564,7 @@ def ring_attention(
                        out_specs=P(batch, axis, heads), check_vma=False)
     return jax.jit(fn)(q, k, v, qs, ks, kok, *segs)  # eager shard_map dispatches op by op: 10x slower
 
-
+# %% ../../nbs/09h_ops.attention.ipynb #0476191a
 _MECHANISMS["ring"] = (_refuse_ring, ring_attention)
 
 # %% ../../nbs/09h_ops.attention.ipynb #05732945

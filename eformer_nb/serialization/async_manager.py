@@ -180,24 +180,19 @@ class AsyncCheckpointManager(_EformerAsyncAPI, CheckpointManager):
         self._lock = threading.Lock()
         self.enable_validation, self.compression = enable_validation, "zstd" if enable_compression else None
         self._has_base = checkpoint_dir is not None  # without one, save(tree, step) is an error, not ./step-N
-        super().__init__(
-            checkpoint_dir if checkpoint_dir is not None else ".",
-            enable,
-            float_dtype,
-            True,
-            verbose,
-            gcs_bucket,
-            gcs_credentials_path,
-            step_format=step_format,
-            clean=clean and checkpoint_dir is not None,
-        )
+        super().__init__(checkpoint_dir if checkpoint_dir is not None else ".", enable, float_dtype, True, verbose,
+                         gcs_bucket, gcs_credentials_path, step_format=step_format,
+                         clean=clean and checkpoint_dir is not None)
 
-    def __enter__(self) -> AsyncCheckpointManager:
-        return self
+# %% ../../nbs/10d_serialization.async_manager.ipynb #693dd1bf
+@patch
+def __enter__(self: AsyncCheckpointManager) -> AsyncCheckpointManager:
+    return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
 
+@patch
+def __exit__(self: AsyncCheckpointManager, *exc) -> None:
+    self.close()
 
 # %% ../../nbs/10d_serialization.async_manager.ipynb #fff89fc8
 @patch(as_prop=True)

@@ -11,7 +11,7 @@ import time
 import typing as tp
 from collections.abc import Callable, Mapping
 
-from fastcore.basics import patch
+from fastcore.basics import patch, patch_to
 
 from ..paths import ePath, is_remote_path, make_gcs_filesystem
 from ..pytree.tree_util import tree_path_to_string
@@ -66,7 +66,7 @@ def parse_step(
     m = _step_regex(step_format).match(name)
     return int(m.group(1)) if m else None
 
-
+# %% ../../nbs/10b_serialization.base_manager.ipynb #13f4983e
 def read_metadata(
     path: str | ePath,  # a checkpoint directory
 ) -> dict:
@@ -219,6 +219,25 @@ def _gcs_commit(save: DurableSave, meta: dict, prefix: str | None) -> Callable[[
         save.commit_now(dict(meta, indexes={prefix or "": index}), lost)
     return commit
 
+# %% ../../nbs/10b_serialization.base_manager.ipynb #8e556da5
+def _write_checkpoint(dest: ePath, prefix: str | None, plan: tp.Any, meta: dict, compression: str | None,
+                      overwrite: bool) -> None:
+    """Write and commit the planned checkpoint at `dest` (under its lock); in place (gs://), drop what the previous
+    version left once the commit landed."""
+    # the lock: a second writer of this step gets a clear error
+    with DurableSave(dest, CHECKPOINT_FORMAT, METADATA_FILE, "checkpoint", "save checkpoint") as save:
+        work = _begin_checkpoint(save, overwrite)  # remotely: metadata.json's generation is read first
+        old_trees = _committed_trees(dest, prefix) if save.in_place and save.first else []
+        meta["time"] = time.time()
+        # gs:// has no rename: the commit is ONE conditional object write, metadata.json carrying the new tree's
+        # index; until it lands the previous version (metadata.json, index and arrays) is untouched
+        commit = _gcs_commit(save, meta, prefix) if save.in_place else None
+        commit_tree(tree_dir_path(work, prefix), plan, compression, overwrite, commit)
+        _commit_checkpoint(save, meta)
+        if save.in_place:
+            save.drop(lambda: _drop_trees(dest, old_trees),  # the previous version's other trees: not committed now
+                      lambda: _drop_orphan_trees(dest, meta["trees"]))  # what a crash in an earlier drop left
+
 # %% ../../nbs/10b_serialization.base_manager.ipynb #a94281a5
 def save_checkpoint_dir(
     pytree: tp.Any,  # the tree to save (see `tree_serialize_leaves`)
@@ -247,30 +266,11 @@ def save_checkpoint_dir(
         ) from e
     tree_dir_path(dest, prefix)  # validates prefix
     plan = plan_save(pytree, copy=copy, dtype=dtype, with_structure=write_index)
-    meta = {
-        "format": CHECKPOINT_FORMAT,
-        "version": CHECKPOINT_VERSION,
-        "step": step,
-        "temporary": bool(temporary),
-        "trees": [prefix or ""],
-        "process_count": process_info()[1],
-        "user": user,
-    }
+    meta = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "step": step, "temporary": bool(temporary),
+            "trees": [prefix or ""], "process_count": process_info()[1], "user": user}
 
     def write() -> ePath:
-        # the lock: a second writer of this step gets a clear error
-        with DurableSave(dest, CHECKPOINT_FORMAT, METADATA_FILE, "checkpoint", "save checkpoint") as save:
-            work = _begin_checkpoint(save, overwrite)  # remotely: metadata.json's generation is read first
-            old_trees = _committed_trees(dest, prefix) if save.in_place and save.first else []
-            meta["time"] = time.time()
-            # gs:// has no rename: the commit is ONE conditional object write, metadata.json carrying the new tree's
-            # index; until it lands the previous version (metadata.json, index and arrays) is untouched
-            commit = _gcs_commit(save, meta, prefix) if save.in_place else None
-            commit_tree(tree_dir_path(work, prefix), plan, compression, overwrite, commit)
-            _commit_checkpoint(save, meta)
-            if save.in_place:
-                save.drop(lambda: _drop_trees(dest, old_trees),  # the previous version's other trees: not committed now
-                          lambda: _drop_orphan_trees(dest, meta["trees"]))  # what a crash in an earlier drop left
+        _write_checkpoint(dest, prefix, plan, meta, compression, overwrite)
         if commit_callback is not None:
             commit_callback()
         return dest
@@ -293,7 +293,7 @@ def list_checkpoints(
             out.append((step, marker.parent))
     return sorted(out, key=lambda t: t[0])
 
-
+# %% ../../nbs/10b_serialization.base_manager.ipynb #7023d725
 def clean_stale(
     base: str | ePath,  # the directory holding the step directories
     step_format: str = DEFAULT_STEP_FORMAT,  # name of a step's directory, with one '{step}'
@@ -345,7 +345,7 @@ def read_prefix_index(
     check_digest(idx, f, "prefix index")
     return idx
 
-
+# %% ../../nbs/10b_serialization.base_manager.ipynb #d45c4c71
 def _record_prefix(folder: ePath, prefix: str, entry: dict, attempts: int = 5) -> None:
     """Process 0: add or replace `prefix`'s entry in `folder`'s prefix record (read, merge, atomic replace; under a lock).
     On gs:// the replace is conditional on the generation read before the record: an update that lands in between
@@ -470,29 +470,29 @@ class CheckpointManager:
         fs=)`."""
         return make_gcs_filesystem(token=gcs_credentials_path)
 
-    @staticmethod
-    def load_checkpoint(
-        path: str | ePath,  # a checkpoint or tree directory
-        shard_fns: tp.Any = None,  # a tree of functions placing each leaf
-        verbose: bool = False,  # unused (eformer compatibility)
-        mismatch_allowed: bool = True,  # False: shard_fns must name every leaf
-        callback: Callable | None = None,  # callback(leaf, key_path) -> leaf
-        dtype: tp.Any = None,  # cast floating arrays
-        gcs_client: tp.Any = None,  # a gcsfs filesystem for a gs:// path
-    ) -> tp.Any:
-        "Restore the checkpoint or tree directory at `path`; `shard_fns` (a tree of functions) places each leaf."
-        remote = gcs_client is not None and is_remote_path(path)
-        p = path if isinstance(path, ePath) else ePath(path, fs=gcs_client) if remote else ePath(path)
-        if (p / METADATA_FILE).exists() or not (p / INDEX_FILE).exists():
-            read_metadata(p)  # a committed checkpoint, or a clear error
-        tree = tree_deserialize_leaves(p, dtype=dtype, callback=callback)
-        return tree if shard_fns is None else apply_by_key(shard_fns, tree, mismatch_allowed, "shard_fns")
-
-
 # %% ../../nbs/10b_serialization.base_manager.ipynb #76378b06
 @patch
 def __repr__(self: CheckpointManager) -> str:
     return f"{type(self).__name__}({str(self.base)!r}, steps={self.all_steps()})"
+
+# %% ../../nbs/10b_serialization.base_manager.ipynb #91a158b8
+@patch_to(CheckpointManager, static_method=True)
+def load_checkpoint(
+    path: str | ePath,  # a checkpoint or tree directory
+    shard_fns: tp.Any = None,  # a tree of functions placing each leaf
+    verbose: bool = False,  # unused (eformer compatibility)
+    mismatch_allowed: bool = True,  # False: shard_fns must name every leaf
+    callback: Callable | None = None,  # callback(leaf, key_path) -> leaf
+    dtype: tp.Any = None,  # cast floating arrays
+    gcs_client: tp.Any = None,  # a gcsfs filesystem for a gs:// path
+) -> tp.Any:
+    "Restore the checkpoint or tree directory at `path`; `shard_fns` (a tree of functions) places each leaf."
+    remote = gcs_client is not None and is_remote_path(path)
+    p = path if isinstance(path, ePath) else ePath(path, fs=gcs_client) if remote else ePath(path)
+    if (p / METADATA_FILE).exists() or not (p / INDEX_FILE).exists():
+        read_metadata(p)  # a committed checkpoint, or a clear error
+    tree = tree_deserialize_leaves(p, dtype=dtype, callback=callback)
+    return tree if shard_fns is None else apply_by_key(shard_fns, tree, mismatch_allowed, "shard_fns")
 
 # %% ../../nbs/10b_serialization.base_manager.ipynb #6d4f4d35
 @patch

@@ -120,12 +120,13 @@ class Checkpointer:
             s for s, p in list_checkpoints(self.base, self.manager.step_format) if read_metadata(p)["temporary"]
         ]
 
-    def __repr__(self) -> str:
-        return (
-            f"Checkpointer({str(self.base)!r}, save_interval={self.save_interval}, "
-            f"step_policies={list(self.step_policies)}, steps={self.manager.all_steps()})"
-        )
-
+# %% ../../nbs/10c_serialization.checkpointer.ipynb #2cd4adcb
+@patch
+def __repr__(self: Checkpointer) -> str:
+    return (
+        f"Checkpointer({str(self.base)!r}, save_interval={self.save_interval}, "
+        f"step_policies={list(self.step_policies)}, steps={self.manager.all_steps()})"
+    )
 
 # %% ../../nbs/10c_serialization.checkpointer.ipynb #5bf3f169
 @patch
@@ -174,6 +175,17 @@ def _superseded(self: Checkpointer, step: int) -> Callable[[], None]:
     return delete_old
 
 
+# %% ../../nbs/10c_serialization.checkpointer.ipynb #6f67800b
+@patch
+def _checkpoint_path(self: Checkpointer, destination: str | ePath | None, step_: int | None) -> ePath:
+    "Where a save goes: `destination` (a name under base_path, or a full path), else the directory of step `step_`."
+    if destination is None:
+        if step_ is None:
+            raise ValueError("save_checkpoint needs a destination or a step >= 0")
+        return self.manager.step_path(step_)
+    full = isinstance(destination, ePath) or is_remote_path(destination) or os.path.isabs(str(destination))
+    return (destination if isinstance(destination, ePath) else ePath(destination)) if full else self.base / str(destination)
+
 # %% ../../nbs/10c_serialization.checkpointer.ipynb #0dc55199
 @patch
 def save_checkpoint(
@@ -195,17 +207,7 @@ def save_checkpoint(
 ) -> ePath | None:
     "Save `tree` now, whatever the policies say."
     step_ = None if step is None or step < 0 else step
-    if destination is None:
-        if step_ is None:
-            raise ValueError("save_checkpoint needs a destination or a step >= 0")
-        path = self.manager.step_path(step_)
-    else:
-        full = isinstance(destination, ePath) or is_remote_path(destination) or os.path.isabs(str(destination))
-        path = (
-            (destination if isinstance(destination, ePath) else ePath(destination))
-            if full
-            else self.base / str(destination)
-        )
+    path = self._checkpoint_path(destination, step_)
     own = self._superseded(step_) if step_ is not None else None
 
     def committed() -> None:
@@ -214,17 +216,8 @@ def save_checkpoint(
         if commit_callback is not None:
             commit_callback()
 
-    out = self.manager.save_pytree(
-        tree,
-        path,
-        prefix=prefix,
-        dtype=dtype,
-        extras=extras,
-        step=step_,
-        temporary=is_temporary,
-        commit_callback=committed,
-        write_index=write_index,
-    )
+    out = self.manager.save_pytree(tree, path, prefix=prefix, dtype=dtype, extras=extras, step=step_,
+                                   temporary=is_temporary, commit_callback=committed, write_index=write_index)
     if is_temporary and step_ is not None:
         self._temporary.append(step_)
     self._last_save_time, self._last_save_step = self._now(), step_

@@ -116,21 +116,10 @@ def broadcast_from_first(
         return value
     return client.blocking_key_value_get(key, int(timeout_s * 1000))
 
-# %% ../../nbs/10_serialization.durable.ipynb #208968b0
-@contextlib.contextmanager
-def exclusive_writer(
-    d: ePath,  # the directory about to be written (its lock file `.{name}.lock` sits beside it)
-    what: str = "directory",  # what `d` is, for the message
-) -> tp.Iterator[None]:
-    """Hold an exclusive `flock` on `d`'s lock file while writing `d` (process 0; remote paths: `_remote_lock`). A
-    second writer gets `CheckpointLockedError`; the kernel drops the lock when the holder dies, even by SIGKILL."""
-    if process_info()[0] != 0:
-        yield
-        return
-    if is_remote_path(d):
-        with _remote_lock(d, what):
-            yield
-        return
+# %% ../../nbs/10_serialization.durable.ipynb #a09512b6
+def _flock(d: ePath, what: str) -> tuple[int, str]:
+    """`(fd, path)` of `d`'s lock file, open and under an exclusive `flock`; a lock another writer holds is a
+    `CheckpointLockedError` naming it (the pid and host it wrote in the file)."""
     import fcntl
 
     path = os.path.join(os.path.dirname(os.path.abspath(os.fspath(d))), f".{d.name}.lock")
@@ -146,10 +135,27 @@ def exclusive_writer(
                                         f"{path!r}); wait for it to finish or save elsewhere") from None
         try:
             if os.fstat(fd).st_ino == os.stat(path).st_ino:  # not a lock file a finishing writer just unlinked
-                break
+                return fd, path
         except FileNotFoundError:
             pass
         os.close(fd)
+
+# %% ../../nbs/10_serialization.durable.ipynb #208968b0
+@contextlib.contextmanager
+def exclusive_writer(
+    d: ePath,  # the directory about to be written (its lock file `.{name}.lock` sits beside it)
+    what: str = "directory",  # what `d` is, for the message
+) -> tp.Iterator[None]:
+    """Hold an exclusive `flock` on `d`'s lock file while writing `d` (process 0; remote paths: `_remote_lock`). A
+    second writer gets `CheckpointLockedError`; the kernel drops the lock when the holder dies, even by SIGKILL."""
+    if process_info()[0] != 0:
+        yield
+        return
+    if is_remote_path(d):
+        with _remote_lock(d, what):
+            yield
+        return
+    fd, path = _flock(d, what)
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)

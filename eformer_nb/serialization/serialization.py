@@ -194,7 +194,7 @@ class _SavePlan(tp.NamedTuple):
     nbytes: int  # bytes this process writes
     static: dict[str, dict]  # node key path -> the static fields of the implicit array there (`static_fields`)
 
-
+# %% ../../nbs/10a_serialization.serialization.ipynb #c17d370b
 def _structure(node: tp.Any, path: tuple, is_leaf_fn, leaf_name) -> tp.Any:
     "JSON description of `node`: dicts, lists, tuples and None kept; other pytree nodes become dicts of their children."
     import jax
@@ -224,7 +224,7 @@ def _structure(node: tp.Any, path: tuple, is_leaf_fn, leaf_name) -> tp.Any:
         out["node"] = type(node).__qualname__
     return out
 
-
+# %% ../../nbs/10a_serialization.serialization.ipynb #02e159fc
 def _rebuild(desc: tp.Any, leaf: Callable[[str], tp.Any]) -> tp.Any:
     "The tree described by `_structure`'s output, each leaf looked up by its key path."
     if "leaf" in desc:
@@ -254,7 +254,7 @@ def _static_value(v: tp.Any) -> tp.Any:
     except TypeError:
         return {"object": f"{type(v).__module__}.{type(v).__qualname__}"}
 
-
+# %% ../../nbs/10a_serialization.serialization.ipynb #06daa176
 def static_fields(
     tree: tp.Any,  # any pytree; `ImplicitArray` nodes in it (at any depth, inside each other too) are described
 ) -> dict[str, dict]:  # `{node key path: {"type": class name, "fields": {name: JSON value}}}`
@@ -290,7 +290,36 @@ def _host(x: tp.Any, copy: bool) -> np.ndarray:
     a = np.asarray(x)
     return np.array(a, copy=True) if copy else a
 
+# %% ../../nbs/10a_serialization.serialization.ipynb #d1e8387c
+def _plan_array(key: str, x: tp.Any, proc: int, copy: bool) -> tuple[dict, tuple | None]:
+    """The record of array leaf `x` at `key` and, unless it is small enough to live in the index, its write:
+    `(key, chunk shape, [(index, host data)])` for the shards this process owns."""
+    import jax
 
+    is_jax, scalar = isinstance(x, jax.Array), isinstance(x, np.generic)
+    if not is_jax and not hasattr(x, "__array__"):
+        raise TypeError(f"leaf {key!r} is {type(x).__name__}{tuple(x.shape)} {x.dtype}: an array description "
+                        "without data (e.g. a jax.ShapeDtypeStruct); save the array itself")
+    if not is_jax:
+        x = np.asarray(x)
+    tag = dtype_to_tag(x.dtype)
+    rec = {"kind": "array", "type": "jax" if is_jax else "numpy", "dtype": tag, "shape": list(x.shape)}
+    replicated = not is_jax or x.is_fully_replicated
+    if replicated and x.size * x.dtype.itemsize <= INLINE_BYTES:
+        host = np.asarray(x.addressable_data(0)) if is_jax else x
+        rec.update(inline=True, data=_b64(host))
+        if scalar:
+            rec["type"] = "numpy_scalar"
+        return rec, None
+    rec.update(file=_leaf_file(key), stored_dtype=_stored_dtype(tag))
+    if is_jax:
+        shard_shape = x.sharding.shard_shape(x.shape)
+        owned = [(s.index, np.asarray(s.data)) for s in x.addressable_shards if s.replica_id == 0]
+    else:
+        shard_shape, owned = x.shape, ([((), _host(x, copy))] if proc == 0 else [])
+    return rec, (key, _chunk_shape(shard_shape, x.dtype.itemsize), owned)
+
+# %% ../../nbs/10a_serialization.serialization.ipynb #dc245fc6
 def plan_save(pytree: tp.Any, *, copy: bool = False, dtype: tp.Any = None, with_structure: bool = True) -> _SavePlan:
     "Records, structure and this process's shard buffers for `pytree`; `dtype` casts floating arrays first."
     import jax
@@ -312,31 +341,10 @@ def plan_save(pytree: tp.Any, *, copy: bool = False, dtype: tp.Any = None, with_
         if not is_array_like(x):
             records[key] = _scalar_record(x, key)
             continue
-        is_jax, scalar = isinstance(x, jax.Array), isinstance(x, np.generic)
-        if not is_jax and not hasattr(x, "__array__"):
-            raise TypeError(f"leaf {key!r} is {type(x).__name__}{tuple(x.shape)} {x.dtype}: an array description "
-                            "without data (e.g. a jax.ShapeDtypeStruct); save the array itself")
-        if not is_jax:
-            x = np.asarray(x)
-        tag = dtype_to_tag(x.dtype)
-        rec = {"kind": "array", "type": "jax" if is_jax else "numpy", "dtype": tag, "shape": list(x.shape)}
-        replicated = not is_jax or x.is_fully_replicated
-        if replicated and x.size * x.dtype.itemsize <= INLINE_BYTES:
-            host = np.asarray(x.addressable_data(0)) if is_jax else x
-            rec.update(inline=True, data=_b64(host))
-            if scalar:
-                rec["type"] = "numpy_scalar"
-            records[key] = rec
-            continue
-        rec.update(file=_leaf_file(key), stored_dtype=_stored_dtype(tag))
-        if is_jax:
-            shard_shape = x.sharding.shard_shape(x.shape)
-            owned = [(s.index, np.asarray(s.data)) for s in x.addressable_shards if s.replica_id == 0]
-        else:
-            shard_shape, owned = x.shape, ([((), _host(x, copy))] if proc == 0 else [])
-        records[key] = rec
-        writes.append((key, _chunk_shape(shard_shape, x.dtype.itemsize), owned))
-        nbytes += sum(d.nbytes for _, d in owned)
+        records[key], write = _plan_array(key, x, proc, copy)
+        if write is not None:
+            writes.append(write)
+            nbytes += sum(d.nbytes for _, d in write[2])
     structure = None
     if with_structure:
         structure = _structure(pytree, (), lambda v: not isinstance(v, (dict, list, tuple)) and v is not None
@@ -356,7 +364,7 @@ class TornCheckpointError(RuntimeError):
 class CorruptCheckpointError(ValueError):
     "A checkpoint's file is damaged: JSON that does not parse or match its digest, a chunk failing its crc32c, a missing chunk."
 
-
+# %% ../../nbs/10a_serialization.serialization.ipynb #8e30fe68
 def tree_dir_path(checkpoint_dir: str | ePath, prefix: str | None) -> ePath:
     root = checkpoint_dir if isinstance(checkpoint_dir, ePath) else ePath(checkpoint_dir)
     if prefix is None or prefix == "":
@@ -368,7 +376,7 @@ def tree_dir_path(checkpoint_dir: str | ePath, prefix: str | None) -> ePath:
         )
     return root / prefix
 
-
+# %% ../../nbs/10a_serialization.serialization.ipynb #f9dfbb19
 def check_digest(obj: dict, f: ePath, what: str) -> None:
     "`CorruptCheckpointError` naming `f` when `obj` (version 2 and later) lacks its digest or does not match it."
     if obj.get("version", 0) >= 2 and obj.get("digest") != json_digest(obj):
@@ -387,7 +395,6 @@ def read_json(f: ePath, what: str) -> dict:
         raise CorruptCheckpointError(f"{what} {str(f)!r} holds a JSON {type(out).__name__}, expected an object")
     return out
 
-
 # %% ../../nbs/10a_serialization.serialization.ipynb #87c927f7
 def _embedded_index(d: ePath) -> tuple[dict, ePath] | None:
     """`(index, file)`: the index of tree `d` that its checkpoint's `metadata.json` carries (on gs:// that object is the
@@ -405,7 +412,7 @@ def _embedded_index(d: ePath) -> tuple[dict, ePath] | None:
             return index, f
     return None
 
-
+# %% ../../nbs/10a_serialization.serialization.ipynb #9c3ba2d5
 def read_index(
     tree_dir: str | ePath,  # a tree directory, or a checkpoint holding one
     prefix: str | None = None,  # the tree's prefix in the checkpoint
@@ -439,7 +446,6 @@ def read_index(
         )
     check_digest(index, f, "index")
     return index
-
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #1c85f142
 LOCAL_FAST_WRITE = True  # write local uncompressed trees' chunk files with `_write_local` (False: through TensorStore)
@@ -528,7 +534,7 @@ def _write_local(tree_dir: ePath, files: list[tuple[str, np.ndarray, list[int]]]
 PROGRESS_BYTES = 256 << 20  # saves and restores of at least this many bytes show progress (process 0)
 _log = get_logger("eformer_nb.serialization")
 
-
+# %% ../../nbs/10a_serialization.serialization.ipynb #5d2468cb
 WRITE_IO_CONCURRENCY = 32  # TensorStore's concurrent file operations in a save (its default follows the CPU count)
 _write_ctx: list = []
 
@@ -543,7 +549,7 @@ def _write_context():
         _write_ctx.append(ts.Context({"file_io_concurrency": {"limit": WRITE_IO_CONCURRENCY}}))
     return _write_ctx[0]
 
-
+# %% ../../nbs/10a_serialization.serialization.ipynb #9a605b58
 def _write_arrays(tree_dir: ePath, plan: _SavePlan, compression: str | None) -> None:
     """Write this process's chunks of every array leaf of `plan` (process 0 also has TensorStore create each array, its
     zarr.json): local uncompressed ones with `_write_local`, the others through TensorStore."""
@@ -611,7 +617,7 @@ def _begin_tree(tree_dir: ePath, arrays: str, overwrite: bool) -> dict | None:
     mark(tree_dir / arrays, FORMAT_NAME)  # proof that a save of ours made it
     return index
 
-
+# %% ../../nbs/10a_serialization.serialization.ipynb #4fa9ef09
 def marked_arrays(
     tree_dir: ePath,  # a tree directory
 ) -> list[ePath]:
@@ -627,7 +633,7 @@ def _drop_other_arrays(tree_dir: ePath, keep: str | None) -> None:
         if p.name != keep:
             p.rmtree()
 
-
+# %% ../../nbs/10a_serialization.serialization.ipynb #a05eec2e
 def drop_arrays(tree_dir: ePath, old: dict) -> None:
     "Remove the arrays of the replaced index `old`: its own array directory, or (version 1) each leaf's directory."
     if old.get("arrays"):
@@ -640,7 +646,6 @@ def drop_arrays(tree_dir: ePath, old: dict) -> None:
         for root, _, _ in sorted(os.walk(os.fspath(tree_dir / ARRAYS_DIR)), reverse=True):
             with contextlib.suppress(OSError):
                 os.rmdir(root)
-
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #5b6656ba
 def _lost_tree(tree_dir: ePath, arrays: str, generation: int | None) -> CheckpointLockedError:
@@ -726,7 +731,7 @@ def _flat_with_keys(tree: tp.Any, is_leaf=None) -> tuple[list[str], list[tp.Any]
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     return [tree_path_to_string(p, sep="/") for p, _ in flat], [x for _, x in flat], treedef
 
-
+# %% ../../nbs/10a_serialization.serialization.ipynb #bda3a714
 def _sharding_map(records: dict, keys: list[str], shardings: tp.Any, partition_rules: tp.Any, mesh: tp.Any) -> dict:
     "key -> Sharding for the leaves that `shardings` or `partition_rules` place."
     import jax
@@ -759,15 +764,11 @@ def _sharding_map(records: dict, keys: list[str], shardings: tp.Any, partition_r
 
         if mesh is None:
             raise ValueError("partition_rules need mesh= to turn PartitionSpecs into shardings")
-        abstract = {
-            k: jax.ShapeDtypeStruct(tuple(records[k]["shape"]), dtype_from_tag(records[k]["dtype"]))
-            for k in keys
-            if records[k]["kind"] == "array"
-        }
+        abstract = {k: jax.ShapeDtypeStruct(tuple(records[k]["shape"]), dtype_from_tag(records[k]["dtype"]))
+                    for k in keys if records[k]["kind"] == "array"}
         specs = match_partition_rules(partition_rules, abstract)
         return {k: NamedSharding(mesh, specs[k]) for k in abstract}
     return {}
-
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #716f335e
 def _check_template(key: str, rec: dict, leaf: tp.Any, want: np.dtype | None, strict_shapes: bool) -> None:
@@ -849,7 +850,7 @@ def _opened(tree_dir: ePath, key: str, rec: dict, fut: tp.Any) -> tp.Any:
     _check_zarr(tree_dir, key, rec, arr.shape, arr.dtype.name)
     return arr
 
-
+# %% ../../nbs/10a_serialization.serialization.ipynb #be148f25
 def _result(tree_dir: ePath, key: str, rec: dict, fut: tp.Any) -> np.ndarray:
     "The data of a read; a failed crc32c or a missing chunk is a `CorruptCheckpointError` naming the leaf and file."
     try:
@@ -1114,6 +1115,36 @@ def _check_static(tree_dir: ePath, index: dict, template: tp.Any, unverified_ok:
                              f"in {str(tree_dir)!r}, so its leaves would be read in another layout: "
                              f"{'; '.join(diff)}. Build the template the way the saved tree was built")
 
+# %% ../../nbs/10a_serialization.serialization.ipynb #5014c259
+def _template_keys(tree_dir: ePath, index: dict, template: tp.Any, allow_unverified_layout: bool) -> tuple:
+    """`(keys, template leaves, treedef)` of a restore: the template's, checked against the index, or (no template)
+    every saved key, with no leaves and no treedef."""
+    records = index["leaves"]
+    if template is not None:
+        keys, tleaves, treedef = _flat_with_keys(template)
+        missing = [k for k in keys if k not in records]
+        if missing:
+            raise ValueError(f"the template has leaves the checkpoint {str(tree_dir)!r} does not hold: {missing[:5]}"
+                             f"{' ...' if len(missing) > 5 else ''}; it holds e.g. {sorted(records)[:5]}")
+        _check_static(tree_dir, index, template, allow_unverified_layout)
+        return keys, tleaves, treedef
+    if index.get("tree") is None:
+        raise ValueError(f"{str(tree_dir)!r} was saved with write_index=False (no tree structure); pass template=")
+    return list(records), [None] * len(records), None
+
+# %% ../../nbs/10a_serialization.serialization.ipynb #5659092f
+def _read_in_chunks(tree_dir: ePath, jobs: list, chunk_size: int | None, lossy: bool) -> dict:
+    "key -> value of every read in `jobs`, `chunk_size` leaves at a time (all at once when None), with progress."
+    values = {}
+    step = chunk_size or max(1, len(jobs))
+    total = sum(math.prod(j[1]["shape"]) * dtype_from_tag(j[1]["dtype"]).itemsize for j in jobs)
+    with ProgressLogger(total=len(jobs), desc=f"restore {tree_dir.name}", unit="leaf",
+                        enabled=None if total >= PROGRESS_BYTES else False) as bar:
+        for i in range(0, len(jobs), step):
+            values.update(_read_arrays(tree_dir, jobs[i:i + step], lossy))
+            bar.update(len(jobs[i:i + step]))
+    return values
+
 # %% ../../nbs/10a_serialization.serialization.ipynb #c0982f6d
 def tree_deserialize_leaves(
     checkpoint_dir: str | ePath,  # directory of the checkpoint (local path or gs://)
@@ -1138,28 +1169,12 @@ def tree_deserialize_leaves(
                          "non-floating dtype drops their fractions; pass allow_lossy_cast=True if you mean it")
     index = read_index(tree_dir)
     records = index["leaves"]
-    if template is not None:
-        keys, tleaves, treedef = _flat_with_keys(template)
-        missing = [k for k in keys if k not in records]
-        if missing:
-            raise ValueError(f"the template has leaves the checkpoint {str(tree_dir)!r} does not hold: {missing[:5]}"
-                             f"{' ...' if len(missing) > 5 else ''}; it holds e.g. {sorted(records)[:5]}")
-        _check_static(tree_dir, index, template, allow_unverified_layout)
-    elif index.get("tree") is None:
-        raise ValueError(f"{str(tree_dir)!r} was saved with write_index=False (no tree structure); pass template=")
-    else:
-        keys, tleaves, treedef = list(records), [None] * len(records), None
+    keys, tleaves, treedef = _template_keys(tree_dir, index, template, allow_unverified_layout)
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size={chunk_size!r}: expected a positive int or None")
     placed = _sharding_map(records, keys, shardings, partition_rules, mesh)
     jobs, values = _restore_jobs(records, keys, tleaves, placed, mesh, dtype, strict_shapes)
-    step = chunk_size or max(1, len(jobs))
-    total = sum(math.prod(j[1]["shape"]) * dtype_from_tag(j[1]["dtype"]).itemsize for j in jobs)
-    with ProgressLogger(total=len(jobs), desc=f"restore {tree_dir.name}", unit="leaf",
-                        enabled=None if total >= PROGRESS_BYTES else False) as bar:
-        for i in range(0, len(jobs), step):
-            values.update(_read_arrays(tree_dir, jobs[i:i + step], allow_lossy_cast))
-            bar.update(len(jobs[i:i + step]))
+    values.update(_read_in_chunks(tree_dir, jobs, chunk_size, allow_lossy_cast))
     if callback is not None:
         values = {k: callback(v, k) for k, v in values.items()}
     if treedef is not None:
@@ -1184,7 +1199,7 @@ def derive_base_prefix_from_path(
     m = _SHARD_RE.match(s)
     return m["base"] if m else s
 
-
+# %% ../../nbs/10a_serialization.serialization.ipynb #33445844
 def shard_filename(
     base_prefix: str,  # as `derive_base_prefix_from_path` gives
     idx: int,  # the shard's number, from 1
@@ -1202,7 +1217,7 @@ def index_filename(
     "`<base_prefix>.safetensors.index.json`."
     return f"{base_prefix}.safetensors.index.json"
 
-
+# %% ../../nbs/10a_serialization.serialization.ipynb #88e4cf51
 def group_keys_by_shard_size(
     flat_state: tp.Mapping[str, tp.Any],  # key -> array (anything with `shape` and `dtype`), in shard order
     max_shard_size_bytes: int,  # the most bytes one shard holds (an array larger than that gets a shard alone)

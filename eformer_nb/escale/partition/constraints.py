@@ -247,6 +247,21 @@ def _compile_rules(rules) -> list[tuple[str, re.Pattern, PartitionSpec]]:
             raise ValueError(f"rule {i}: {rule[0]!r} is not a valid regex ({e})") from None
     return compiled
 
+# %% ../../../nbs/09b_escale.partition.constraints.ipynb #bab1945f
+def _check_coverage(compiled: list, paths: list[str], unmatched: list[str], strict: bool | None, check_unused: bool) -> None:
+    "Log (`strict=False`) or refuse the leaves no rule matched; with `check_unused`, refuse the rules that matched no path."
+    if unmatched and strict is False:
+        logger.warning(f"match_partition_rules: no rule matches {len(unmatched)} leaves (replicated): {unmatched[:5]}")
+    elif unmatched:
+        raise ValueError(f"no partition rule matches {len(unmatched)} leaves, e.g. {unmatched[:5]}; rules tried: "
+                         f"{[r[0] for r in compiled]}. Add a rule for them, or end with ('.*', PartitionSpec()) "
+                         "to replicate the rest")
+    if check_unused:
+        unused = [pattern for pattern, regex, _ in compiled if not any(regex.search(p) for p in paths)]
+        if unused:
+            raise ValueError(f"check_unused: partition rule(s) {unused} match no key path of the tree (paths are like "
+                             f"{paths[:5]}); fix or remove them")
+
 # %% ../../../nbs/09b_escale.partition.constraints.ipynb #4aef32f0
 def match_partition_rules(
     rules: Sequence[tuple[str, PartitionSpec]],  # `(regex, spec)` pairs, first match wins
@@ -268,7 +283,6 @@ def match_partition_rules(
     check_unused = check_unused or strict is True
     if min_size is None:  # eformer's MIN_SHARDING_SIZE, read now (a bad value names the variable)
         from eformer_nb.loggings import env_setting
-
         min_size = env_setting("MIN_SHARDING_SIZE", int, 0)
     compiled = _compile_rules(rules)
     unmatched: list[str] = []
@@ -286,17 +300,7 @@ def match_partition_rules(
         return PartitionSpec()
 
     specs = map_leaves_with_path(pick, tree, sep)
-    if unmatched and strict is False:
-        logger.warning(f"match_partition_rules: no rule matches {len(unmatched)} leaves (replicated): {unmatched[:5]}")
-    elif unmatched:
-        raise ValueError(f"no partition rule matches {len(unmatched)} leaves, e.g. {unmatched[:5]}; rules tried: "
-                         f"{[r[0] for r in compiled]}. Add a rule for them, or end with ('.*', PartitionSpec()) "
-                         "to replicate the rest")
-    if check_unused:
-        unused = [pattern for pattern, regex, _ in compiled if not any(regex.search(p) for p in paths)]
-        if unused:
-            raise ValueError(f"check_unused: partition rule(s) {unused} match no key path of the tree (paths are like "
-                             f"{paths[:5]}); fix or remove them")
+    _check_coverage(compiled, paths, unmatched, strict, check_unused)
     return specs
 
 # %% ../../../nbs/09b_escale.partition.constraints.ipynb #c415a3b8

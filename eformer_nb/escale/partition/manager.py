@@ -148,7 +148,7 @@ class PartitionAxis:
     def __hash__(self) -> int:  # computed once: resolution caches hash the layout on every call
         return self._hash
 
-
+# %% ../../../nbs/09c_escale.partition.manager.ipynb #68e03e65
 jax.tree_util.register_static(PartitionAxis)
 
 # %% ../../../nbs/09c_escale.partition.manager.ipynb #cf39560a
@@ -164,7 +164,7 @@ def replace(
         raise ValueError(f"PartitionAxis has no field(s) {bad}; valid fields are {sorted(valid)}")
     return dataclasses.replace(self, **updates)
 
-
+# %% ../../../nbs/09c_escale.partition.manager.ipynb #13a3cf34
 @patch
 def to_dict(self: PartitionAxis) -> dict[str, tp.Any]:
     "The fields as a JSON-friendly dict (tuples become lists)."
@@ -224,7 +224,7 @@ def _lookup_rule(name: str, generation: bool):
         return NOT_GIVEN
     return _DECODE_FIELDS.get(field, field) if generation else field
 
-
+# %% ../../../nbs/09c_escale.partition.manager.ipynb #d0d75ce4
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(PartitionAxis))
 
 
@@ -421,7 +421,7 @@ def _spec_parts(axes, mode, dynamic_axes):
                          "or dynamic_axes=<DynamicShardingAxes>")
     return axes, (MODE_TRAIN if mode is NOT_GIVEN else mode)
 
-
+# %% ../../../nbs/09c_escale.partition.manager.ipynb #3cf727a6
 def _infer_mode(mode, shape, n_axes: int):
     if isinstance(mode, bool) or not isinstance(mode, int):
         return mode
@@ -460,24 +460,25 @@ class PartitionManager:
     def __eq__(self, other): return isinstance(other, PartitionManager) and other.paxis == self.paxis
     def __hash__(self): return hash((PartitionManager, self.paxis))
 
-    @classmethod
-    def from_dict(
-        cls,
-        data: dict[str, tp.Any],  # `{'paxis': ...}` as `to_dict()` returns it
-    ) -> PartitionManager:
-        "Rebuild from `to_dict`'s output."
-        return cls(PartitionAxis.from_dict(data["paxis"]))
-
-    @classmethod
-    def from_json(
-        cls,
-        text: str,  # JSON as `to_json()` returns it
-    ) -> PartitionManager:
-        "Rebuild from `to_json`'s output."
-        return cls.from_dict(json.loads(text))
-
-
 jax.tree_util.register_static(PartitionManager)
+
+# %% ../../../nbs/09c_escale.partition.manager.ipynb #1bdee338
+@patch(cls_method=True)
+def from_dict(
+    cls: PartitionManager,
+    data: dict[str, tp.Any],  # `{'paxis': ...}` as `to_dict()` returns it
+) -> PartitionManager:
+    "Rebuild from `to_dict`'s output."
+    return cls(PartitionAxis.from_dict(data["paxis"]))
+
+
+@patch(cls_method=True)
+def from_json(
+    cls: PartitionManager,
+    text: str,  # JSON as `to_json()` returns it
+) -> PartitionManager:
+    "Rebuild from `to_json`'s output."
+    return cls.from_dict(json.loads(text))
 
 # %% ../../../nbs/09c_escale.partition.manager.ipynb #2430de98
 @patch
@@ -560,7 +561,7 @@ def get_partition_manager() -> PartitionManager | None:
     "The most recently created `PartitionManager` of this process, or `None`."
     return _LAST_CREATED[0]
 
-
+# %% ../../../nbs/09c_escale.partition.manager.ipynb #92c690fe
 def apply_logical_sharding(
     x: jax.Array,  # the array
     # the manager (default: the one in context, else the last created)
@@ -579,7 +580,7 @@ def apply_logical_sharding(
                          "one (`with PartitionManager(PartitionAxis()):`)")
     return pm.shard(x, axes=axes, mode=mode, dynamic_axes=dynamic_axes, auto_correct=auto_correct)
 
-
+# %% ../../../nbs/09c_escale.partition.manager.ipynb #76fb3a1e
 def get_safe_hash_int(
     text,  # anything with a str()
     algorithm: str = "md5",  # a `hashlib` algorithm name

@@ -122,7 +122,7 @@ def hf_name(
         return ".".join(parts[:-1] + ["weight"]), False
     return ".".join(parts), False
 
-
+# %% ../../../nbs/11e_infra.mixins.files.ipynb #15ec1c04
 def host_value(
     value,  # a parameter: a jax.Array (sharded or not, possibly over several processes' devices) or a NumPy array
 ) -> np.ndarray:  # the whole array on this host
@@ -135,7 +135,7 @@ def host_value(
         return np.asarray(multihost_utils.process_allgather(value, tiled=True))
     return np.asarray(jax.device_get(value))
 
-
+# %% ../../../nbs/11e_infra.mixins.files.ipynb #90610f8e
 def to_hf_state_dict(
     params: dict,  # nested dict of parameters
     float_dtype=None,  # cast floating parameters
@@ -252,7 +252,7 @@ def _write_shard(f: ePath, shard: dict) -> None:
     "The safetensors file `f` of `shard`, its tensors' digest in the header."
     _write_blob(f, safetensors_parts(shard, {"format": "pt", WEIGHTS_DIGEST_KEY: weights_digest(shard)}))
 
-
+# %% ../../../nbs/11e_infra.mixins.files.ipynb #0a6f9fa7
 def _saved_config(model, tensors: dict):
     "The config a save writes: the model's, with `architectures` and `torch_dtype` as transformers writes them."
     import jax.numpy as jnp
@@ -294,7 +294,7 @@ def _index(tensors: dict, names: list, shards: list, config: dict | None = None)
 def _index_bytes(index: dict) -> bytes:
     return json.dumps(index, indent=2, sort_keys=True).encode()
 
-
+# %% ../../../nbs/11e_infra.mixins.files.ipynb #01a6786f
 def _ours(f: ePath) -> bool:
     "Whether safetensors file `f` was written by `save_pretrained` (its header records the tensors' digest)."
     try:
@@ -485,6 +485,16 @@ def _read_weights(sources: list, by_hf: dict, flat_shapes: dict, place: dict, co
             values[path] = place[path](arr) if path in place else jnp.asarray(arr)
     return values, unexpected
 
+# %% ../../../nbs/11e_infra.mixins.files.ipynb #e5cdd88c
+def _placements(config, shapes: dict, mesh, partition_rules) -> dict:
+    "parameter path -> the function placing it on `mesh` by `partition_rules` (the config's by default); {} without a mesh."
+    from eformer_nb.escale import make_shard_and_gather_fns, match_partition_rules
+
+    if mesh is None:
+        return {}
+    rules = config.get_partition_rules() if partition_rules is None else partition_rules
+    return flatten_params(make_shard_and_gather_fns(match_partition_rules(rules, shapes), mesh)[0])
+
 # %% ../../../nbs/11e_infra.mixins.files.ipynb #843f6a06
 def load_weights(
     cls,  # the model class
@@ -503,7 +513,6 @@ def load_weights(
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from eformer_nb.escale import make_shard_and_gather_fns, match_partition_rules
 
     param_dtype = jnp.dtype(param_dtype or jnp.float32)
     model = cls.lazy_init(config, dtype=dtype or jnp.float32, param_dtype=param_dtype, precision=precision, rngs=rngs)
@@ -511,10 +520,7 @@ def load_weights(
     shapes = nnx.to_pure_dict(state)
     flat_shapes = flatten_params(shapes)
     by_hf = {hf_name(p)[0]: p for p in flat_shapes}
-    place = {}
-    if mesh is not None:
-        rules = config.get_partition_rules() if partition_rules is None else partition_rules
-        place = flatten_params(make_shard_and_gather_fns(match_partition_rules(rules, shapes), mesh)[0])
+    place = _placements(config, shapes, mesh, partition_rules)
     prepare = getattr(cls, "prepare_hf_sources", None)  # a family's hook (MoE: per-expert tensors stacked)
     sources = sources if prepare is None else prepare(config, sources)
     values, unexpected = _read_weights(sources, by_hf, flat_shapes, place, config, param_dtype)

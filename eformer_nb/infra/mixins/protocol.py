@@ -11,6 +11,7 @@ import typing as tp
 from abc import abstractmethod
 
 import flax.struct
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['PartitionLike', 'Self', 'CausalLMOutput', 'BaseModelOutput', 'GenerateOutput', 'LossConfig', 'LossMetrics',
@@ -41,7 +42,7 @@ class BaseModelOutput:
     hidden_states: tp.Any = None  # tuple: embeddings, then the output of each layer, when asked for
     past_key_values: tp.Any = None  # the updated KV cache, when one was given
 
-
+# %% ../../../nbs/11a_infra.mixins.protocol.ipynb #1768dfde
 @flax.struct.dataclass
 class GenerateOutput:
     "What `generate` returns: `sequences` hold the (left-padded) prompt followed by the new tokens."
@@ -49,7 +50,7 @@ class GenerateOutput:
     scores: tp.Any = None  # (batch,) summed log-probabilities of the new tokens (beam search, sampling)
     num_generated: tp.Any = None  # (batch,) tokens generated before EOS (EOS included)
 
-
+# %% ../../../nbs/11a_infra.mixins.protocol.ipynb #7c75c540
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
     "How `compute_loss` scores a causal LM."
@@ -67,7 +68,7 @@ class LossConfig:
         if self.z_loss < 0:
             raise ValueError(f"LossConfig.z_loss={self.z_loss!r}; expected >= 0")
 
-
+# %% ../../../nbs/11a_infra.mixins.protocol.ipynb #dc87cd48
 @flax.struct.dataclass
 class LossMetrics:
     "The scalars `compute_loss` reports next to the loss."
@@ -143,31 +144,38 @@ class StateProtocol:
     def params_sharding(self) -> dict:
         "The sharding of each parameter (a pytree like `graphstate`)."
 
-    @abstractmethod
-    def split_params(self):
-        "`graphstate` (the parameters)."
+# %% ../../../nbs/11a_infra.mixins.protocol.ipynb #df2a7800
+@patch
+@abstractmethod
+def split_params(self: StateProtocol):
+    "`graphstate` (the parameters)."
 
-    @abstractmethod
-    def merge_params(
-        self,
-        tree,  # a parameter State
-    ):
-        "Put a parameter state into the model; returns the model."
 
-    @abstractmethod
-    def split_params_dict(
-        self,
-        params_dict: dict,  # nested plain dict of parameters
-    ) -> dict:
-        "A nested plain dict of parameters from a parameter state (or dict)."
+@patch
+@abstractmethod
+def merge_params(
+    self: StateProtocol,
+    tree,  # a parameter State
+):
+    "Put a parameter state into the model; returns the model."
 
-    @abstractmethod
-    def merge_params_dict(
-        self,
-        params_dict: dict,  # nested plain dict of parameters
-    ):
-        "Put a nested plain dict of parameters into the model; returns the model."
 
+@patch
+@abstractmethod
+def split_params_dict(
+    self: StateProtocol,
+    params_dict: dict,  # nested plain dict of parameters
+) -> dict:
+    "A nested plain dict of parameters from a parameter state (or dict)."
+
+
+@patch
+@abstractmethod
+def merge_params_dict(
+    self: StateProtocol,
+    params_dict: dict,  # nested plain dict of parameters
+):
+    "Put a nested plain dict of parameters into the model; returns the model."
 
 # %% ../../../nbs/11a_infra.mixins.protocol.ipynb #ad975771
 class ParamsProtocol(StateProtocol):
@@ -202,21 +210,25 @@ class ParamsProtocol(StateProtocol):
     ):
         "Build the model with shapes only (`nnx.eval_shape`): no parameter is allocated."
 
-    @abstractmethod
-    def shard_model(
-        self,
-        partition_rules: PartitionLike = None,  # `[(regex, PartitionSpec)]` (None: the config's)
-        mesh=None,  # a mesh to shard onto
-    ):
-        "Place the parameters on `mesh` as the partition rules say; returns the model."
+# %% ../../../nbs/11a_infra.mixins.protocol.ipynb #d02444da
+@patch
+@abstractmethod
+def shard_model(
+    self: ParamsProtocol,
+    partition_rules: PartitionLike = None,  # `[(regex, PartitionSpec)]` (None: the config's)
+    mesh=None,  # a mesh to shard onto
+):
+    "Place the parameters on `mesh` as the partition rules say; returns the model."
 
-    @abstractmethod
-    def gather_model(
-        self,
-        partition_rules: PartitionLike = None,  # `[(regex, PartitionSpec)]` (None: the config's)
-        mesh=None,  # a mesh to shard onto
-    ):
-        "Bring the parameters back to one device; returns the model."
+
+@patch
+@abstractmethod
+def gather_model(
+    self: ParamsProtocol,
+    partition_rules: PartitionLike = None,  # `[(regex, PartitionSpec)]` (None: the config's)
+    mesh=None,  # a mesh to shard onto
+):
+    "Bring the parameters back to one device; returns the model."
 
 # %% ../../../nbs/11a_infra.mixins.protocol.ipynb #a5a50540
 class CacheProtocol:
@@ -241,25 +253,28 @@ class CacheProtocol:
     ):
         "The static description of a dense cache (sizes, dtypes)."
 
-    @abstractmethod
-    def create_paged_metadata(
-        self,
-        hbm_utilization: float,  # fraction of device memory for the pages
-        page_size: int,  # tokens per page
-        max_model_length: int,  # longest sequence served
-    ):
-        "The static description of a paged cache: pages sized from a memory budget."
+# %% ../../../nbs/11a_infra.mixins.protocol.ipynb #ba13b085
+@patch
+@abstractmethod
+def create_paged_metadata(
+    self: CacheProtocol,
+    hbm_utilization: float,  # fraction of device memory for the pages
+    page_size: int,  # tokens per page
+    max_model_length: int,  # longest sequence served
+):
+    "The static description of a paged cache: pages sized from a memory budget."
 
-    @abstractmethod
-    def init_ragged_pages(
-        self,
-        metadata=None,  # the page layout (None: computed)
-        page_size: int | None = None,  # tokens per page
-        hbm_utilization: float | None = None,  # fraction of device memory for the pages
-        max_model_length: int | None = None,  # longest sequence served
-    ):
-        "The paged KV cache tensors (from `metadata`, or from the other arguments)."
 
+@patch
+@abstractmethod
+def init_ragged_pages(
+    self: CacheProtocol,
+    metadata=None,  # the page layout (None: computed)
+    page_size: int | None = None,  # tokens per page
+    hbm_utilization: float | None = None,  # fraction of device memory for the pages
+    max_model_length: int | None = None,  # longest sequence served
+):
+    "The paged KV cache tensors (from `metadata`, or from the other arguments)."
 
 # %% ../../../nbs/11a_infra.mixins.protocol.ipynb #4080e2bb
 class GenerationProtocol(CacheProtocol):
@@ -286,22 +301,24 @@ class GenerationProtocol(CacheProtocol):
     ) -> dict[str, tp.Any]:
         "The model inputs of the next generation step from this step's outputs."
 
-    @abstractmethod
-    def generate(
-        self,
-        input_ids,  # token ids `(batch, length)`
-        generation_config=None,  # a `GenerationConfig` (None: the model's defaults)
-        prng_key=None,  # randomness for sampling
-        trace: bool = True,  # compile the decode loop once with `jax.jit`
-        logits_processor=None,  # callable(logits) -> logits, applied each step
-        **kwargs,  # more keyword arguments (see the description)
-    ) -> GenerateOutput:
-        "Generate tokens after `input_ids` (greedy, sampling or beam search); `.sequences` include the prompt."
-
     @classmethod
     @abstractmethod
     def can_generate(cls) -> bool:
         "Whether `generate` works for this class."
+
+# %% ../../../nbs/11a_infra.mixins.protocol.ipynb #e6bf7b6b
+@patch
+@abstractmethod
+def generate(
+    self: GenerationProtocol,
+    input_ids,  # token ids `(batch, length)`
+    generation_config=None,  # a `GenerationConfig` (None: the model's defaults)
+    prng_key=None,  # randomness for sampling
+    trace: bool = True,  # compile the decode loop once with `jax.jit`
+    logits_processor=None,  # callable(logits) -> logits, applied each step
+    **kwargs,  # more keyword arguments (see the description)
+) -> GenerateOutput:
+    "Generate tokens after `input_ids` (greedy, sampling or beam search); `.sequences` include the prompt."
 
 # %% ../../../nbs/11a_infra.mixins.protocol.ipynb #227a86cf
 class AdapterProtocol:
@@ -369,24 +386,25 @@ class FilesProtocol(AdapterProtocol):
     ):
         "Read a model written by `save_pretrained` (or by Hugging Face transformers)."
 
-    @abstractmethod
-    def push_to_hub(
-        self,
-        repo_id: str,  # the Hugging Face repo
-        use_temp_dir: bool | None = None,  # unused (transformers' argument)
-        commit_message: str | None = None,  # the upload's commit message
-        private: bool | None = None,  # create the repo private
-        token=None,  # Hugging Face token
-        create_pr: bool = False,  # open a pull request
-        gather_fns=None,  # a tree of functions applied to each parameter first
-        float_dtype=None,  # cast floating parameters
-        verbose: bool = True,  # log what is done
-        mismatch_allowed: bool = True,  # False: gather_fns must name every parameter
-        revision: str | None = None,  # the branch to upload to
-        commit_description: str | None = None,  # the upload's longer description
-    ) -> str:
-        "Save to a temporary folder and upload it to the Hugging Face Hub; returns the repository URL."
-
+# %% ../../../nbs/11a_infra.mixins.protocol.ipynb #6eb15189
+@patch
+@abstractmethod
+def push_to_hub(
+    self: FilesProtocol,
+    repo_id: str,  # the Hugging Face repo
+    use_temp_dir: bool | None = None,  # unused (transformers' argument)
+    commit_message: str | None = None,  # the upload's commit message
+    private: bool | None = None,  # create the repo private
+    token=None,  # Hugging Face token
+    create_pr: bool = False,  # open a pull request
+    gather_fns=None,  # a tree of functions applied to each parameter first
+    float_dtype=None,  # cast floating parameters
+    verbose: bool = True,  # log what is done
+    mismatch_allowed: bool = True,  # False: gather_fns must name every parameter
+    revision: str | None = None,  # the branch to upload to
+    commit_description: str | None = None,  # the upload's longer description
+) -> str:
+    "Save to a temporary folder and upload it to the Hugging Face Hub; returns the repository URL."
 
 # %% ../../../nbs/11a_infra.mixins.protocol.ipynb #be57d8a9
 class IOProtocol(FilesProtocol):
@@ -449,7 +467,7 @@ def return_type_adjuster(
 
     return decorator
 
-
+# %% ../../../nbs/11a_infra.mixins.protocol.ipynb #a5891ea4
 def _children(module) -> list[tuple[str, tp.Any]]:
     "Direct sub-modules of an nnx module (lists of modules are expanded as `name.i`)."
     from flax import nnx
@@ -464,7 +482,7 @@ def _children(module) -> list[tuple[str, tp.Any]]:
             out.append((name, value))
     return out
 
-
+# %% ../../../nbs/11a_infra.mixins.protocol.ipynb #32c47764
 def get_module_repr(
     module,  # an nnx module
 ) -> str:
@@ -510,7 +528,7 @@ def prettify_nnx(
             )
     return "\n".join(lines)
 
-
+# %% ../../../nbs/11a_infra.mixins.protocol.ipynb #bd9ffe22
 def _one(module, indent: str, name: str, depth: int, max_depth: int | None) -> str:
     head = f"{indent}({name}): {get_module_repr(module)}"
     if not _children(module):
