@@ -74,7 +74,7 @@ class UnknownKeyError(KeyError, ValueError):
 MAX_CONFIG_DEPTH = 64  # nesting depth of a config value (lists/dicts inside each other)
 MAX_CONFIG_NODES = 1_000_000  # values in a config once YAML aliases are expanded (an alias bomb stops here)
 
-
+# %% ../nbs/02_aparser.ipynb #53db9f71
 def check_config_value(
     data,  # a config value: nested mappings, lists, tuples, sets and leaves
     where: str = "config",  # names the value in errors (a file name, a field path)

@@ -143,6 +143,8 @@ RowWise = _preset("RowWise", [TP, [FSDP, SP]], MODE_TRAIN,
 SColumnWise = _preset("SColumnWise", [[FSDP, SP]], MODE_TRAIN, "A vector (bias, norm scale) sharded over FSDP+SP.")
 SRowWise = _preset("SRowWise", [TP], MODE_TRAIN, "A vector sharded over TP.")
 Replicated = _preset("Replicated", [EMPTY], MODE_TRAIN, "Fully replicated.")
+
+# %% ../nbs/00_common_types.ipynb #095f397d
 ExpertColumnWise = _preset("ExpertColumnWise", [EP, FSDP, TP], MODE_TRAIN,
     "Expert weight `[experts, hidden, intermediate]`: experts over EP, hidden over FSDP, intermediate over TP.")
 ExpertRowWise = _preset("ExpertRowWise", [EP, TP, FSDP], MODE_TRAIN,

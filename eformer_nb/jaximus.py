@@ -69,28 +69,34 @@ class ImplicitArray:
         "The dense array this implicit array stands for."
         raise NotImplementedError(f"{type(self).__name__} must implement materialize()")
 
-    @property
-    def ndim(self) -> int:  # the number of logical axes
-        "The number of logical axes."
-        return len(self.shape)
+# %% ../nbs/05_jaximus.ipynb #3a07c20b
+@patch(as_prop=True)
+def ndim(self: ImplicitArray) -> int:  # the number of logical axes
+    "The number of logical axes."
+    return len(self.shape)
 
-    @property
-    def size(self) -> int:  # the number of logical elements
-        "The number of logical elements."
-        return int(np.prod(self.shape, dtype=np.int64))
 
-    @property
-    def aval(self) -> jax.ShapeDtypeStruct:
-        "The abstract value (logical shape and dtype) that traced code sees."
-        return jax.ShapeDtypeStruct(tuple(self.shape), self.dtype)
+@patch(as_prop=True)
+def size(self: ImplicitArray) -> int:  # the number of logical elements
+    "The number of logical elements."
+    return int(np.prod(self.shape, dtype=np.int64))
 
-    @property
-    def nbytes(self) -> int:
-        "Bytes held by the leaves (the storage cost, not the logical size)."
-        return int(sum(np.dtype(l.dtype).itemsize * int(np.prod(l.shape)) for l in jax.tree_util.tree_leaves(self)))
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={np.dtype(self.dtype).name})"
+@patch(as_prop=True)
+def aval(self: ImplicitArray) -> jax.ShapeDtypeStruct:
+    "The abstract value (logical shape and dtype) that traced code sees."
+    return jax.ShapeDtypeStruct(tuple(self.shape), self.dtype)
+
+
+@patch(as_prop=True)
+def nbytes(self: ImplicitArray) -> int:
+    "Bytes held by the leaves (the storage cost, not the logical size)."
+    return int(sum(np.dtype(l.dtype).itemsize * int(np.prod(l.shape)) for l in jax.tree_util.tree_leaves(self)))
+
+
+@patch
+def __repr__(self: ImplicitArray) -> str:
+    return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={np.dtype(self.dtype).name})"
 
 # %% ../nbs/05_jaximus.ipynb #411f6569
 @patch
@@ -332,7 +338,7 @@ def _scan_rule(eqn, vals):
     c, ys = lax.scan(body, carry, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
     return list(c) + list(ys)
 
-
+# %% ../nbs/05_jaximus.ipynb #a4b3f752
 def _cond_rule(eqn, vals):
     index, ops = materialize(vals[0]), vals[1:]
     branches = [functools.partial(lambda br, *a: _dense_outputs("cond", _run_closed(br, *a)), br)

@@ -218,6 +218,8 @@ def warning(
     **kw,  # passed to `logging.Logger` (`exc_info`, `extra`, ...)
 ):
     self.logger.warning(msg, *args, stacklevel=2, **kw)
+
+# %% ../nbs/01_loggings.ipynb #4a6f9f2d
 @patch
 def error(
     self: LazyLogger,
@@ -300,7 +302,7 @@ def log_once(
     self.logger.log(level, text, stacklevel=3, **kw)
     return True
 
-
+# %% ../nbs/01_loggings.ipynb #878ce4b3
 @patch
 def debug_once(
     self: LazyLogger,

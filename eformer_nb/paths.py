@@ -309,35 +309,45 @@ class LocalPath(ePath):
             path = rest
         self._p = Path(path)
 
-    @classmethod
-    def _from_pathlib(cls, p: Path) -> LocalPath:
-        self = object.__new__(cls)
-        self._p = p
-        return self
+# %% ../nbs/04_paths.ipynb #d3c285e9
+@patch(cls_method=True)
+def _from_pathlib(cls: LocalPath, p: Path) -> LocalPath:
+    self = object.__new__(cls)
+    self._p = p
+    return self
 
-    def _join(self, part: str) -> LocalPath:
-        return LocalPath._from_pathlib(self._p / part)
 
-    def __str__(self) -> str:
-        return str(self._p)
+@patch
+def _join(self: LocalPath, part: str) -> LocalPath:
+    return LocalPath._from_pathlib(self._p / part)
 
-    def __fspath__(self) -> str:
-        return str(self._p)
 
-    @property
-    def path(self) -> Path:  # the underlying `pathlib.Path`
-        "The underlying `pathlib.Path`."
-        return self._p
+@patch
+def __str__(self: LocalPath) -> str:
+    return str(self._p)
 
-    @property
-    def name(self) -> str:  # the final path component
-        "The final path component."
-        return self._p.name
 
-    @property
-    def parent(self) -> LocalPath:  # the directory containing this path
-        "The directory containing this path."
-        return LocalPath._from_pathlib(self._p.parent)
+@patch
+def __fspath__(self: LocalPath) -> str:
+    return str(self._p)
+
+# %% ../nbs/04_paths.ipynb #3b3f271c
+@patch(as_prop=True)
+def path(self: LocalPath) -> Path:  # the underlying `pathlib.Path`
+    "The underlying `pathlib.Path`."
+    return self._p
+
+
+@patch(as_prop=True)
+def name(self: LocalPath) -> str:  # the final path component
+    "The final path component."
+    return self._p.name
+
+
+@patch(as_prop=True)
+def parent(self: LocalPath) -> LocalPath:  # the directory containing this path
+    "The directory containing this path."
+    return LocalPath._from_pathlib(self._p.parent)
 
 # %% ../nbs/04_paths.ipynb #77611116
 @patch
@@ -956,7 +966,6 @@ def rename(self: ePath,
 # %% ../nbs/04_paths.ipynb #7d61be4c
 _REMOTE_MODES = ("r", "rb", "w", "wb", "rt", "wt")
 
-
 class FsspecPath(ePath):
     "A path on an fsspec filesystem (see `ePath`); `GCSPath` is the `gs://` kind."
 
@@ -984,30 +993,40 @@ class FsspecPath(ePath):
         self._fs_obj = fs
         self._path = self._strip(path)
 
-    def _strip(self, path: str) -> str:
-        return self._fs_obj._strip_protocol(path).rstrip("/") or self._fs_obj._strip_protocol(path)
+# %% ../nbs/04_paths.ipynb #accf2268
+@patch
+def _strip(self: FsspecPath, path: str) -> str:
+    return self._fs_obj._strip_protocol(path).rstrip("/") or self._fs_obj._strip_protocol(path)
 
-    def _newkwargs(self) -> dict:
-        return {"fs": self._fs_obj}
 
-    def _new(self, path: str) -> FsspecPath:
-        out = object.__new__(type(self))
-        out.__dict__.update(self.__dict__)
-        out._path = path
-        return out
+@patch
+def _newkwargs(self: FsspecPath) -> dict:
+    return {"fs": self._fs_obj}
 
-    @property
-    def fs(self) -> tp.Any:  # the fsspec filesystem
-        "The fsspec filesystem this path lives on."
-        return self._fs_obj
 
-    @property
-    def path(self) -> str:  # the path without its protocol
-        "The path as the filesystem names it (no protocol)."
-        return self._path
+@patch
+def _new(self: FsspecPath, path: str) -> FsspecPath:
+    out = object.__new__(type(self))
+    out.__dict__.update(self.__dict__)
+    out._path = path
+    return out
 
-    def __str__(self) -> str:
-        return f"{self.protocol}://{self._path.lstrip('/')}" if not _PROTOCOL_RE.match(self._path) else self._path
+# %% ../nbs/04_paths.ipynb #d452e13a
+@patch(as_prop=True)
+def fs(self: FsspecPath) -> tp.Any:  # the fsspec filesystem
+    "The fsspec filesystem this path lives on."
+    return self._fs_obj
+
+
+@patch(as_prop=True)
+def path(self: FsspecPath) -> str:  # the path without its protocol
+    "The path as the filesystem names it (no protocol)."
+    return self._path
+
+
+@patch
+def __str__(self: FsspecPath) -> str:
+    return f"{self.protocol}://{self._path.lstrip('/')}" if not _PROTOCOL_RE.match(self._path) else self._path
 
 # %% ../nbs/04_paths.ipynb #a9debe25
 @patch
@@ -1283,33 +1302,43 @@ class GCSPath(FsspecPath):
             raise ValueError(f"GCSPath({path!r}): a gs:// path needs a bucket name, e.g. 'gs://my-bucket/dir'")
         self._path = key
 
-    def _newkwargs(self) -> dict:
-        return {"fs": self._own_fs} if self._own_fs is not None else {}
+# %% ../nbs/04_paths.ipynb #e743534b
+@patch
+def _newkwargs(self: GCSPath) -> dict:
+    return {"fs": self._own_fs} if self._own_fs is not None else {}
 
-    @property
-    def _fs_obj(self) -> tp.Any:
-        return self._own_fs if self._own_fs is not None else get_gcs_filesystem()
 
-    @property
-    def bucket(self) -> str:  # the bucket name
-        "The bucket name."
-        return self._path.split("/", 1)[0]
+@patch(as_prop=True)
+def _fs_obj(self: GCSPath) -> tp.Any:
+    return self._own_fs if self._own_fs is not None else get_gcs_filesystem()
 
-    @property
-    def key(self) -> str:  # `''` for the bucket itself
-        "The object name (or prefix) inside the bucket."
-        return self._path.split("/", 1)[1] if "/" in self._path else ""
+# %% ../nbs/04_paths.ipynb #a9bab68d
+@patch(as_prop=True)
+def bucket(self: GCSPath) -> str:  # the bucket name
+    "The bucket name."
+    return self._path.split("/", 1)[0]
 
-    @property
-    def blob(self) -> str:  # eformer's name for `key`
-        "The object name inside the bucket (same as `key`)."
-        return self.key
 
-    def __str__(self) -> str:
-        return f"gs://{self._path}"
+@patch(as_prop=True)
+def key(self: GCSPath) -> str:  # `''` for the bucket itself
+    "The object name (or prefix) inside the bucket."
+    return self._path.split("/", 1)[1] if "/" in self._path else ""
 
-    def _root_len(self) -> int:
-        return len(self.bucket)
+
+@patch(as_prop=True)
+def blob(self: GCSPath) -> str:  # eformer's name for `key`
+    "The object name inside the bucket (same as `key`)."
+    return self.key
+
+
+@patch
+def __str__(self: GCSPath) -> str:
+    return f"gs://{self._path}"
+
+
+@patch
+def _root_len(self: GCSPath) -> int:
+    return len(self.bucket)
 
 # %% ../nbs/04_paths.ipynb #767f6a12
 @patch

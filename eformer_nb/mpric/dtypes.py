@@ -64,6 +64,7 @@ def short_repr(
     r = repr(value)
     return r if len(r) <= limit else f"{r[:limit]}... ({len(r)} characters)"
 
+# %% ../../nbs/07a_mpric.dtypes.ipynb #96e7990b
 def canonical_name(
     value: DTypeSpec,  # a dtype, a name or an alias such as "bf16" or "half"
 ) -> str:
@@ -87,6 +88,7 @@ def canonical_name(
                          f"expected one of: {_valid_names()}")
     return CANONICAL_NAMES[dtype]
 
+# %% ../../nbs/07a_mpric.dtypes.ipynb #be1a0251
 def resolve_dtype(
     value: DTypeSpec,  # a dtype, a name or an alias
     platform: str | None = None,  # resolves `half` (default: the default backend)

@@ -44,6 +44,7 @@ def _detect_form(out_shape, params, has_aux: bool) -> str:
         return "grads"
     raise TypeError(f"fn returned {out_shape}. {_FORMS}. If it returns (loss, aux), pass has_aux=True.")
 
+# %% ../../nbs/07d_mpric.handler.ipynb #9b246dbd
 def scaled_value_and_grad(
     fn: tp.Callable,  # `(params, *args) -> loss` (or `(loss, aux)`)
     policy: str | Policy = "f32",  # a Policy or its string form
@@ -110,24 +111,6 @@ class PrecisionHandler:
     def __repr__(self) -> str:
         return f"PrecisionHandler(policy='{self.policy}', loss_scale={type(self.loss_scale).__name__})"
 
-    # casts
-    def cast_to_param(
-        self,
-        tree,  # any pytree; only its floating leaves are cast
-    ):
-        return self.policy.cast_to_param(tree)
-    def cast_to_compute(
-        self,
-        tree,  # any pytree; only its floating leaves are cast
-    ):
-        return self.policy.cast_to_compute(tree)
-    def cast_to_output(
-        self,
-        tree,  # any pytree; only its floating leaves are cast
-    ):
-        return self.policy.cast_to_output(tree)
-    cast_for_computation = cast_to_compute
-
     def scaled_value_and_grad(
         self,
         fn: tp.Callable,  # the loss function `fn(params, *args)`
@@ -136,6 +119,34 @@ class PrecisionHandler:
     ) -> tp.Callable:
         "The pure step `(loss_scale, params, *args) -> (loss, grads, grads_finite, new_loss_scale)` for this policy."
         return scaled_value_and_grad(fn, self.policy, has_aux=has_aux)
+
+# %% ../../nbs/07d_mpric.handler.ipynb #d9e7fe62
+@patch
+def cast_to_param(
+    self: PrecisionHandler,
+    tree,  # any pytree; only its floating leaves are cast
+):
+    return self.policy.cast_to_param(tree)
+
+
+@patch
+def cast_to_compute(
+    self: PrecisionHandler,
+    tree,  # any pytree; only its floating leaves are cast
+):
+    return self.policy.cast_to_compute(tree)
+
+
+@patch
+def cast_to_output(
+    self: PrecisionHandler,
+    tree,  # any pytree; only its floating leaves are cast
+):
+    return self.policy.cast_to_output(tree)
+
+
+PrecisionHandler.cast_for_computation = PrecisionHandler.cast_to_compute
+
 
 # %% ../../nbs/07d_mpric.handler.ipynb #443c1305
 @patch

@@ -51,6 +51,7 @@ def _check_number(where: str, value, *, integer: bool = False, lo: float = 0.0, 
         raise ValueError(f"{where} must be a finite {'int' if integer else 'number'} {bounds}, got {v!r}")
     return v
 
+# %% ../../nbs/07c_mpric.loss_scaling.ipynb #39f4d83b
 def _scale_tree(tree, scale):
     def f(x):
         x = _as_float(x)
@@ -69,6 +70,7 @@ def _unscale_tree(tree, scale):
         return (x.astype(dt) / jnp.asarray(scale, dt)).astype(x.dtype)
     return jax.tree_util.tree_map(f, tree)
 
+# %% ../../nbs/07c_mpric.loss_scaling.ipynb #4d69f304
 def _check_flag(grads_finite) -> jax.Array:
     flag = jnp.asarray(grads_finite)
     if flag.shape != () or flag.dtype != jnp.bool_:
@@ -100,6 +102,9 @@ class NoOpLossScale:
         _check_flag(grads_finite)
         return self
 
+jax.tree_util.register_dataclass(NoOpLossScale, data_fields=[], meta_fields=[])
+
+# %% ../../nbs/07c_mpric.loss_scaling.ipynb #31dcf475
 @dataclasses.dataclass(frozen=True)
 class StaticLossScale:
     "Scale by a fixed factor. The factor is a pytree leaf, so changing it does not recompile."
@@ -127,7 +132,6 @@ class StaticLossScale:
         _check_flag(grads_finite)
         return self
 
-jax.tree_util.register_dataclass(NoOpLossScale, data_fields=[], meta_fields=[])
 jax.tree_util.register_dataclass(StaticLossScale, data_fields=["loss_scale"], meta_fields=[])
 
 # %% ../../nbs/07c_mpric.loss_scaling.ipynb #642985b4

@@ -36,22 +36,6 @@ class Policy:
     def __setattr__(self, name, value):
         raise AttributeError(f"Policy is immutable; use .replace() (tried to set {name!r})")
 
-    # canonical names: backend-free
-    @property
-    def param_name(self) -> str: return self._names[0]
-    @property
-    def compute_name(self) -> str: return self._names[1]
-    @property
-    def output_name(self) -> str: return self._names[2]
-
-    # concrete dtypes: `half` is resolved here, on first use
-    @property
-    def param_dtype(self) -> np.dtype: return resolve_dtype(self._names[0])
-    @property
-    def compute_dtype(self) -> np.dtype: return resolve_dtype(self._names[1])
-    @property
-    def output_dtype(self) -> np.dtype: return resolve_dtype(self._names[2])
-
     def __str__(self) -> str: return "p={},c={},o={}".format(*self._names)
     def __repr__(self) -> str:
         return "Policy(param_dtype={!r}, compute_dtype={!r}, output_dtype={!r})".format(*self._names)
@@ -59,7 +43,32 @@ class Policy:
     def __hash__(self) -> int: return hash(("Policy",) + self._names)
     def __reduce__(self): return (Policy, self._names)
 
+
 jax.tree_util.register_pytree_node(Policy, lambda p: ((), p._names), lambda names, _: Policy(*names))
+
+# %% ../../nbs/07b_mpric.policy.ipynb #1255ad41
+@patch(as_prop=True)
+def param_name(self: Policy) -> str: return self._names[0]
+
+
+@patch(as_prop=True)
+def compute_name(self: Policy) -> str: return self._names[1]
+
+
+@patch(as_prop=True)
+def output_name(self: Policy) -> str: return self._names[2]
+
+
+@patch(as_prop=True)
+def param_dtype(self: Policy) -> np.dtype: return resolve_dtype(self._names[0])
+
+
+@patch(as_prop=True)
+def compute_dtype(self: Policy) -> np.dtype: return resolve_dtype(self._names[1])
+
+
+@patch(as_prop=True)
+def output_dtype(self: Policy) -> np.dtype: return resolve_dtype(self._names[2])
 
 # %% ../../nbs/07b_mpric.policy.ipynb #3dcb0c86
 @patch
@@ -128,6 +137,7 @@ def _parse_name(value: str, where: str) -> str:
     except ValueError as e:
         raise ValueError(f"{e} ({where})") from None
 
+# %% ../../nbs/07b_mpric.policy.ipynb #eacad5d1
 def get_policy(
     policy: str | Policy,  # a Policy, or a string such as "p=f32,c=bf16,o=f32" or "bf16"
 ) -> Policy:
@@ -165,6 +175,7 @@ def get_policy(
     p, c, o = names
     return Policy("f32" if p is None else p, c, o)  # params default to f32; the constructor cascades the rest
 
+# %% ../../nbs/07b_mpric.policy.ipynb #a3392f0b
 @patch(cls_method=True)
 def from_string(
     cls: Policy,

@@ -31,19 +31,6 @@ _all_ = [  # nbdev adds these imported names to the module's __all__
     "nonfinite_skips",
 ]
 
-
-def __getattr__(name: str):
-    "A name of a submodule that imports optax, imported on first use (PEP 562)."
-    if name not in _LAZY:
-        raise AttributeError(f"module 'eformer_nb.optimizers' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"eformer_nb.optimizers.{_LAZY[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
-
 # %% auto #0
 __all__ = ['SerializationMixin', 'AdafactorConfig', 'AdamWConfig', 'ConfigMixin', 'KronConfig', 'LionConfig', 'MarsConfig',
            'MuonConfig', 'OPTIMIZER_CONFIGS', 'OptimizerFactory', 'RMSPropConfig', 'SchedulerConfig',
@@ -57,6 +44,19 @@ __all__ = ['SerializationMixin', 'AdafactorConfig', 'AdamWConfig', 'ConfigMixin'
            'ConstantSchedulerBuilder', 'CosineSchedulerBuilder', 'LinearSchedulerBuilder', 'SchedulerBuilder',
            'create_cosine_scheduler', 'create_linear_scheduler', 'OptaxScheduledWeightDecayState', 'scale_by_scion',
            'scion']
+
+# %% ../../nbs/08f_optimizers.__init__.ipynb #9770db16
+def __getattr__(name: str):
+    "A name of a submodule that imports optax, imported on first use (PEP 562)."
+    if name not in _LAZY:
+        raise AttributeError(f"module 'eformer_nb.optimizers' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"eformer_nb.optimizers.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 # %% ../../nbs/08f_optimizers.__init__.ipynb #54dcbcc5
 from .configs import ScionConfig

@@ -12,6 +12,7 @@ import json
 import typing as tp
 
 import numpy as np
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['BUILTIN_SCHEDULERS', 'KRON_MEMORY_SAVE_MODES', 'KRON_PRECISIONS', 'WHITE_KRON_STYLES', 'OPTIMIZER_CONFIGS',
@@ -110,44 +111,50 @@ class ConfigMixin:
         "A plain dict of the fields (tuples stay tuples; `to_json` writes them as lists)."
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
-    @classmethod
-    def from_dict(
-        cls: type[_T],
-        data: tp.Mapping[str, tp.Any],  # the config's fields; unknown keys are an error that names them
-    ) -> _T:
-        "Build a config from a mapping; unknown keys raise `ValueError` listing the valid fields."
-        if not isinstance(data, tp.Mapping):
-            raise TypeError(f"{cls.__name__}.from_dict expected a mapping, got {type(data).__name__}: {data!r}")
-        valid = list(inspect.signature(cls).parameters)  # the fields and any InitVar aliases (e.g. KronConfig.b1)
-        unknown = [k for k in data if k not in valid]
-        if unknown:
-            hints = {k: difflib.get_close_matches(k, valid, n=1) for k in unknown}
-            hint = "; ".join(f"{k!r}: did you mean {h[0]!r}?" for k, h in hints.items() if h)
-            raise ValueError(f"{cls.__name__} got unknown field(s) {unknown}; valid fields: {valid}"
-                             + (f" ({hint})" if hint else ""))
-        return cls(**dict(data))
+# %% ../../nbs/08a_optimizers.configs.ipynb #c13db0a7
+@patch(cls_method=True)
+def from_dict(
+    cls: ConfigMixin,
+    data: tp.Mapping[str, tp.Any],  # the config's fields; unknown keys are an error that names them
+) -> _T:
+    "Build a config from a mapping; unknown keys raise `ValueError` listing the valid fields."
+    if not isinstance(data, tp.Mapping):
+        raise TypeError(f"{cls.__name__}.from_dict expected a mapping, got {type(data).__name__}: {data!r}")
+    valid = list(inspect.signature(cls).parameters)  # the fields and any InitVar aliases (e.g. KronConfig.b1)
+    unknown = [k for k in data if k not in valid]
+    if unknown:
+        hints = {k: difflib.get_close_matches(k, valid, n=1) for k in unknown}
+        hint = "; ".join(f"{k!r}: did you mean {h[0]!r}?" for k, h in hints.items() if h)
+        raise ValueError(f"{cls.__name__} got unknown field(s) {unknown}; valid fields: {valid}"
+                         + (f" ({hint})" if hint else ""))
+    return cls(**dict(data))
 
-    def to_json(
-        self,
-        indent: int | None = 2,  # JSON indentation (None: one line)
-    ) -> str:
-        "The config as a JSON string."
-        return json.dumps(self.to_dict(), indent=indent)
+# %% ../../nbs/08a_optimizers.configs.ipynb #5e659558
+@patch
+def to_json(
+    self: ConfigMixin,
+    indent: int | None = 2,  # JSON indentation (None: one line)
+) -> str:
+    "The config as a JSON string."
+    return json.dumps(self.to_dict(), indent=indent)
 
-    @classmethod
-    def from_json(
-        cls: type[_T],
-        json_str: str,  # a JSON object of the config's fields
-    ) -> _T:
-        "Build a config from a JSON string written by `to_json` (or by hand)."
-        return cls.from_dict(json.loads(json_str))
 
-    def replace(
-        self: _T,
-        **changes,  # fields to replace (validated again)
-    ) -> _T:
-        "A copy with some fields changed (validated like a new config)."
-        return dataclasses.replace(self, **changes)
+@patch(cls_method=True)
+def from_json(
+    cls: ConfigMixin,
+    json_str: str,  # a JSON object of the config's fields
+) -> _T:
+    "Build a config from a JSON string written by `to_json` (or by hand)."
+    return cls.from_dict(json.loads(json_str))
+
+
+@patch
+def replace(
+    self: ConfigMixin,
+    **changes,  # fields to replace (validated again)
+) -> _T:
+    "A copy with some fields changed (validated like a new config)."
+    return dataclasses.replace(self, **changes)
 
 # %% ../../nbs/08a_optimizers.configs.ipynb #3079a47f
 BUILTIN_SCHEDULERS = ("constant", "linear", "cosine", "warmup_cosine", "warmup_stable_decay")
@@ -397,7 +404,30 @@ class SoapConfig(ConfigMixin):
 KRON_MEMORY_SAVE_MODES = (None, "one_diag", "all_diag")
 KRON_PRECISIONS = (None, "bfloat16", "tensorfloat32", "float32")
 
+# %% ../../nbs/08a_optimizers.configs.ipynb #2853492f
+def _check_kron_config(self) -> None:
+    "Validate the fields of a `KronConfig` (its `b1` alias already taken)."
+    o = type(self).__name__
+    check_range(o, "beta1", self.beta1, 0, 1, hi_inclusive=False)
+    check_range(o, "weight_decay", self.weight_decay, 0)
+    check_range(o, "max_grad_norm", self.max_grad_norm, 0, lo_inclusive=False, allow_none=True)
+    check_range(o, "preconditioner_update_probability", self.preconditioner_update_probability, 0, 1,
+                lo_inclusive=False)
+    check_int(o, "update_prob_flat_start", self.update_prob_flat_start, 0, allow_none=True)
+    check_range(o, "update_prob_decay", self.update_prob_decay, 0)
+    for n, lo in (("max_size_triangular", 1), ("min_ndim_triangular", 0), ("lax_map_batch_size", 1),
+                  ("target_merged_dim_size", 1), ("block_size", 1), ("seed", 0)):
+        check_int(o, n, getattr(self, n), lo)
+    check_choice(o, "memory_save_mode", self.memory_save_mode, KRON_MEMORY_SAVE_MODES)
+    check_choice(o, "precond_update_precision", self.precond_update_precision, KRON_PRECISIONS)
+    check_choice(o, "precond_grads_precision", self.precond_grads_precision, KRON_PRECISIONS)
+    check_range(o, "preconditioner_lr", self.preconditioner_lr, 0, 1, lo_inclusive=False)
+    check_range(o, "preconditioner_init_scale", self.preconditioner_init_scale, 0, lo_inclusive=False)
+    check_dtype(o, "mu_dtype", self.mu_dtype)
+    check_dtype(o, "precond_dtype", self.precond_dtype)
 
+
+# %% ../../nbs/08a_optimizers.configs.ipynb #5117ade5
 @dataclasses.dataclass
 class KronConfig(ConfigMixin):
     """PSGD Kron (Li 2015/2024; the psgd-jax formulation): Kronecker-factored preconditioner fitted on Lie groups.
@@ -430,30 +460,40 @@ class KronConfig(ConfigMixin):
     b1: dataclasses.InitVar[float | None] = None  # the older name of `beta1`
 
     def __post_init__(self, b1=None):
-        o = type(self).__name__
         _take_alias(self, "beta1", "b1", b1, 0.9)
-        check_range(o, "beta1", self.beta1, 0, 1, hi_inclusive=False)
-        check_range(o, "weight_decay", self.weight_decay, 0)
-        check_range(o, "max_grad_norm", self.max_grad_norm, 0, lo_inclusive=False, allow_none=True)
-        check_range(o, "preconditioner_update_probability", self.preconditioner_update_probability, 0, 1,
-                    lo_inclusive=False)
-        check_int(o, "update_prob_flat_start", self.update_prob_flat_start, 0, allow_none=True)
-        check_range(o, "update_prob_decay", self.update_prob_decay, 0)
-        for n, lo in (("max_size_triangular", 1), ("min_ndim_triangular", 0), ("lax_map_batch_size", 1),
-                      ("target_merged_dim_size", 1), ("block_size", 1), ("seed", 0)):
-            check_int(o, n, getattr(self, n), lo)
-        check_choice(o, "memory_save_mode", self.memory_save_mode, KRON_MEMORY_SAVE_MODES)
-        check_choice(o, "precond_update_precision", self.precond_update_precision, KRON_PRECISIONS)
-        check_choice(o, "precond_grads_precision", self.precond_grads_precision, KRON_PRECISIONS)
-        check_range(o, "preconditioner_lr", self.preconditioner_lr, 0, 1, lo_inclusive=False)
-        check_range(o, "preconditioner_init_scale", self.preconditioner_init_scale, 0, lo_inclusive=False)
-        check_dtype(o, "mu_dtype", self.mu_dtype)
-        check_dtype(o, "precond_dtype", self.precond_dtype)
+        _check_kron_config(self)
 
 # %% ../../nbs/08a_optimizers.configs.ipynb #e7005746
 WHITE_KRON_STYLES = ("quad", "skew")
 
+# %% ../../nbs/08a_optimizers.configs.ipynb #8691aeb0
+def _check_white_kron_config(self) -> None:
+    """Validate the fields of a `WhiteKronConfig` (its aliases already taken): eformer's distributed options must stay
+    at their defaults."""
+    o = type(self).__name__
+    for n, default in (("scanned_layers", None), ("pipeline_axis_name", None), ("pipeline_axis_size", 1),
+                       ("params_partition_specs", None)):
+        if getattr(self, n) != default:
+            raise NotImplementedError(f"{o}.{n}={getattr(self, n)!r}: eformer's distributed WhiteKron options are "
+                                      "not "
+                                      f"implemented here; leave it at {default!r}")
+    check_choice(o, "update_style", self.update_style, (*WHITE_KRON_STYLES, None))
+    check_choice(o, "lr_style", self.lr_style, ("adam", None))
+    for n in ("b1", "beta_lipschitz"):
+        check_range(o, n, getattr(self, n), 0, 1, hi_inclusive=False)
+    check_range(o, "preconditioner_lr", self.preconditioner_lr, 0, 1, lo_inclusive=False)
+    for n in ("preconditioner_init_scale", "max_skew_dense"):
+        check_range(o, n, getattr(self, n), 0, lo_inclusive=False)
+    check_range(o, "noise_scale", self.noise_scale, 0)
+    check_range(o, "weight_decay", self.weight_decay, 0)
+    for n in ("max_size_dense", "block_size"):
+        check_int(o, n, getattr(self, n), 1)
+    check_int(o, "seed", self.seed, 0)
+    check_dtype(o, "mu_dtype", self.mu_dtype)
+    check_dtype(o, "dtype", self.dtype)
 
+
+# %% ../../nbs/08a_optimizers.configs.ipynb #421e74b4
 @dataclasses.dataclass
 class WhiteKronConfig(ConfigMixin):
     """PSGD Kron *whitening* preconditioner with symmetric factors, updated in the "quad" (quadratic form)
@@ -483,31 +523,11 @@ class WhiteKronConfig(ConfigMixin):
     precond_dtype: dataclasses.InitVar[str | None] = None  # the older name of `dtype`
 
     def __post_init__(self, damping=None, precond_dtype=None):
-        o = type(self).__name__
         _take_alias(self, "noise_scale", "damping", damping, 1e-9)
         _take_alias(self, "dtype", "precond_dtype", precond_dtype, "bfloat16")
         if self.dtype is not None and not isinstance(self.dtype, str):
             self.dtype = np.dtype(self.dtype).name  # a jnp dtype, as eformer's default, becomes its name
-        for n, default in (("scanned_layers", None), ("pipeline_axis_name", None), ("pipeline_axis_size", 1),
-                           ("params_partition_specs", None)):
-            if getattr(self, n) != default:
-                raise NotImplementedError(f"{o}.{n}={getattr(self, n)!r}: eformer's distributed WhiteKron options are "
-                                          "not "
-                                          f"implemented here; leave it at {default!r}")
-        check_choice(o, "update_style", self.update_style, (*WHITE_KRON_STYLES, None))
-        check_choice(o, "lr_style", self.lr_style, ("adam", None))
-        for n in ("b1", "beta_lipschitz"):
-            check_range(o, n, getattr(self, n), 0, 1, hi_inclusive=False)
-        check_range(o, "preconditioner_lr", self.preconditioner_lr, 0, 1, lo_inclusive=False)
-        for n in ("preconditioner_init_scale", "max_skew_dense"):
-            check_range(o, n, getattr(self, n), 0, lo_inclusive=False)
-        check_range(o, "noise_scale", self.noise_scale, 0)
-        check_range(o, "weight_decay", self.weight_decay, 0)
-        for n in ("max_size_dense", "block_size"):
-            check_int(o, n, getattr(self, n), 1)
-        check_int(o, "seed", self.seed, 0)
-        check_dtype(o, "mu_dtype", self.mu_dtype)
-        check_dtype(o, "dtype", self.dtype)
+        _check_white_kron_config(self)
 
 # %% ../../nbs/08a_optimizers.configs.ipynb #c135b578
 OPTIMIZER_CONFIGS: dict[str, type] = {

@@ -45,7 +45,7 @@ _OPTIMIZERS: dict[str, _Entry] = {}
 _OPTIMIZER_CLASSES: dict[str, type] = {}  # names registered as an `OptimizerBuilder` class (eformer's form)
 _USER_BUILDERS: set[str] = set()  # of those, the ones registered by `register_optimizer(name)` on a class
 
-
+# %% ../../nbs/08e_optimizers.factory.ipynb #d570a9e6
 def _config_class_of(builder_cls: type) -> type | None:
     "A builder class's config class: its `config_class`, else the type of its dataclass field `config`."
     if isinstance(getattr(builder_cls, "config_class", None), type):
@@ -62,7 +62,22 @@ def _config_class_of(builder_cls: type) -> type | None:
             return kind
     return None
 
+# %% ../../nbs/08e_optimizers.factory.ipynb #fcecfb89
+def _register_builder_class(name: str, builder_cls, overwrite: bool, fixed: dict | None):
+    "`register_optimizer(name)` on an `OptimizerBuilder` class: its `build` registered under its config class."
+    config_class = _config_class_of(builder_cls) if isinstance(builder_cls, type) else None
+    if not (hasattr(builder_cls, "build") and config_class is not None):
+        raise TypeError(f"register_optimizer({name!r}) without config_cls decorates an OptimizerBuilder "
+                        "subclass with a config_class (or a dataclass field `config: SomeConfig`); got "
+                        f"{builder_cls!r}")
+    register_optimizer(name, config_class, overwrite=overwrite, fixed=fixed)(
+        lambda c, schedule: builder_cls(c).build(schedule))
+    builder_cls.optimizer_type, builder_cls.config_class = name.lower(), config_class
+    _OPTIMIZER_CLASSES[name.lower()] = builder_cls
+    _USER_BUILDERS.add(name.lower())
+    return builder_cls
 
+# %% ../../nbs/08e_optimizers.factory.ipynb #16667f58
 def register_optimizer(
     name: str,  # the optimizer's name (case-insensitive)
     config_cls: type | None = None,  # its config dataclass (omit to decorate an `OptimizerBuilder` class)
@@ -75,19 +90,7 @@ def register_optimizer(
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_optimizer: name={name!r} is invalid: expected a non-empty string.")
     if config_cls is None:
-        def deco_class(builder_cls):
-            config_class = _config_class_of(builder_cls) if isinstance(builder_cls, type) else None
-            if not (hasattr(builder_cls, "build") and config_class is not None):
-                raise TypeError(f"register_optimizer({name!r}) without config_cls decorates an OptimizerBuilder "
-                                "subclass with a config_class (or a dataclass field `config: SomeConfig`); got "
-                                f"{builder_cls!r}")
-            register_optimizer(name, config_class, overwrite=overwrite, fixed=fixed)(
-                lambda c, schedule: builder_cls(c).build(schedule))
-            builder_cls.optimizer_type, builder_cls.config_class = name.lower(), config_class
-            _OPTIMIZER_CLASSES[name.lower()] = builder_cls
-            _USER_BUILDERS.add(name.lower())
-            return builder_cls
-        return deco_class
+        return lambda builder_cls: _register_builder_class(name, builder_cls, overwrite, fixed)
     if not (isinstance(config_cls, type) and dataclasses.is_dataclass(config_cls)):
         raise TypeError(f"register_optimizer({name!r}): config_cls={config_cls!r} is invalid: expected a dataclass "
                         "type "
@@ -124,7 +127,7 @@ def _guarding(ok: jax.Array):
     finally:
         _GUARD.reset(token)
 
-
+# %% ../../nbs/08e_optimizers.factory.ipynb #5034dff6
 def _select(ok: jax.Array, new, old):
     """`new` where `ok`, else `old`, leaf by leaf (typed PRNG keys through their key data). A leaf that
     `_guard_select` already selected with this `ok` from this very `old` leaf is returned as it is."""
@@ -140,7 +143,7 @@ def _select(ok: jax.Array, new, old):
         return jnp.where(ok, n, o)
     return jax.tree.map(sel, new, old)
 
-
+# %% ../../nbs/08e_optimizers.factory.ipynb #6114960c
 def _guard_select(new, old):
     """Inside a non-finite guard's inner update: `_select(ok, new, old)` with the guard's flag, remembered so that
     the guard does not select these leaves again; outside a guard: `new`. A transform whose update is computed from
@@ -194,7 +197,7 @@ def _with_decay(direction: optax.GradientTransformation, schedule, weight_decay,
     parts.append(optax.scale_by_learning_rate(schedule))
     return optax.chain(*parts)
 
-
+# %% ../../nbs/08e_optimizers.factory.ipynb #87304492
 @register_optimizer("adamw", AdamWConfig)
 def _adamw(c: AdamWConfig, schedule, weight_decay=0.0, weight_decay_mask=None):
     "`optax.adamw`'s chain, with `_scale_by_adam` (optax's numbers and state; cheaper under the non-finite guard)."
@@ -270,7 +273,7 @@ def kron_update_probability(
     return precond_update_prob_schedule(max_prob=1.0, min_prob=c.preconditioner_update_probability,
                                         decay=c.update_prob_decay, flat_start=c.update_prob_flat_start)
 
-
+# %% ../../nbs/08e_optimizers.factory.ipynb #b53ef727
 @register_optimizer("kron", KronConfig)
 def _kron(c: KronConfig, schedule, weight_decay=None, weight_decay_mask=None):
     d = scale_by_kron(
@@ -311,7 +314,7 @@ def _check_number(name, value, lo, *, allow_none=False, strict=False):
         raise ValueError(f"OptimizerFactory.create: {name}={value!r} is invalid: expected a number "
                          f"{'>' if strict else '>='} {lo}" + (" or None" if allow_none else "") + ".")
 
-
+# %% ../../nbs/08e_optimizers.factory.ipynb #346dc1ee
 def _checked_mask(mask: tp.Any) -> tp.Any:
     """`mask` (a callable or a pytree of bools) for `optax.masked`-style arguments; a pytree mask is checked here and,
     against the parameters, when the optimizer is initialised: a mismatch is a `ValueError` at `tx.init`, before any
@@ -334,7 +337,7 @@ def _checked_mask(mask: tp.Any) -> tp.Any:
         return mask
     return checked
 
-
+# %% ../../nbs/08e_optimizers.factory.ipynb #1735ebf9
 MAX_CONSECUTIVE_NONFINITE = 16  # `skip_nonfinite=True`: updates skipped in a row before a non-finite one goes through
 
 
@@ -474,41 +477,44 @@ class OptimizerFactory:
                              + (f" (did you mean {close[0]!r}?)" if close else ""))
         return _OPTIMIZERS[optimizer_type.lower()].config_cls
 
-    @classmethod
-    def make_config(
-        cls,
-        optimizer_type: str,  # a registered optimizer name, e.g. 'adamw'
-        optimizer_config=None,  # None (defaults), a dict or a config of that optimizer
-        **overrides,  # fields to replace
-    ):
-        """The validated config for `optimizer_type` from None (defaults), a dict (e.g. from YAML/JSON) or a
-        config instance, with `overrides` applied; unknown fields raise with the valid ones."""
-        config_cls = cls.config_class(optimizer_type)
-        entry = _OPTIMIZERS[optimizer_type.lower()]
-        if optimizer_config is None:
-            data = {}
-        elif isinstance(optimizer_config, tp.Mapping):
-            data = dict(optimizer_config)
-        elif isinstance(optimizer_config, config_cls):
-            data = {f.name: getattr(optimizer_config, f.name) for f in dataclasses.fields(optimizer_config)}
-        else:
-            raise TypeError(f"Invalid config type: optimizer_config={optimizer_config!r} is invalid for "
-                            f"optimizer_type={optimizer_type!r}: "
-                            f"expected a {config_cls.__name__}, a dict of its fields, or None")
-        data.update(overrides)
-        for k, v in entry.fixed.items():
-            if data.get(k) is not None and data[k] != v:  # None: not chosen, the name's value
-                raise ValueError(f"optimizer_type={optimizer_type!r} fixes {k}={v!r}, but the config has "
-                                 f"{k}={data[k]!r}; "
-                                 f"use optimizer_type='whitekron' to choose {k} freely")
-            data[k] = v
-        if issubclass(config_cls, ConfigMixin):
-            return config_cls.from_dict(data)
-        valid = [f.name for f in dataclasses.fields(config_cls)]
-        unknown = [k for k in data if k not in valid]
-        if unknown:
-            raise ValueError(f"{config_cls.__name__} got unknown field(s) {unknown}; valid fields: {valid}")
-        return config_cls(**data)
+
+# %% ../../nbs/08e_optimizers.factory.ipynb #53c9e717
+@patch(cls_method=True)
+def make_config(
+    cls: OptimizerFactory,
+    optimizer_type: str,  # a registered optimizer name, e.g. 'adamw'
+    optimizer_config=None,  # None (defaults), a dict or a config of that optimizer
+    **overrides,  # fields to replace
+):
+    """The validated config for `optimizer_type` from None (defaults), a dict (e.g. from YAML/JSON) or a
+    config instance, with `overrides` applied; unknown fields raise with the valid ones."""
+    config_cls = cls.config_class(optimizer_type)
+    entry = _OPTIMIZERS[optimizer_type.lower()]
+    if optimizer_config is None:
+        data = {}
+    elif isinstance(optimizer_config, tp.Mapping):
+        data = dict(optimizer_config)
+    elif isinstance(optimizer_config, config_cls):
+        data = {f.name: getattr(optimizer_config, f.name) for f in dataclasses.fields(optimizer_config)}
+    else:
+        raise TypeError(f"Invalid config type: optimizer_config={optimizer_config!r} is invalid for "
+                        f"optimizer_type={optimizer_type!r}: "
+                        f"expected a {config_cls.__name__}, a dict of its fields, or None")
+    data.update(overrides)
+    for k, v in entry.fixed.items():
+        if data.get(k) is not None and data[k] != v:  # None: not chosen, the name's value
+            raise ValueError(f"optimizer_type={optimizer_type!r} fixes {k}={v!r}, but the config has "
+                             f"{k}={data[k]!r}; "
+                             f"use optimizer_type='whitekron' to choose {k} freely")
+        data[k] = v
+    if issubclass(config_cls, ConfigMixin):
+        return config_cls.from_dict(data)
+    valid = [f.name for f in dataclasses.fields(config_cls)]
+    unknown = [k for k in data if k not in valid]
+    if unknown:
+        raise ValueError(f"{config_cls.__name__} got unknown field(s) {unknown}; valid fields: {valid}")
+    return config_cls(**data)
+
 
 # %% ../../nbs/08e_optimizers.factory.ipynb #0a157e7e
 @dataclasses.dataclass(frozen=True)
@@ -601,6 +607,38 @@ def _stage_local(name: str, config, tx, schedule, **options) -> StageLocalGradie
     return make_stage_local_gradient_transformation(
         tx, StageLocalOptimizerMetadata(schedule, optimizer_config=config, **options))
 
+# %% ../../nbs/08e_optimizers.factory.ipynb #1b2f5364
+def _learning_rate(scheduler_config, custom_scheduler, schedule):
+    "The learning rate a builder gets: the number of a constant schedule, else `schedule` itself."
+    sc = scheduler_config if isinstance(scheduler_config, SchedulerConfig) else (
+        SchedulerConfig() if scheduler_config is None else SchedulerConfig.from_dict(scheduler_config))
+    return sc.learning_rate if sc.scheduler_type == "constant" and custom_scheduler is None else schedule
+
+# %% ../../nbs/08e_optimizers.factory.ipynb #4ef629b9
+def _chain(entry: _Entry, config, lr, schedule, weight_decay, weight_decay_mask, clip_grad,
+           gradient_accumulation_steps: int) -> optax.GradientTransformation:
+    "The registered builder's transform with the factory's clip, decay and accumulation."
+    if entry.native_decay:
+        tx = entry.builder(config, lr, weight_decay=weight_decay, weight_decay_mask=weight_decay_mask)
+    else:
+        tx = entry.builder(config, lr)
+    parts = [tx]
+    if clip_grad:  # None or 0: no clipping (eformer's convention)
+        parts.insert(0, optax.clip_by_global_norm(clip_grad))
+    if weight_decay and not entry.native_decay:
+        parts.append(optax_add_scheduled_weight_decay(lambda step: -schedule(step) * weight_decay, weight_decay_mask))
+    tx = parts[0] if len(parts) == 1 else optax.chain(*parts)
+    if gradient_accumulation_steps > 1:
+        tx = optax.MultiSteps(tx, every_k_schedule=gradient_accumulation_steps)
+    return tx
+
+# %% ../../nbs/08e_optimizers.factory.ipynb #f1453044
+def _guarded(tx, name: str, config, max_nonfinite: int, clip_grad, gradient_accumulation_steps: int):
+    "`tx` inside `skip_nonfinite_updates`, with the cheaper finiteness check when a global-norm clip precedes it."
+    clipped = clip_grad or (name != "mars" and getattr(config, "max_grad_norm", None))
+    check = "norm" if clipped and gradient_accumulation_steps == 1 else "leaves"  # norm: the clip's, shared
+    return skip_nonfinite_updates(tx, max_consecutive_errors=max_nonfinite, check=check)
+
 # %% ../../nbs/08e_optimizers.factory.ipynb #ab89e6cb
 @patch(cls_method=True)
 def create(
@@ -633,26 +671,10 @@ def create(
         optimizer_type.lower(), entry.native_decay, config, weight_decay, weight_decay_mask, clip_grad)
     weight_decay_mask = _checked_mask(weight_decay_mask)
     schedule = SchedulerFactory.create_scheduler(scheduler_config, custom_scheduler)
-    sc = scheduler_config if isinstance(scheduler_config, SchedulerConfig) else (
-        SchedulerConfig() if scheduler_config is None else SchedulerConfig.from_dict(scheduler_config))
-    # a constant rate goes in as a number: optax then keeps no step counter for it
-    lr = sc.learning_rate if sc.scheduler_type == "constant" and custom_scheduler is None else schedule
-    if entry.native_decay:
-        tx = entry.builder(config, lr, weight_decay=weight_decay, weight_decay_mask=weight_decay_mask)
-    else:
-        tx = entry.builder(config, lr)
-    parts = [tx]
-    if clip_grad:  # None or 0: no clipping (eformer's convention)
-        parts.insert(0, optax.clip_by_global_norm(clip_grad))
-    if weight_decay and not entry.native_decay:
-        parts.append(optax_add_scheduled_weight_decay(lambda step: -schedule(step) * weight_decay, weight_decay_mask))
-    tx = parts[0] if len(parts) == 1 else optax.chain(*parts)
-    if gradient_accumulation_steps > 1:
-        tx = optax.MultiSteps(tx, every_k_schedule=gradient_accumulation_steps)
+    lr = _learning_rate(scheduler_config, custom_scheduler, schedule)
+    tx = _chain(entry, config, lr, schedule, weight_decay, weight_decay_mask, clip_grad, gradient_accumulation_steps)
     if max_nonfinite is not None:  # outermost: a bad gradient never reaches the accumulator or the moments
-        clipped = clip_grad or (optimizer_type.lower() != "mars" and getattr(config, "max_grad_norm", None))
-        check = "norm" if clipped and gradient_accumulation_steps == 1 else "leaves"  # norm: the clip's, shared
-        tx = skip_nonfinite_updates(tx, max_consecutive_errors=max_nonfinite, check=check)
+        tx = _guarded(tx, optimizer_type.lower(), config, max_nonfinite, clip_grad, gradient_accumulation_steps)
     return _stage_local(optimizer_type.lower(), config, tx, schedule, weight_decay=weight_decay,
                         weight_decay_mask=weight_decay_mask, gradient_accumulation_steps=gradient_accumulation_steps,
                         clip_grad=clip_grad), schedule
@@ -698,36 +720,43 @@ class OptimizerBuilder(abc.ABC):
         if not isinstance(self.config, self.config_class):
             raise TypeError(f"{type(self).__name__}.config must be a {self.config_class.__name__}, got {self.config!r}")
 
-    def build(
-        self,
-        scheduler: optax.ScalarOrSchedule,  # the learning rate: a number or an optax schedule
-    ) -> optax.GradientTransformation:
-        "The optimizer with learning rate `scheduler` (a number or a schedule), as the factory builds it."
-        config = OptimizerFactory.make_config(self.optimizer_type, self.config)
-        return _OPTIMIZERS[self.optimizer_type].builder(config, scheduler)
 
-    def build_mpmd(
-        self,
-        scheduler: optax.Schedule,  # the learning-rate schedule
-        *,
-        optimizer: str | optax.GradientTransformation,  # this builder's name, or (eformer's form) the built chain
-        **tx_kwargs,  # the optimizer's config fields
-    ) -> "StageLocalGradientTransformation":
-        """A stage-local optimizer for one pipeline stage: `optimizer` names this builder's type, `tx_kwargs` are the
-        factory's options (weight_decay, clip_grad, ...). eformer's form passes the built chain as `optimizer`: it is
-        wrapped as is, the options recorded in its metadata (unknown ones in `extra_kwargs`)."""
-        if isinstance(optimizer, optax.GradientTransformation):
-            known = {k: v for k, v in tx_kwargs.items() if k in _META_FIELDS and k != "extra_kwargs"}
-            meta = StageLocalOptimizerMetadata(scheduler=scheduler, optimizer_config=self.config, **known,
-                                               extra_kwargs={k: v for k, v in tx_kwargs.items() if k not in known})
-            return make_stage_local_gradient_transformation(optimizer, meta)
-        if not isinstance(optimizer, str) or optimizer.lower() != self.optimizer_type:
-            raise ValueError(f"{type(self).__name__}.build_mpmd: optimizer={optimizer!r} does not match this builder's "
-                             f"type {self.optimizer_type!r}")
-        tx = get_base_optimizer(self.optimizer_type, scheduler, self.config, **tx_kwargs)
-        meta = StageLocalOptimizerMetadata(scheduler=scheduler, optimizer_config=self.config,
-                                           **{k: v for k, v in tx_kwargs.items() if k in _META_FIELDS})
-        return make_stage_local_gradient_transformation(tx, meta)
+# %% ../../nbs/08e_optimizers.factory.ipynb #eb7d0150
+@patch
+def build(
+    self: OptimizerBuilder,
+    scheduler: optax.ScalarOrSchedule,  # the learning rate: a number or an optax schedule
+) -> optax.GradientTransformation:
+    "The optimizer with learning rate `scheduler` (a number or a schedule), as the factory builds it."
+    config = OptimizerFactory.make_config(self.optimizer_type, self.config)
+    return _OPTIMIZERS[self.optimizer_type].builder(config, scheduler)
+
+
+# %% ../../nbs/08e_optimizers.factory.ipynb #f404ae25
+@patch
+def build_mpmd(
+    self: OptimizerBuilder,
+    scheduler: optax.Schedule,  # the learning-rate schedule
+    *,
+    optimizer: str | optax.GradientTransformation,  # this builder's name, or (eformer's form) the built chain
+    **tx_kwargs,  # the optimizer's config fields
+) -> "StageLocalGradientTransformation":
+    """A stage-local optimizer for one pipeline stage: `optimizer` names this builder's type, `tx_kwargs` are the
+    factory's options (weight_decay, clip_grad, ...). eformer's form passes the built chain as `optimizer`: it is
+    wrapped as is, the options recorded in its metadata (unknown ones in `extra_kwargs`)."""
+    if isinstance(optimizer, optax.GradientTransformation):
+        known = {k: v for k, v in tx_kwargs.items() if k in _META_FIELDS and k != "extra_kwargs"}
+        meta = StageLocalOptimizerMetadata(scheduler=scheduler, optimizer_config=self.config, **known,
+                                           extra_kwargs={k: v for k, v in tx_kwargs.items() if k not in known})
+        return make_stage_local_gradient_transformation(optimizer, meta)
+    if not isinstance(optimizer, str) or optimizer.lower() != self.optimizer_type:
+        raise ValueError(f"{type(self).__name__}.build_mpmd: optimizer={optimizer!r} does not match this builder's "
+                         f"type {self.optimizer_type!r}")
+    tx = get_base_optimizer(self.optimizer_type, scheduler, self.config, **tx_kwargs)
+    meta = StageLocalOptimizerMetadata(scheduler=scheduler, optimizer_config=self.config,
+                                       **{k: v for k, v in tx_kwargs.items() if k in _META_FIELDS})
+    return make_stage_local_gradient_transformation(tx, meta)
+
 
 # %% ../../nbs/08e_optimizers.factory.ipynb #c738dd9f
 def _builder(name: str, config_cls: type, doc: str) -> type:
@@ -773,7 +802,7 @@ def serialize_config(
     import yaml
     return yaml.safe_dump({k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}, sort_keys=False)
 
-
+# %% ../../nbs/08e_optimizers.factory.ipynb #2ef54906
 @patch(cls_method=True)
 def deserialize_config(
     cls: OptimizerFactory,
@@ -794,7 +823,7 @@ def deserialize_config(
         raise TypeError(f"Expected dictionary input for dict format: got {type(data).__name__} {data!r}")
     return cls.make_config(optimizer_type, data)
 
-
+# %% ../../nbs/08e_optimizers.factory.ipynb #313ee4ca
 @patch(cls_method=True)
 def _convert_dtypes(
     cls: OptimizerFactory,

@@ -47,7 +47,7 @@ def kron_dense_axes(
         diag = [True] * len(shape)
     return [not (d == 1 or d > max_size or len(shape) < min_ndim or dg) for d, dg in zip(shape, diag)]
 
-
+# %% ../../nbs/08d_optimizers.kron.ipynb #212fd11b
 def kron_exprs(
     dense: list[bool],  # per axis: dense factor (True) or diagonal (False)
 ) -> tuple[str, tuple[str, ...], str]:
@@ -104,7 +104,7 @@ def norm_lower_bound(
 
     return jax.lax.cond(max_abs > 0, bound, lambda _: max_abs, A)
 
-
+# %% ../../nbs/08d_optimizers.kron.ipynb #155d726d
 def balance_factors(
     Q: list[jax.Array],  # the factors of one preconditioner
 ) -> list[jax.Array]:
@@ -114,7 +114,7 @@ def balance_factors(
     gmean = jnp.prod(norms) ** (1 / len(norms))
     return [q * (gmean / n).astype(q.dtype) for q, n in zip(Q, norms)]
 
-
+# %% ../../nbs/08d_optimizers.kron.ipynb #79f99803
 def solve_triangular_right(
     X: jax.Array,  # the right-hand sides, batched over leading axes
     A: jax.Array,  # an upper-triangular matrix
@@ -138,7 +138,7 @@ def _init_factors(t, dense_flags, init_scale: float, dtype) -> list:
     return [s * (jnp.eye(d, dtype=dtype) if dense else jnp.ones(d, dtype=dtype)) for d, dense in zip(t.shape,
                                                                                                      dense_flags)]
 
-
+# %% ../../nbs/08d_optimizers.kron.ipynb #ad908e70
 def precond_update_prob_schedule(
     max_prob: float = 1.0,  # the probability during the flat start
     min_prob: float = 0.03,  # the floor of the anneal
@@ -169,7 +169,7 @@ def _conj_b(Q: list[jax.Array], G: jax.Array, V: jax.Array) -> jax.Array:
             out = jnp.swapaxes(out, i, order - 1)
     return out
 
-
+# %% ../../nbs/08d_optimizers.kron.ipynb #adf499ff
 def _fit_kron_factors(Q, G, conjB, exprs, lr):
     "One Lie-group step `Q_i <- Q_i - lr * triu(E_i) Q_i / ||.||` per factor (diagonal: elementwise)."
     exprA, exprGs, _ = exprs
@@ -198,7 +198,7 @@ def _precision(p):
     "A `jax.default_matmul_precision` context, or no context for None."
     return contextlib.nullcontext() if p is None else jax.default_matmul_precision(p)
 
-
+# %% ../../nbs/08d_optimizers.kron.ipynb #56d909b9
 def _check_kron_options(b1, prob, memory_save_mode, precisions: dict, lax_map_batch_size) -> None:
     "Validate `scale_by_kron`'s options (clear errors naming the bad value)."
     if isinstance(b1, bool) or not isinstance(b1, (int, float)) or not 0 <= b1 < 1:
@@ -282,8 +282,7 @@ def scale_by_kron(
     _check_kron_options(b1, preconditioner_update_probability, memory_save_mode,
                         {"precond_update_precision": precond_update_precision,
                          "precond_grads_precision": precond_grads_precision}, lax_map_batch_size)
-    opts = {k: v for k, v in locals().items() if k not in ("normalize_grads", "merge_small_dims",
-                                                           "partition_grads_into_blocks")}
+    opts = {k: v for k, v in locals().items() if k not in ("normalize_grads", "merge_small_dims", "partition_grads_into_blocks")}
     if normalize_grads:
         return optax.chain(_normalize_grads(), scale_by_kron(**opts, merge_small_dims=merge_small_dims,
                                                              partition_grads_into_blocks=partition_grads_into_blocks))
@@ -296,40 +295,55 @@ def scale_by_kron(
                           mu_dtype, precond_dtype, precond_update_precision, precond_grads_precision, scanned_layers,
                           _layer_map(lax_map_scanned_layers, lax_map_batch_size), seed)
 
+# %% ../../nbs/08d_optimizers.kron.ipynb #1e282b0f
+def _kron_init(params, dense_of, scanned_layers, init_scale, pdt, b1, mu_dtype) -> ScaleByKronState:
+    "The initial Kron state: factors per `dense_of(leaf)` (one set per layer of a scanned leaf), zero momentum."
+    leaves, treedef = jax.tree.flatten(params)
+    Qs = []
+    for t, scan in zip(leaves, _kron_scan_flags(params, scanned_layers)):
+        Q = _init_factors(t[0] if scan else t, dense_of(t[0] if scan else t), init_scale, pdt)
+        Qs.append([jnp.repeat(q[None], t.shape[0], axis=0) for q in Q] if scan else Q)
+    mu = otu.tree_zeros_like(params, dtype=mu_dtype) if b1 > 0 else None
+    return ScaleByKronState(count=jnp.zeros([], jnp.int32), mu=mu, Qs=treedef.unflatten(Qs),
+                            update_counter=jnp.zeros([], jnp.int32))
+
+# %% ../../nbs/08d_optimizers.kron.ipynb #b570780c
+def _momentum(updates, mu, b1, count):
+    "`(new momentum, bias-corrected momentum)`, or `(None, updates)` when there is no momentum."
+    if mu is None:
+        return None, updates
+    mu = otu.tree_update_moment(updates, mu, b1, 1)
+    return mu, otu.tree_bias_correction(mu, b1, count)
+
+# %% ../../nbs/08d_optimizers.kron.ipynb #a85afd41
+def _fit_due(update_counter, prob, count):
+    "`(fit now?, new counter)`: a fit every `1 / p` steps, `p` the probability (or schedule) at `count`."
+    p = prob(count) if callable(prob) else prob
+    counter = optax.safe_increment(update_counter)
+    do_fit = counter >= 1 / p
+    return do_fit, jnp.where(do_fit, 0, counter)
+
 # %% ../../nbs/08d_optimizers.kron.ipynb #faeca316
 def _scale_by_kron(b1, prob, max_size_triangular, min_ndim_triangular, memory_save_mode, momentum_into_precond_update,
                    preconditioner_lr, preconditioner_init_scale, mu_dtype, precond_dtype, update_precision,
                    grads_precision, scanned_layers, mapped, seed) -> optax.GradientTransformation:
     "The Kron transform on whole tensors (`scale_by_kron` without normalising, merging or blocks)."
-    mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
-    pdt = None if precond_dtype is None else jnp.dtype(precond_dtype)
+    mu_dtype, pdt = (None if dt is None else jnp.dtype(dt) for dt in (mu_dtype, precond_dtype))
 
     def layout(t):
         dense = kron_dense_axes(t.shape, max_size_triangular, min_ndim_triangular, memory_save_mode)
         return dense, kron_exprs(dense)
 
     def init_fn(params):
-        leaves, treedef = jax.tree.flatten(params)
-        Qs = []
-        for t, scan in zip(leaves, _kron_scan_flags(params, scanned_layers)):
-            Q = _init_factors(t[0] if scan else t, layout(t[0] if scan else t)[0], preconditioner_init_scale, pdt)
-            Qs.append([jnp.repeat(q[None], t.shape[0], axis=0) for q in Q] if scan else Q)
-        mu = otu.tree_zeros_like(params, dtype=mu_dtype) if b1 > 0 else None
-        return ScaleByKronState(count=jnp.zeros([], jnp.int32), mu=mu, Qs=treedef.unflatten(Qs),
-                                update_counter=jnp.zeros([], jnp.int32))
+        return _kron_init(params, lambda t: layout(t)[0], scanned_layers, preconditioner_init_scale, pdt, b1, mu_dtype)
 
     def update_fn(updates, state, params=None):
         del params
         count = optax.safe_increment(state.count)
         key = jax.random.fold_in(jax.random.PRNGKey(seed), state.count)
-        p = prob(count) if callable(prob) else prob
-        mu, mom = None, updates
-        if state.mu is not None:
-            mu = otu.tree_update_moment(updates, state.mu, b1, 1)
-            mom = otu.tree_bias_correction(mu, b1, count)
+        mu, mom = _momentum(updates, state.mu, b1, count)
         grads, treedef = jax.tree.flatten(updates)
-        scans, mom, Qs = _kron_scan_flags(updates,
-                                          scanned_layers), treedef.flatten_up_to(mom), treedef.flatten_up_to(state.Qs)
+        scans, mom, Qs = _kron_scan_flags(updates, scanned_layers), treedef.flatten_up_to(mom), treedef.flatten_up_to(state.Qs)
         exprs = [layout(g[0] if sc else g)[1] for g, sc in zip(grads, scans)]
 
         def fit(key, Qs):
@@ -338,9 +352,7 @@ def _scale_by_kron(b1, prob, max_size_triangular, min_ndim_triangular, memory_sa
                                 preconditioner_lr)
             return otu.tree_cast(new, pdt)
 
-        counter = optax.safe_increment(state.update_counter)
-        do_fit = counter >= 1 / p
-        counter = jnp.where(do_fit, 0, counter)
+        do_fit, counter = _fit_due(state.update_counter, prob, count)
         key, sub = jax.random.split(key)
         Qs = jax.lax.cond(do_fit, fit, lambda _, qs: qs, sub, Qs)
         with _precision(grads_precision):
@@ -373,7 +385,7 @@ def _norm_lower_bound_spd(A):
 
     return jax.lax.cond(scale > jnp.finfo(A.dtype).smallest_normal, bound, lambda _: scale, A)
 
-
+# %% ../../nbs/08d_optimizers.kron.ipynb #96dd2bcc
 def _procrustes_step(q, max_step: float = 0.2):
     "Rotate `q` a little along `R = q^T - q` so that it moves toward the closest symmetric matrix."
     R = q.T - q
@@ -427,7 +439,7 @@ def fit_white_kron_factors(
         newQ.append(q); newL.append(L)
     return newQ, newL
 
-
+# %% ../../nbs/08d_optimizers.kron.ipynb #7a264e2f
 class ScaleByWhiteKronState(tp.NamedTuple):
     count: jax.Array  # steps so far (int32)
     mu: optax.Updates | None  # momentum (None when b1 == 0)
@@ -442,7 +454,7 @@ def _white_kron_init(params, dense_of, init_scale, pdt, b1, mu_dtype) -> ScaleBy
     mu = otu.tree_zeros_like(params, dtype=mu_dtype) if b1 > 0 else None
     return ScaleByWhiteKronState(count=jnp.zeros([], jnp.int32), mu=mu, Qs=Qs, Ls=Ls)
 
-
+# %% ../../nbs/08d_optimizers.kron.ipynb #758570cd
 def _check_white_kron(update_style, lr_style, b1) -> None:
     "Validate `scale_by_white_kron`'s style options and momentum rate."
     if update_style not in ("quad", "skew"):
@@ -452,6 +464,15 @@ def _check_white_kron(update_style, lr_style, b1) -> None:
         raise ValueError(f"scale_by_white_kron: lr_style={lr_style!r} is invalid: expected one of ['adam', None].")
     if isinstance(b1, bool) or not isinstance(b1, (int, float)) or not 0 <= b1 < 1:
         raise ValueError(f"scale_by_white_kron: b1={b1!r} is invalid: expected a number in [0, 1).")
+
+# %% ../../nbs/08d_optimizers.kron.ipynb #4ea42a58
+def _white_kron_leaf(m, Q, L, key, exprs, balance, damping, lr, beta, style, pdt):
+    "One leaf: `(preconditioned update, new factors, new Lipschitz estimates)` from its momentum `m`."
+    Q = jax.lax.cond(balance, balance_factors, lambda q: q, Q)
+    fit_in = m + damping * jax.random.normal(key, m.shape, m.dtype) if damping else m
+    Q, L = fit_white_kron_factors(Q, L, fit_in, exprs, lr, beta, style)
+    Q = otu.tree_cast(Q, pdt)
+    return _rms_cap(jnp.einsum(exprs[2], *[q.conj() for q in Q], *Q, m)), Q, L
 
 # %% ../../nbs/08d_optimizers.kron.ipynb #79e59dec
 def scale_by_white_kron(
@@ -471,8 +492,7 @@ def scale_by_white_kron(
 ) -> optax.GradientTransformation:
     "WhiteKron direction (without the learning rate): PSGD Kron whitening with SPD factors, `quad` or `skew` updates."
     _check_white_kron(update_style, lr_style, b1)
-    mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
-    pdt = None if precond_dtype is None else jnp.dtype(precond_dtype)
+    mu_dtype, pdt = (None if dt is None else jnp.dtype(dt) for dt in (mu_dtype, precond_dtype))
 
     def layout(t):
         n = max(t.size, 1)
@@ -487,10 +507,7 @@ def scale_by_white_kron(
         count = optax.safe_increment(state.count)
         if normalize_grads:
             updates = jax.tree.map(lambda g: g / (jnp.sqrt(jnp.mean(jnp.square(g))) + 1e-30), updates)
-        mu, mom = None, updates
-        if state.mu is not None:
-            mu = otu.tree_update_moment(updates, state.mu, b1, 1)
-            mom = otu.tree_bias_correction(mu, b1, count)
+        mu, mom = _momentum(updates, state.mu, b1, count)
         grads, treedef = jax.tree.flatten(updates)
         mom = treedef.flatten_up_to(mom)
         Qs, Ls = treedef.flatten_up_to(state.Qs), treedef.flatten_up_to(state.Ls)
@@ -498,12 +515,8 @@ def scale_by_white_kron(
         balance = state.count % 100 == 0
         newQs, newLs, out = [], [], []
         for g, m, Q, L, k in zip(grads, mom, Qs, Ls, keys):
-            exprs = layout(g)[1]
-            Q = jax.lax.cond(balance, balance_factors, lambda q: q, Q)
-            fit_in = m + damping * jax.random.normal(k, m.shape, m.dtype) if damping else m
-            Q, L = fit_white_kron_factors(Q, L, fit_in, exprs, preconditioner_lr, beta_lipschitz, update_style)
-            Q = otu.tree_cast(Q, pdt)
-            u = _rms_cap(jnp.einsum(exprs[2], *[q.conj() for q in Q], *Q, m))
+            u, Q, L = _white_kron_leaf(m, Q, L, k, layout(g)[1], balance, damping, preconditioner_lr, beta_lipschitz,
+                                       update_style, pdt)
             out.append(u * 0.2 if lr_style == "adam" else u)
             newQs.append(Q); newLs.append(L)
         return treedef.unflatten(out), ScaleByWhiteKronState(
@@ -540,7 +553,7 @@ def _white_kron_compat(style: str, lr_style, b1, normalize_grads, max_size_dense
         damping=noise_scale, max_size_dense=max_size_dense, lr_style=lr_style, normalize_grads=normalize_grads,
         precond_dtype=dtype), merge_small_dims=False, partition_grads_into_blocks=True, block_size=block_size)
 
-
+# %% ../../nbs/08d_optimizers.kron.ipynb #3ddd6952
 def scale_by_quad(
     lr_style: str | None = "adam",  # "adam": Adam-like update RMS 0.2; None: RMS 1
     b1: float = 0.95,  # momentum rate (0: none)
@@ -612,7 +625,7 @@ def quad(
                                   dtype, scanned_layers, block_size, pipeline_axis_name, pipeline_axis_size,
                                   params_partition_specs, noise_scale), learning_rate, weight_decay, weight_decay_mask)
 
-
+# %% ../../nbs/08d_optimizers.kron.ipynb #61eef80e
 def skew(
     learning_rate: optax.ScalarOrSchedule = 0.001,  # a number or an optax schedule
     lr_style: str | None = "adam",  # "adam": Adam-like update RMS 0.2; None: RMS 1

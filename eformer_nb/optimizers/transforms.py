@@ -87,6 +87,22 @@ def _mars_options(b1, b2, gamma, eps, eps_root, max_grad_norm, beta1, beta2, eps
                          "(0: no clip).")
     return beta1, beta2, epsilon
 
+# %% ../../nbs/08c_optimizers.transforms.ipynb #75d231b8
+def _clip_tensor(c, max_grad_norm: float):
+    "`c` scaled down to norm `max_grad_norm` when its norm (in at least float32) is larger."
+    norm = jnp.sqrt(jnp.sum(jnp.square(c.astype(jnp.promote_types(c.dtype, jnp.float32)))))
+    return c * jnp.minimum(1.0, max_grad_norm / jnp.maximum(norm, 1e-30)).astype(c.dtype)
+
+
+def _mars_gradient(updates, last_grad, gamma: float, scale: float, max_grad_norm: float | None):
+    "The corrected gradient of every leaf (the plain gradient when `gamma` is 0), clipped per tensor."
+    c = updates
+    if gamma:
+        c = jax.tree.map(lambda g, lg: g + scale * (g - lg), updates, last_grad)
+    if max_grad_norm is not None:
+        c = jax.tree.map(lambda x: _clip_tensor(x, max_grad_norm), c)
+    return c
+
 # %% ../../nbs/08c_optimizers.transforms.ipynb #bc96b8aa
 def scale_by_mars(
     b1: float = 0.9,  # EMA rate of the first moment
@@ -106,7 +122,6 @@ def scale_by_mars(
     eformer's names and defaults; `max_grad_norm` of 0 or None means no clipping. `beta1`/`beta2`/`epsilon`
     are the older spellings of `b1`/`b2`/`eps` (give one or the other)."""
     beta1, beta2, epsilon = _mars_options(b1, b2, gamma, eps, eps_root, max_grad_norm, beta1, beta2, epsilon)
-    max_grad_norm = max_grad_norm or None
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
     scale = gamma * beta1 / (1.0 - beta1)
 
@@ -115,17 +130,9 @@ def scale_by_mars(
                                 mu=otu.tree_zeros_like(params, dtype=mu_dtype), nu=otu.tree_zeros_like(params),
                                 last_grad=otu.tree_zeros_like(params) if gamma else None)
 
-    def clip(c):
-        norm = jnp.sqrt(jnp.sum(jnp.square(c.astype(jnp.promote_types(c.dtype, jnp.float32)))))
-        return c * jnp.minimum(1.0, max_grad_norm / jnp.maximum(norm, 1e-30)).astype(c.dtype)
-
     def update_fn(updates, state, params=None):
         del params
-        c = updates
-        if gamma:
-            c = jax.tree.map(lambda g, lg: g + scale * (g - lg), updates, state.last_grad)
-        if max_grad_norm is not None:
-            c = jax.tree.map(clip, c)
+        c = _mars_gradient(updates, state.last_grad, gamma, scale, max_grad_norm or None)
         mu = otu.tree_update_moment(c, state.mu, beta1, 1)
         nu = otu.tree_update_moment_per_elem_norm(c, state.nu, beta2, 2)
         count = optax.safe_increment(state.count)
@@ -239,6 +246,16 @@ def _soap_leaf(g, m, v, s, q, t, *, beta1, beta2, shampoo_beta, epsilon, precond
     d, m2, v2, q2 = jax.lax.cond(t == 0, first_step, later_step, None)
     return d, m2, v2, s_new, q2
 
+# %% ../../nbs/08c_optimizers.transforms.ipynb #4b4d7208
+def _check_soap_options(beta1, beta2, shampoo_beta, precondition_frequency) -> None:
+    "Validate `scale_by_soap`'s rates and refresh frequency."
+    for n, v in (("beta1", beta1), ("beta2", beta2), ("shampoo_beta", shampoo_beta)):
+        _check_unit(n, v, "scale_by_soap")
+    if isinstance(precondition_frequency, bool) or not isinstance(precondition_frequency,
+                                                                  int) or precondition_frequency < 1:
+        raise ValueError(f"scale_by_soap: precondition_frequency={precondition_frequency!r} is invalid: expected an "
+                         "integer >= 1.")
+
 # %% ../../nbs/08c_optimizers.transforms.ipynb #503e65d4
 def scale_by_soap(
     beta1: float = 0.95,  # EMA rate of the first moment
@@ -252,12 +269,7 @@ def scale_by_soap(
     mu_dtype: tp.Any | None = None,  # dtype of the stored first moment (None: the parameter's)
 ) -> optax.GradientTransformation:  # the SOAP direction, without the learning rate
     "SOAP direction (without the learning rate): Adam in the eigenbasis of Shampoo's preconditioner."
-    for n, v in (("beta1", beta1), ("beta2", beta2), ("shampoo_beta", shampoo_beta)):
-        _check_unit(n, v, "scale_by_soap")
-    if isinstance(precondition_frequency, bool) or not isinstance(precondition_frequency,
-                                                                  int) or precondition_frequency < 1:
-        raise ValueError(f"scale_by_soap: precondition_frequency={precondition_frequency!r} is invalid: expected an "
-                         "integer >= 1.")
+    _check_soap_options(beta1, beta2, shampoo_beta, precondition_frequency)
     pdt = None if precond_dtype is None else jnp.dtype(precond_dtype)
     mdt = None if mu_dtype is None else jnp.dtype(mu_dtype)
     opts = dict(beta1=beta1, beta2=beta2, shampoo_beta=shampoo_beta, epsilon=epsilon,
@@ -283,7 +295,7 @@ def scale_by_soap(
 
     return optax.GradientTransformation(init_fn, update_fn)
 
-
+# %% ../../nbs/08c_optimizers.transforms.ipynb #89fc1f8e
 def soap(
     learning_rate: optax.ScalarOrSchedule,  # a number or a schedule step -> learning rate
     beta1: float = 0.95,  # EMA rate of the first moment
@@ -370,7 +382,7 @@ def leaf_flags(tree, scanned_layers) -> list[bool]:
     flags = scanned_layers(tree) if callable(scanned_layers) else scanned_layers
     return [bool(f) for f in jax.tree.structure(tree).flatten_up_to(flags)]
 
-
+# %% ../../nbs/08c_optimizers.transforms.ipynb #e83450ad
 def blockwise(
     inner: tp.Callable[..., optax.GradientTransformation],  # scanned_layers -> the transform run on the blocks
     merge_small_dims: bool = True,  # join adjacent small axes (up to `target_merged_dim_size`)

@@ -40,7 +40,7 @@ def resolve_config(
     raise TypeError(f"config must be a QuantizationConfig, a quantization type name or None, "
                     f"got {config!r} of type {type(config).__name__}")
 
-
+# %% ../../../nbs/06l_ops.quantization.ipynb #de8dd6b4
 def quantize(
     array: jax.Array,  # the float array to quantize
     config: QuantizationConfig | QuantizationType | str | None = None,  # a config, a type name, or None (NF4)
@@ -67,7 +67,7 @@ def quantize(
     cls = Array1B if c.dtype is QuantizationType.BINARY else ArrayTernary
     return cls.quantize(array, block_size=None if c.granularity == "row" else c.block_size, nonfinite=c.nonfinite)
 
-
+# %% ../../../nbs/06l_ops.quantization.ipynb #817bf312
 def straight_through(
     array: jax.Array,  # the float (master) weight
     config: QuantizationConfig | QuantizationType | str | None = None,  # a config, a type name, or None (NF4)

@@ -72,7 +72,7 @@ class QuantizationConfig:
     granularity: str | None = None  # None: the type's default (see `GRANULARITIES`)
     double_quant: bool = False
     nonfinite: str = "raise"  # NaN/Inf in the input: "raise" (a clear error) or "keep" (exactly where they were)
-    block_axis: int | None = None  # nf4: blocks along axis -1 or -2; None: -1 (modules.llama kernels: -2, bitsandbytes')
+    block_axis: int | None = None  # nf4: blocks along axis -1 or -2; None: -1 (a model's (in, out) kernels: -2, bitsandbytes')
 
     def __post_init__(self):
         qt = QuantizationType.parse(self.dtype)
@@ -213,26 +213,34 @@ class QuantizedArray(ImplicitArray):
     def _check_leaves(self) -> None:
         "Raise a `ValueError` naming the leaf whose shape does not fit the others (subclasses)."
 
-    def leaf_error(self, what: str, got: tp.Any, expected: tp.Any) -> ValueError:
-        return ValueError(f"{type(self).__name__}: {what} has shape {tuple(got)}, expected {tuple(expected)} "
-                          f"for {self._shape_note()}")
+# %% ../../../nbs/06a_ops.quantization.config.ipynb #45ef691d
+@patch
+def leaf_error(self: QuantizedArray, what: str, got: tp.Any, expected: tp.Any) -> ValueError:
+    return ValueError(f"{type(self).__name__}: {what} has shape {tuple(got)}, expected {tuple(expected)} "
+                      f"for {self._shape_note()}")
 
-    def _shape_note(self) -> str:
-        return f"an array of shape {tuple(self.shape)}"
 
-    def astype(
-        self,
-        dtype,  # the new logical dtype (a float dtype)
-    ) -> QuantizedArray:
-        "The same quantized data with logical dtype `dtype` (a float dtype)."
-        dtype = jnp.dtype(dtype)
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(f"a quantized array's logical dtype must be floating, got {dtype}")
-        return dataclasses.replace(self, dtype=dtype)
+@patch
+def _shape_note(self: QuantizedArray) -> str:
+    return f"an array of shape {tuple(self.shape)}"
 
-    def dequantize(self) -> jax.Array:
-        "Alias of `materialize()`."
-        return self.materialize()
+# %% ../../../nbs/06a_ops.quantization.config.ipynb #85a577d4
+@patch
+def astype(
+    self: QuantizedArray,
+    dtype,  # the new logical dtype (a float dtype)
+) -> QuantizedArray:
+    "The same quantized data with logical dtype `dtype` (a float dtype)."
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"a quantized array's logical dtype must be floating, got {dtype}")
+    return dataclasses.replace(self, dtype=dtype)
+
+
+@patch
+def dequantize(self: QuantizedArray) -> jax.Array:
+    "Alias of `materialize()`."
+    return self.materialize()
 
 # %% ../../../nbs/06a_ops.quantization.config.ipynb #9c4fc188
 @register(lax.dot_general_p)
@@ -277,7 +285,7 @@ def leaf_shardings(
     return {k: NamedSharding(mesh, PartitionSpec(*self._leaf_spec(k, v, spec)))
             for k, v in leaves.items() if v is not None}
 
-
+# %% ../../../nbs/06a_ops.quantization.config.ipynb #4e0a7ebc
 @patch
 def with_sharding(
     self: QuantizedArray,

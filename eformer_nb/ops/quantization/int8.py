@@ -73,42 +73,50 @@ class Array8B(QuantizedArray):
     nonfinite: jax.Array | None = None  # uint8 NaN/Inf codes (shape of the array) when quantized with nonfinite="keep"
     sharding: tp.Any = aux_field(default=None)  # the NamedSharding of the logical array, recorded by `with_sharding`
 
-    @property
-    def weight(self) -> jax.Array:
-        "The int8 codes (`q`), under eformer's name."
-        return self.q
-
     def _leaf_spec(self, name: str, leaf: jax.Array, spec: tuple) -> tuple:
         if name == "scale" and self.block_size is None:
             return spec[-1:]  # one scale per channel of the last axis: it follows that axis
         return super()._leaf_spec(name, leaf, spec)
 
-    def _check_leaves(self) -> None:
-        q = tuple(self.q.shape)
-        if self.block_size is None:
-            want = q[-1:]
-        else:
-            check_block_size(self.block_size, None, 1, "int8")
-            if not q or q[-1] % self.block_size:
-                raise ValueError(f"Array8B: block_size={self.block_size} does not divide the last axis of q {q}")
-            want = (*q[:-1], q[-1] // self.block_size)
-        if tuple(self.scale.shape) != want:
-            raise self.leaf_error("scale", self.scale.shape, want)
-
-    def _shape_note(self) -> str:
-        how = "per channel" if self.block_size is None else f"per block of {self.block_size}"
-        return f"q of shape {tuple(self.q.shape)} scaled {how}"
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.q.shape)
-
     def slices_along_axis0(self) -> bool:
         # a per-channel scale (N,) does not follow axis 0 even when N happens to equal shape[0]
         return self.block_size is not None and super().slices_along_axis0()
 
-    def materialize(self) -> jax.Array:
-        return restore_nonfinite(int8_dequantize(self.q, self.scale, self.block_size, self.dtype), self.nonfinite)
+# %% ../../../nbs/06c_ops.quantization.int8.ipynb #1b886253
+@patch(as_prop=True)
+def weight(self: Array8B) -> jax.Array:
+    "The int8 codes (`q`), under eformer's name."
+    return self.q
+
+
+@patch
+def _check_leaves(self: Array8B) -> None:
+    q = tuple(self.q.shape)
+    if self.block_size is None:
+        want = q[-1:]
+    else:
+        check_block_size(self.block_size, None, 1, "int8")
+        if not q or q[-1] % self.block_size:
+            raise ValueError(f"Array8B: block_size={self.block_size} does not divide the last axis of q {q}")
+        want = (*q[:-1], q[-1] // self.block_size)
+    if tuple(self.scale.shape) != want:
+        raise self.leaf_error("scale", self.scale.shape, want)
+
+
+@patch
+def _shape_note(self: Array8B) -> str:
+    how = "per channel" if self.block_size is None else f"per block of {self.block_size}"
+    return f"q of shape {tuple(self.q.shape)} scaled {how}"
+
+
+@patch(as_prop=True)
+def shape(self: Array8B) -> tuple[int, ...]:
+    return tuple(self.q.shape)
+
+
+@patch
+def materialize(self: Array8B) -> jax.Array:
+    return restore_nonfinite(int8_dequantize(self.q, self.scale, self.block_size, self.dtype), self.nonfinite)
 
 # %% ../../../nbs/06c_ops.quantization.int8.ipynb #2b2818c9
 def _is_int(a) -> bool:
@@ -138,7 +146,7 @@ def _int8_axis_layout(shape: tuple, axis, block_size) -> tuple[int | None, bool]
                      f"all axes but the last ({tuple(range(nd - 1))}: one per last-axis channel), over the last axis "
                      f"(-1: one per row), or over every axis ({tuple(range(nd))}: one for the array)")
 
-
+# %% ../../../nbs/06c_ops.quantization.int8.ipynb #61da9061
 @patch(cls_method=True)
 def quantize(
     cls: Array8B,
@@ -170,7 +178,7 @@ def _scale_grad(x, g, q: jax.Array) -> jax.Array:
     dw = jnp.dot(x.T.astype(jnp.float32), g.astype(jnp.float32))
     return jnp.sum(dw * q.astype(jnp.float32), axis=0)
 
-
+# %% ../../../nbs/06c_ops.quantization.int8.ipynb #ec650e70
 @jax.custom_vjp
 def int8_matmul(x, q, scale):
     "`x @ (q * scale)` for 2-D `x` (M, K) and per-channel int8 `q` (K, N), differentiable in `x` and `scale`."
@@ -192,7 +200,7 @@ def _mm_bwd(res, g):
 
 int8_matmul.defvjp(_mm_fwd, _mm_bwd, symbolic_zeros=True)
 
-
+# %% ../../../nbs/06c_ops.quantization.int8.ipynb #01c29c92
 @jax.custom_vjp
 def int8_matmul_t(g, q, scale):
     "`g @ (q * scale)ᵀ` for 2-D `g` (M, N) and per-channel int8 `q` (K, N), differentiable in `g` and `scale`."

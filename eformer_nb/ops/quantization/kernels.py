@@ -251,7 +251,7 @@ def _nf4_pair_values(pair):
     return (jax.lax.bitcast_convert_type(pair & jnp.uint32(0xFFFF0000), f32),
             jax.lax.bitcast_convert_type(pair << jnp.uint32(16), f32))
 
-
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #b678ebd0
 def _nf4_tile(p, scale_cols, hb: int, dtype, lut=None):
     """Dequantize a byte tile `p` (bk, hn): returns (W_even, W_odd) in `dtype`; `scale_cols[s]` is (bk, 1) for bytes
     [s*hb, (s+1)*hb). `lut`: a ref of `_nf4_pair_table` (uint32, 256: one gather decodes a byte) or of the float32
@@ -272,7 +272,7 @@ def _nf4_tile(p, scale_cols, hb: int, dtype, lut=None):
     hi, lo = hi * scale, lo * scale
     return hi.astype(dtype), lo.astype(dtype)
 
-
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #fd428421
 def _nf4_lut(dtype):
     "The decoding table a GPU kernel gathers from: the float32 codebook for float32 operands, else the pair table."
     exact = jnp.dtype(dtype) == jnp.float32
@@ -308,7 +308,7 @@ class Tiles:
     stages: int = 2
     gemv: bool = False
 
-
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #c80a5e9d
 def _pow2(v: int) -> bool:
     return v > 0 and v & (v - 1) == 0
 
@@ -375,7 +375,7 @@ def _gpu_tiles_heuristic(kind: str, m: int, K: int, cols: int, block_size: int, 
     split = -(-nch // -(-nch // split))  # as many chunks per program as needed, and no program left without one
     return Tiles(bm, bc, bo, split) if transposed else Tiles(bm, bo, bc, split)
 
-
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #71d76e4a
 MEASURED_TILES = "gpu_tiles_h200.json"  # in eformer_nb/data: the winners of the GPU page's sweep on an H200
 
 
@@ -395,7 +395,7 @@ def measured_tiles() -> dict:
             **{f: v[f] for f in ("bm", "bn", "bk", "split", "warps", "stages", "gemv")})
     return out
 
-
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #4c9a677c
 def _gpu_tiles(kind: str, m: int, K: int, cols: int, block_size: int | None, transposed: bool) -> Tiles:
     """GPU tiles for an (m, ...) x (K, cols) product: `TILE_OVERRIDES` (yours), else what the H200 sweep measured for
     this product (`measured_tiles`), else the cached heuristic."""
@@ -889,7 +889,7 @@ def alu_budget(kind: str, block_size: int = DEFAULT_BLOCK_SIZE) -> float:
     per_weight_bytes = 0.5 + 4 / block_size if kind == "nf4" else 1.0
     return per_weight_bytes * H200_ALU_OPS / H200_HBM_BPS
 
-
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #36a79424
 def occupancy(
     kind: str,  # 'nf4' or 'int8'
     m: int,  # rows of the activations

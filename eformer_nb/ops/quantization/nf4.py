@@ -66,7 +66,7 @@ def nf4_encode(
     codes = jnp.where(jnp.isnan(scaled), jnp.uint8(15), below)
     return codes.reshape(xf.shape), absmax
 
-
+# %% ../../../nbs/06b_ops.quantization.nf4.ipynb #ef59940a
 def nf4_pack(
     codes: jax.Array,  # uint8 codes in [0, 16), an even-length last axis
 ) -> jax.Array:
@@ -81,7 +81,7 @@ def nf4_unpack(
     codes = jnp.stack([packed >> 4, packed & 0xF], axis=-1)
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
-
+# %% ../../../nbs/06b_ops.quantization.nf4.ipynb #cc15ba5c
 def nf4_decode(
     packed: jax.Array,  # uint8 (..., Np // 2)
     absmax: jax.Array,  # float32 (..., Np // block_size)
@@ -181,7 +181,7 @@ def _cascade(rows: jax.Array) -> jax.Array:
     acc0 = _seq_sum(rows[n1 * step :])
     return ((acc0 + _seq_sum(c1[n2 * step :])) + _seq_sum(c2[n3 * step :])) + _seq_sum(c3)
 
-
+# %% ../../../nbs/06b_ops.quantization.nf4.ipynb #699d7743
 @jax.jit
 def torch_cpu_sum(x: jax.Array) -> jax.Array:
     "The float32 sum of `x` in the order of torch's single-threaded CPU kernel (8 lanes, 4 rows, cascade), bit for bit."
@@ -259,22 +259,6 @@ class ArrayNF4(QuantizedArray):
             object.__setattr__(self, "n", 2 * self.packed.shape[-1])
         super().__post_init__()
 
-    def _check_leaves(self) -> None:
-        _check_block(self.block_size)
-        p = tuple(self.packed.shape)
-        if self.transposed and len(p) < 2:
-            raise ValueError(f"ArrayNF4: transposed=True needs packed codes with at least 2 axes, got shape {p}")
-        if not 0 < self.n <= 2 * p[-1] or (2 * p[-1]) % self.block_size:
-            raise ValueError(f"ArrayNF4: n={self.n} and block_size={self.block_size} do not fit packed codes of "
-                             f"shape {p}")
-        blocks = (*p[:-1], 2 * p[-1] // self.block_size)
-        if self.absmax is not None and tuple(self.absmax.shape) != blocks:
-            raise self.leaf_error("absmax", self.absmax.shape, blocks)
-        if self.qabsmax is not None and tuple(self.qabsmax.shape) != blocks:
-            raise self.leaf_error("qabsmax", self.qabsmax.shape, blocks)
-        if (self.absmax is None) == (self.qabsmax is None):
-            raise ValueError("ArrayNF4: give exactly one of absmax (float32) and qabsmax (double quantization)")
-
     @property
     def shape(self) -> tuple[int, ...]:
         stored = (*self.packed.shape[:-1], self.n)
@@ -284,6 +268,23 @@ class ArrayNF4(QuantizedArray):
     def double_quant(self) -> bool:
         return self.qabsmax is not None
 
+# %% ../../../nbs/06b_ops.quantization.nf4.ipynb #ca20eba5
+@patch
+def _check_leaves(self: ArrayNF4) -> None:
+    _check_block(self.block_size)
+    p = tuple(self.packed.shape)
+    if self.transposed and len(p) < 2:
+        raise ValueError(f"ArrayNF4: transposed=True needs packed codes with at least 2 axes, got shape {p}")
+    if not 0 < self.n <= 2 * p[-1] or (2 * p[-1]) % self.block_size:
+        raise ValueError(f"ArrayNF4: n={self.n} and block_size={self.block_size} do not fit packed codes of "
+                         f"shape {p}")
+    blocks = (*p[:-1], 2 * p[-1] // self.block_size)
+    if self.absmax is not None and tuple(self.absmax.shape) != blocks:
+        raise self.leaf_error("absmax", self.absmax.shape, blocks)
+    if self.qabsmax is not None and tuple(self.qabsmax.shape) != blocks:
+        raise self.leaf_error("qabsmax", self.qabsmax.shape, blocks)
+    if (self.absmax is None) == (self.qabsmax is None):
+        raise ValueError("ArrayNF4: give exactly one of absmax (float32) and qabsmax (double quantization)")
 
 # %% ../../../nbs/06b_ops.quantization.nf4.ipynb #b7a1e0d4
 @patch
