@@ -1947,6 +1947,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                               'eformer_nb/modules/llama/modeling.py'),
                                                    'eformer_nb.modules.llama.modeling.LlamaModel.__init__': ( 'nbs/modules.llama.modeling.html#llamamodel.__init__',
                                                                                                               'eformer_nb/modules/llama/modeling.py'),
+                                                   'eformer_nb.modules.llama.modeling._check_cache': ( 'nbs/modules.llama.modeling.html#_check_cache',
+                                                                                                       'eformer_nb/modules/llama/modeling.py'),
                                                    'eformer_nb.modules.llama.modeling._check_inputs': ( 'nbs/modules.llama.modeling.html#_check_inputs',
                                                                                                         'eformer_nb/modules/llama/modeling.py'),
                                                    'eformer_nb.modules.llama.modeling._compute_loss': ( 'nbs/modules.llama.modeling.html#_compute_loss',
