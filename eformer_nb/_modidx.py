@@ -578,6 +578,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                        'eformer_nb/executor/cluster_util.py'),
                                                   'eformer_nb.executor.cluster_util._likely_cause': ( 'nbs/executor.cluster_util.html#_likely_cause',
                                                                                                       'eformer_nb/executor/cluster_util.py'),
+                                                  'eformer_nb.executor.cluster_util._local_handle': ( 'nbs/executor.cluster_util.html#_local_handle',
+                                                                                                      'eformer_nb/executor/cluster_util.py'),
                                                   'eformer_nb.executor.cluster_util._local_start_env': ( 'nbs/executor.cluster_util.html#_local_start_env',
                                                                                                          'eformer_nb/executor/cluster_util.py'),
                                                   'eformer_nb.executor.cluster_util._local_start_lock': ( 'nbs/executor.cluster_util.html#_local_start_lock',
