@@ -46,7 +46,7 @@ def _version(dist: str) -> str:
     except metadata.PackageNotFoundError:
         return "not installed"
 
-
+# %% ../nbs/99b_benchmarking.ipynb #3134f4e8
 def machine_info(
     devices: bool = True,  # also ask jax for its devices (starts jax's backend)
 ) -> dict:  # cpu, cores, usable cores, load average (1, 5, 15 min), python, jax, jaxlib, and devices
@@ -104,7 +104,7 @@ def thread_budget() -> dict:  # cpus, threads, env, xla pool, torch: what the pr
             "xla pool": xla if xla else None,  # None: jax's CPU backend has not started
             "torch": (torch.get_num_threads(), torch.get_num_interop_threads()) if torch else None}
 
-
+# %% ../nbs/99b_benchmarking.ipynb #e8fdd3ce
 def format_threads(
     b: dict,  # what `thread_budget` returned
 ) -> str:  # one line, printed beside the machine line
@@ -571,7 +571,7 @@ def page_cached(
         os.close(fd)
     return sum(b & 1 for b in vec.raw)
 
-
+# %% ../nbs/99b_benchmarking.ipynb #1dc10115
 def drop_page_cache(
     path: str | os.PathLike,  # a file, or a directory: every file under it
     tries: int = 20,  # advice rounds per file: the kernel may keep the pages of a file it just wrote back
@@ -626,7 +626,7 @@ class RunLog:
     def __repr__(self) -> str:
         return f"RunLog({self.path!r}: {len(self.rows)} rows, {self.left():.0f} of {self.budget_s:.0f} s left)"
 
-
+# %% ../nbs/99b_benchmarking.ipynb #8357e9e0
 @patch
 def record(
     self: RunLog,
@@ -665,7 +665,7 @@ def _deadline(limit: float, message: str):
     dog.start()
     return dog.cancel
 
-
+# %% ../nbs/99b_benchmarking.ipynb #7b472a19
 @patch
 def run(
     self: RunLog,
@@ -719,7 +719,7 @@ def target(
                 verdict={True: MET, False: MISSED, None: NOISY}[met], **extra, **fields)
     return met
 
-
+# %% ../nbs/99b_benchmarking.ipynb #def9b946
 def _said(met) -> str:
     return MET if met is True else f"**{MISSED}**" if met is False else NOISY
 

@@ -66,7 +66,10 @@ EFORMER_PATHS: dict[str, dict[str, str]] = {
                                   paths="is_gcs_path parse_gcs_path",
                                   serialization__serialization="derive_base_prefix_from_path shard_filename "
                                   "index_filename group_keys_by_shard_size"),
-    # modules of eformer's that import here but refuse their names, each with the reason (`_refused`)
+}
+
+# %% ../nbs/97_eformer_paths.ipynb #f3060ea5
+EFORMER_PATHS.update({  # modules of eformer's that import here but refuse their names, each with the reason (`_refused`)
     "executor.docker_tpu": _refused(
         "TPU-VM image tooling (builds and pushes docker images with the docker and gcloud CLIs to Artifact Registry or "
         "GitHub): it needs docker, gcloud and a network, none of which a library call should drive; run containers "
@@ -83,7 +86,7 @@ EFORMER_PATHS: dict[str, dict[str, str]] = {
         "it reads and reshards eformer's tensorstore_index.json layout; ours restores straight onto a template or "
         "partition rules (serialization.tree_deserialize_leaves(..., mesh=, partition_rules=))",
         "apply_sharding_tree create_sharding_tree_from_index make_itsharded validate_sharding_tree")},
-}
+})
 
 # %% ../nbs/97_eformer_paths.ipynb #03e66456
 def thin_module(
@@ -157,7 +160,7 @@ class EformerPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     ):
         pass
 
-
+# %% ../nbs/97_eformer_paths.ipynb #fbd216aa
 def install() -> EformerPaths:
     "Put the finder first on `sys.meta_path` (once) and return it."
     found = next((f for f in sys.meta_path if type(f).__name__ == "EformerPaths"), None)

@@ -107,7 +107,7 @@ class Leaf:
 def _axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
-
+# %% ../nbs/13_plan.ipynb #a760fe94
 def parameter_leaves(config,  # a `LlamaConfig`
                      mesh: dict[str, int],  # axis sizes (`parse_mesh`)
                      param_bytes: int = 4,  # bytes per stored parameter (float32: 4)
@@ -125,7 +125,7 @@ _SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_l
                  "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias", "mlp_bias")
 _LEAVES: dict = {}  # the leaves of each (shape, mesh, bytes, quantize) already read: a plan's suggestions reuse them
 
-
+# %% ../nbs/13_plan.ipynb #a8626b60
 def _leaves(config, mesh, param_bytes, quantize):
     from eformer_nb.escale import match_partition_rules
     from eformer_nb.modules.llama import LlamaForCausalLM
@@ -312,7 +312,48 @@ def _positive(name: str, v) -> int:
         raise ValueError(f"{name}={v!r}; expected a positive int")
     return v
 
+# %% ../nbs/13_plan.ipynb #d3a1bee4
+def _check_choices(**choices) -> None:
+    "A `ValueError` for the first of `choices` (name=value) that is not one of the values `plan` knows."
+    from eformer_nb.infra.layers import GRADIENT_CHECKPOINTING
+    valid = {"mode": ("train", "decode"), "optimizer": tuple(OPTIMIZER_STATES), "dtype": tuple(DTYPE_BYTES),
+             "param_dtype": tuple(DTYPE_BYTES), "quantize": (None, "nf4"), "platform": (None, "cpu", "gpu", "tpu"),
+             "gradient_checkpointing": (None, *GRADIENT_CHECKPOINTING)}
+    for name, v in choices.items():
+        if v not in valid[name]:
+            raise ValueError(f"{name}={v!r}; valid choices are {list(valid[name])}")
 
+
+def _model_overrides(gradient_checkpointing, attn_mechanism, loss_chunk_size) -> dict:
+    "The config settings `plan` was given (None and 'model' keep the model's own)."
+    over = {k: v for k, v in dict(gradient_checkpointing=gradient_checkpointing, attn_mechanism=attn_mechanism).items()
+            if v is not None}
+    if loss_chunk_size != "model":
+        if loss_chunk_size is not None:
+            _positive("loss_chunk_size", loss_chunk_size)
+        over["loss_chunk_size"] = loss_chunk_size
+    return over
+
+# %% ../nbs/13_plan.ipynb #bd3a8894
+def _device_plan(name: str, config, sizes: dict[str, int], batch: int, seq_len: int, device, dev: int, *, mode: str,
+                 quantize, optimizer: str, dtype: str, param_dtype: str, platform: str) -> Plan:
+    "The `Plan` of checked arguments: every byte of one device for one step of `config` on the mesh `sizes`."
+    leaves = parameter_leaves(config, sizes, DTYPE_BYTES[param_dtype], quantize)
+    params = sum(x.bytes for x in leaves)
+    trainable = sum(x.bytes for x in leaves if x.trainable) if mode == "train" else 0
+    terms = activation_terms(config, sizes, batch, seq_len, mode, platform, DTYPE_BYTES[dtype])
+    B, S = -(-batch // (sizes["dp"] * sizes["fsdp"])), -(-seq_len // sizes["sp"])
+    kv = (2 * config.num_hidden_layers * B * seq_len * -(-config.num_key_value_heads // sizes["tp"])
+          * config.head_dim * DTYPE_BYTES[dtype]) if mode == "decode" else 0
+    settings = dict(gradient_checkpointing=config.gradient_checkpointing or "none", attn_mechanism=config.attn_mechanism,
+                    loss_chunk_size=config.loss_chunk_size, quantize=quantize, optimizer=optimizer, dtype=dtype,
+                    param_dtype=param_dtype, platform=platform)
+    return Plan(name, mode, sizes, batch, seq_len, str(device), dev, settings, params,
+                OPTIMIZER_STATES[optimizer] * trainable, trainable, sum(terms.values()), kv,
+                B * S * 4 if mode == "train" else B * 4, terms,
+                divisibility_problems(config, sizes, batch, seq_len, leaves), config=config)
+
+# %% ../nbs/13_plan.ipynb #b0a74da5
 def plan(model,  # a preset of MODEL_PRESETS, a `LlamaConfig`, or a path to a HF config.json
          *, mesh: str | dict,  # "dp:1,fsdp:8,tp:1" or a dict; axes among MESH_AXES
          batch: int,  # sequences per step (global; decode: sequences decoded together)
@@ -331,39 +372,15 @@ def plan(model,  # a preset of MODEL_PRESETS, a `LlamaConfig`, or a path to a HF
          suggest_fixes: bool = True,  # when it does not fit, try the changes of `CHANGES` (`suggest`)
          ) -> Plan:
     "Per-device memory of one step of `model` on `mesh` (nothing is allocated), with every divisibility problem."
-    from eformer_nb.infra.layers import GRADIENT_CHECKPOINTING
     sizes, dev = parse_mesh(mesh, num_devices), device_memory(device)
     batch, seq_len = _positive("batch", batch), _positive("seq_len", seq_len)
-    choices = {"mode": (mode, ("train", "decode")), "optimizer": (optimizer, tuple(OPTIMIZER_STATES)),
-               "dtype": (dtype, tuple(DTYPE_BYTES)), "param_dtype": (param_dtype, tuple(DTYPE_BYTES)),
-               "quantize": (quantize, (None, "nf4")), "platform": (platform, (None, "cpu", "gpu", "tpu")),
-               "gradient_checkpointing": (gradient_checkpointing, (None, *GRADIENT_CHECKPOINTING))}
-    for name, (v, ok) in choices.items():
-        if v not in ok:
-            raise ValueError(f"{name}={v!r}; valid choices are {list(ok)}")
-    over = {k: v for k, v in dict(gradient_checkpointing=gradient_checkpointing, attn_mechanism=attn_mechanism).items()
-            if v is not None}
-    if loss_chunk_size != "model":
-        if loss_chunk_size is not None:
-            _positive("loss_chunk_size", loss_chunk_size)
-        over["loss_chunk_size"] = loss_chunk_size
-    config = model_config(model, **over)
+    _check_choices(mode=mode, optimizer=optimizer, dtype=dtype, param_dtype=param_dtype, quantize=quantize,
+                   platform=platform, gradient_checkpointing=gradient_checkpointing)
+    config = model_config(model, **_model_overrides(gradient_checkpointing, attn_mechanism, loss_chunk_size))
     platform = platform or (DEVICE_PLATFORMS.get(device, "gpu") if isinstance(device, str) else "gpu")
-    leaves = parameter_leaves(config, sizes, DTYPE_BYTES[param_dtype], quantize)
-    params = sum(x.bytes for x in leaves)
-    trainable = sum(x.bytes for x in leaves if x.trainable) if mode == "train" else 0
-    terms = activation_terms(config, sizes, batch, seq_len, mode, platform, DTYPE_BYTES[dtype])
-    B, S = -(-batch // (sizes["dp"] * sizes["fsdp"])), -(-seq_len // sizes["sp"])
-    kv = (2 * config.num_hidden_layers * B * seq_len * -(-config.num_key_value_heads // sizes["tp"])
-          * config.head_dim * DTYPE_BYTES[dtype]) if mode == "decode" else 0
     name = model if isinstance(model, str) else type(model).__name__
-    settings = dict(gradient_checkpointing=config.gradient_checkpointing or "none", attn_mechanism=config.attn_mechanism,
-                    loss_chunk_size=config.loss_chunk_size, quantize=quantize, optimizer=optimizer, dtype=dtype,
-                    param_dtype=param_dtype, platform=platform)
-    p = Plan(name, mode, sizes, batch, seq_len, str(device), dev, settings, params,
-                OPTIMIZER_STATES[optimizer] * trainable, trainable, sum(terms.values()), kv,
-                B * S * 4 if mode == "train" else B * 4, terms,
-                divisibility_problems(config, sizes, batch, seq_len, leaves), config=config)
+    p = _device_plan(name, config, sizes, batch, seq_len, device, dev, mode=mode, quantize=quantize, optimizer=optimizer,
+                     dtype=dtype, param_dtype=param_dtype, platform=platform)
     if suggest_fixes and not p.fits:
         p.suggestions = suggest(p, model, mesh=mesh, batch=batch, seq_len=seq_len, device=device, mode=mode,
                                 gradient_checkpointing=gradient_checkpointing, attn_mechanism=attn_mechanism,
@@ -408,6 +425,23 @@ def suggest(p: Plan,  # a plan that may not fit
                 break
     return sorted(out, key=lambda s: s["rank"])
 
+# %% ../nbs/13_plan.ipynb #34c8315f
+def _adamw_step(graphdef, params, rest, opt):
+    "The train step `xla_train_bytes` compiles: loss, gradients and `opt`'s update, on the parameters as a pure dict."
+    import jax
+    import optax
+    from flax import nnx
+
+    def step(p, o, ids):
+        def loss(p):
+            state = jax.tree.map(lambda x: x, params)
+            nnx.replace_by_pure_dict(state, p)
+            return nnx.merge(graphdef, state, rest).compute_loss(input_ids=ids)[0].loss
+        value, grads = jax.value_and_grad(loss)(p)
+        updates, o = opt.update(grads, o, p)
+        return optax.apply_updates(p, updates), o, value
+    return step
+
 # %% ../nbs/13_plan.ipynb #6b2fa6f0
 def xla_train_bytes(config,  # a `LlamaConfig`
                     mesh: dict[str, int],  # axis sizes; they must multiply to `jax.device_count()`
@@ -433,16 +467,7 @@ def xla_train_bytes(config,  # a `LlamaConfig`
     args = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(m, s)), pure, specs,
                         is_leaf=lambda x: isinstance(x, P))
     opt = optax.adamw(1e-3)
-
-    def step(p, o, ids):
-        def loss(p):
-            state = jax.tree.map(lambda x: x, params)
-            nnx.replace_by_pure_dict(state, p)
-            return nnx.merge(graphdef, state, rest).compute_loss(input_ids=ids)[0].loss
-        value, grads = jax.value_and_grad(loss)(p)
-        updates, o = opt.update(grads, o, p)
-        return optax.apply_updates(p, updates), o, value
-
+    step = _adamw_step(graphdef, params, rest, opt)
     ids = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=NamedSharding(m, P(("dp", "fsdp"), "sp")))
     with jax.set_mesh(m):
         a = jax.jit(step, donate_argnums=(0, 1)).lower(args, jax.eval_shape(opt.init, args), ids).compile()
@@ -504,7 +529,7 @@ def main(argv: tp.Sequence[str] | None = None,  # command-line flags (default `s
     print(p, flush=True)
     return p
 
-
+# %% ../nbs/13_plan.ipynb #16d6b27d
 if __name__ == "__main__" and "__file__" in globals():  # `python -m eformer_nb.plan`, not a notebook kernel
     import sys
     try:

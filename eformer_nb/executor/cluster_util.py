@@ -52,7 +52,7 @@ def _split_top(s: str) -> list[str]:
         raise ValueError(f"expand_hostlist: unbalanced brackets in {s!r}")
     return out + [cur]
 
-
+# %% ../../nbs/14f_executor.cluster_util.ipynb #51a6156c
 def _expand_group(body: str, hostlist: str) -> list[str]:
     "The items of one bracket group: `01-04` -> 01,02,03,04; other items as written."
     items = []
@@ -69,7 +69,7 @@ def _expand_group(body: str, hostlist: str) -> list[str]:
             raise ValueError(f"expand_hostlist: empty item in [{body}] of {hostlist!r}")
     return items
 
-
+# %% ../../nbs/14f_executor.cluster_util.ipynb #50132d4d
 def expand_hostlist(
     hostlist: str,  # a SLURM host list, such as 'node[01-04,07],gpu-[1-2]-[a,b]'
 ) -> list[str]:
@@ -111,20 +111,22 @@ class eSlurmCluster(clusters.SlurmCluster):
             port = str(int(os.environ["SLURM_JOB_ID"]) % 2**12 + (65535 - 2**12 + 1))
         return f"{cls.nodes()[0]}:{port}"
 
-    @classmethod
-    def get_node_rank(cls) -> int:
-        "This node's index in the node list."
-        return int(os.environ["SLURM_NODEID"])
+# %% ../../nbs/14f_executor.cluster_util.ipynb #3600288c
+@patch(cls_method=True)
+def get_node_rank(cls: eSlurmCluster) -> int:
+    "This node's index in the node list."
+    return int(os.environ["SLURM_NODEID"])
 
-    @classmethod
-    def get_local_device_ids_for_process(cls) -> list[int] | None:
-        "Device ids this process should use: `SLURM_LOCALID * g ... + g - 1` for `g` GPUs per task, else `None`."
-        local = os.environ.get("SLURM_LOCALID")
-        per_task = os.environ.get("SLURM_GPUS_PER_TASK")
-        if local is None or not per_task:
-            return None
-        g = int(per_task.split(":")[-1])
-        return list(range(int(local) * g, (int(local) + 1) * g))
+
+@patch(cls_method=True)
+def get_local_device_ids_for_process(cls: eSlurmCluster) -> list[int] | None:
+    "Device ids this process should use: `SLURM_LOCALID * g ... + g - 1` for `g` GPUs per task, else `None`."
+    local = os.environ.get("SLURM_LOCALID")
+    per_task = os.environ.get("SLURM_GPUS_PER_TASK")
+    if local is None or not per_task:
+        return None
+    g = int(per_task.split(":")[-1])
+    return list(range(int(local) * g, (int(local) + 1) * g))
 
 # %% ../../nbs/14f_executor.cluster_util.ipynb #55fae936
 @dc.dataclass
@@ -220,7 +222,7 @@ def _drop_claim(path: str, pid: int) -> None:
         if owner == pid:
             os.remove(path)
 
-
+# %% ../../nbs/14f_executor.cluster_util.ipynb #53a1472b
 def is_local_leader(
     key: str | None = None,  # the same string in every process of the job; None: the job's coordinator address
     claim_dir: str | None = None,  # where the claim file lives (default: the temp dir)
@@ -395,7 +397,7 @@ def ray_processes(
     found.pop(os.getpid(), None)
     return list(found.values())
 
-
+# %% ../../nbs/14f_executor.cluster_util.ipynb #bb8a44d8
 def stop_processes(
     procs: tp.Sequence,  # `psutil.Process` objects, such as `ray_processes` returns
     grace_s: float = 10.0,  # seconds between SIGTERM and SIGKILL
@@ -446,7 +448,7 @@ def _local_start_env(temp_dir: str):
         else:
             os.environ[_MARK] = before
 
-
+# %% ../../nbs/14f_executor.cluster_util.ipynb #8f3bcfce
 def _log_cause(temp_dir: str) -> str | None:
     "What the session logs under `temp_dir` say went wrong at start: a Ray process that failed, or a busy port."
     for path in sorted(glob.glob(os.path.join(temp_dir, "session_*", "logs", "*"))):
@@ -555,6 +557,19 @@ def _wait_for_head(
                                    f"{timeout_s:g}s (this machine's leader task starts it; last error: {e})") from e
             time.sleep(0.5)
 
+# %% ../../nbs/14f_executor.cluster_util.ipynb #6464d582
+def _local_handle(plan, namespace: str, auto_start: bool, start_retries: int, stop_grace_s: float,
+                  kwargs: dict) -> RayClusterHandle:
+    "Start the local Ray of `plan` (unless `auto_start` is off); its handle, which stops it at exit."
+    import ray
+
+    if not auto_start:
+        raise RuntimeError("auto_ray_cluster: no address, $RAY_ADDRESS or SLURM allocation, and auto_start=False")
+    temp_dir, owned = _start_local(plan[1], namespace, start_retries, stop_grace_s, kwargs)
+    handle = RayClusterHandle(plan, ray.get_runtime_context().gcs_address, True, True, temp_dir, owned)
+    atexit.register(handle.shutdown, stop_grace_s)  # a driver that exits without `shutdown` stops it too
+    return handle
+
 # %% ../../nbs/14f_executor.cluster_util.ipynb #4898d252
 def auto_ray_cluster(
     address: str | None = None,  # a cluster to join; None: `$RAY_ADDRESS`, a SLURM allocation, or a new local Ray
@@ -584,12 +599,7 @@ def auto_ray_cluster(
             subprocess.Popen(ray_start_command(plan, block=True))
         return RayClusterHandle(plan, plan[1], False, False)  # workers serve the head; the driver runs there
     if plan[0] == "local":
-        if not auto_start:
-            raise RuntimeError("auto_ray_cluster: no address, $RAY_ADDRESS or SLURM allocation, and auto_start=False")
-        temp_dir, owned = _start_local(plan[1], namespace, start_retries, stop_grace_s, kwargs)
-        handle = RayClusterHandle(plan, ray.get_runtime_context().gcs_address, True, True, temp_dir, owned)
-        atexit.register(handle.shutdown, stop_grace_s)  # a driver that exits without `shutdown` stops it too
-        return handle
+        return _local_handle(plan, namespace, auto_start, start_retries, stop_grace_s, kwargs)
     if plan[0] == "slurm-head" and lead:
         subprocess.run(ray_start_command(plan), check=True, timeout=300)
     elif plan[0] == "slurm-head":

@@ -63,7 +63,7 @@ def _paths(tree) -> dict[str, tp.Any]:
     map_leaves_with_path(lambda p, x: out.__setitem__(p, x), tree)
     return out
 
-
+# %% ../../nbs/11j_infra.base_state.ipynb #62f7f418
 def check_like_params(
     tree,  # gradients or parameters meant to match `params`
     params,  # the reference: a state's `graphstate`
@@ -441,7 +441,7 @@ def gather_optimizer_state(
         match_partition_rules(partition_rules, self.opt_state)
     return self.replace(opt_state=_replicate_tree(self.opt_state))
 
-
+# %% ../../nbs/11j_infra.base_state.ipynb #9139fdfd
 @patch
 def shard_state(
     self: EasyDeLState,
@@ -656,7 +656,7 @@ def _write_optimizer_file(work, opt_state,
         syncs.append(_BackgroundSync(f))
     return {"file": OPTIMIZER_FILE, "bytes": sum(len(memoryview(p).cast("B")) for p in parts), "crc32c": crc}
 
-
+# %% ../../nbs/11j_infra.base_state.ipynb #b5dc4a76
 def _read_optimizer_file(folder, saved: dict, template):
     "The optimizer state in `folder`'s file, checked against its size and crc32c, each leaf placed like `template`'s."
     import google_crc32c
@@ -696,13 +696,24 @@ def _file_identity(p) -> tuple | None:
         return None
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
+# %% ../../nbs/11j_infra.base_state.ipynb #e9ae08f0
+def _write_state_file(state, work, step: int, optimizer: dict | None, local: bool) -> dict:
+    "Process 0, after every other file: sync them (locally), then write the state file that names them; its contents."
+    from eformer_nb.serialization.durable import write_json
+    if local:
+        _sync_files(work)
+    meta = {"format": STATE_FORMAT, "version": STATE_FORMAT_VERSION, "step": step,
+            "skipped_steps": int(jax.device_get(state.skipped_steps)), "optimizer": optimizer,
+            "weights": _weight_digests(work)}
+    write_json(work / STATE_FILE, meta)
+    return meta
+
 # %% ../../nbs/11j_infra.base_state.ipynb #4e56de38
 def _write_state(state, work, float_dtype, save_optimizer: bool,
                  local: bool = True,  # `work` is a local folder (`DurableSave.local`): fsyncs overlap the conversion
                  ) -> tuple[int, dict | None, dict | None]:
     """Write the model, the optimizer state and (process 0, last) the state file into `work`; the step, the optimizer
     entry and (process 0) the state file's contents."""
-    from eformer_nb.serialization.durable import write_json
     from eformer_nb.serialization.serialization import tree_serialize_leaves
 
     step = int(jax.device_get(state.step))
@@ -730,14 +741,7 @@ def _write_state(state, work, float_dtype, save_optimizer: bool,
     elif optimizer is not None and not one_file:  # each process writes its own shards
         tree_serialize_leaves(work, state.opt_state, prefix=OPTIMIZER_PREFIX)
         optimizer["prefix"] = OPTIMIZER_PREFIX
-    meta = None
-    if jax.process_index() == 0:
-        if local:
-            _sync_files(work)
-        meta = {"format": STATE_FORMAT, "version": STATE_FORMAT_VERSION, "step": step,
-                "skipped_steps": int(jax.device_get(state.skipped_steps)), "optimizer": optimizer,
-                "weights": _weight_digests(work)}
-        write_json(work / STATE_FILE, meta)
+    meta = _write_state_file(state, work, step, optimizer, local) if jax.process_index() == 0 else None
     return step, optimizer, meta
 
 # %% ../../nbs/11j_infra.base_state.ipynb #9f3a5b28
@@ -782,6 +786,15 @@ def _lost_version(directory, name: str, generation: int | None):
         f"is no longer at generation {generation} (its lock object was deleted mid-save?); this save did not "
         f"commit and removed only its own new version folder {name!r}; load the folder to see what it holds now")
 
+# %% ../../nbs/11j_infra.base_state.ipynb #b2e4b869
+def _check_saveable(model) -> None:
+    "A `TypeError` for a model `save_state` cannot write: one without `save_pretrained`."
+    if not callable(getattr(model, "save_pretrained", None)):
+        raise TypeError(
+            f"save_state writes the parameters with the model's save_pretrained (Hugging Face layout); "
+            f"{type(model).__name__} has none. Use a model of eformer_nb.modules"
+        )
+
 # %% ../../nbs/11j_infra.base_state.ipynb #fe3a2804
 @patch
 def save_state(
@@ -803,11 +816,7 @@ def save_state(
     from eformer_nb.serialization.durable import DurableSave, broadcast_from_first
     if enable is False:
         return None
-    if not callable(getattr(self.model, "save_pretrained", None)):
-        raise TypeError(
-            f"save_state writes the parameters with the model's save_pretrained (Hugging Face layout); "
-            f"{type(self.model).__name__} has none. Use an eformer_nb model (e.g. modules.llama.LlamaForCausalLM)"
-        )
+    _check_saveable(self.model)
     with DurableSave(save_directory, STATE_FORMAT, STATE_FILE, "state", "save_state") as save:
         directory, old = save.dest, None
         foreign = _state_foreign(directory, overwrite) if save.first else []
@@ -899,7 +908,7 @@ def _config_overrides(
         config_kwargs["partition_axis"] = partition_axis
     return config_kwargs
 
-
+# %% ../../nbs/11j_infra.base_state.ipynb #f8244b72
 def _place_loaded(state: tp.Any, model: tp.Any, device: tp.Any, mesh: tp.Any, partition_rules: tp.Any) -> tp.Any:
     """The loaded state on `device`, or (with a mesh) its step and non-parameter leaves on the mesh beside the
     parameters."""
@@ -915,7 +924,7 @@ def _place_loaded(state: tp.Any, model: tp.Any, device: tp.Any, mesh: tp.Any, pa
         )
     return state
 
-
+# %% ../../nbs/11j_infra.base_state.ipynb #dddcfb7f
 def _quantize_loaded(model: tp.Any, method: str, block_size: int, quantize_tensors: bool, verbose: bool,
                      pattern: str | None) -> tp.Any:
     "The loaded model with its linear kernels quantized by `method` ('nf4', 'int8', ...)."
@@ -923,7 +932,6 @@ def _quantize_loaded(model: tp.Any, method: str, block_size: int, quantize_tenso
 
     return model.quantize(QuantizationConfig(dtype=method, block_size=block_size), quantize_tensors=quantize_tensors,
                           verbose=verbose, pattern=pattern)
-
 
 # %% ../../nbs/11j_infra.base_state.ipynb #95b9b2eb
 @patch(cls_method=True)

@@ -27,6 +27,22 @@ __all__ = ['LAYER_TYPES', 'Gemma2Config', 'Gemma2RMSNorm', 'Gemma2Attention', 'G
 LAYER_TYPES = ("sliding_attention", "full_attention")  # what a Gemma 2 layer may be (layer i: LAYER_TYPES[i % 2])
 
 
+def _pop_hidden_act(kwargs: dict, hidden_activation: str) -> None:
+    "Drop `hidden_act` from `kwargs`: older Gemma 2 files carry both names, which must then name one activation."
+    old = kwargs.pop("hidden_act", hidden_activation)
+    if old != hidden_activation:
+        raise ValueError(f"Gemma2Config got hidden_act={old!r} and hidden_activation={hidden_activation!r}; "
+                         "they name one activation: pass one, or the same value")
+
+
+def _layer_types(layer_types, num_hidden_layers) -> list[str]:
+    "The kind of each layer: as given, or (None) even layers sliding, odd layers full."
+    if layer_types is None:
+        n = num_hidden_layers if type(num_hidden_layers) is int else 0  # a bad count: LlamaConfig's check names it
+        return [LAYER_TYPES[i % 2] for i in range(n)]
+    return list(layer_types) if isinstance(layer_types, (list, tuple)) else layer_types
+
+# %% ../../nbs/12k_modules.gemma2.ipynb #7d6df8f0
 @register_config("gemma2")
 class Gemma2Config(LlamaConfig):
     "`LlamaConfig` with transformers' `Gemma2Config` fields and defaults."
@@ -55,14 +71,9 @@ class Gemma2Config(LlamaConfig):
         tie_word_embeddings: bool = True,  # the LM head is the embedding
         **kwargs,  # the other `LlamaConfig` fields (rms_norm_eps, rope_theta, attention_bias, attn_mechanism...)
     ):
-        old = kwargs.pop("hidden_act", hidden_activation)  # older Gemma 2 files carry both names
-        if old != hidden_activation:
-            raise ValueError(f"Gemma2Config got hidden_act={old!r} and hidden_activation={hidden_activation!r}; "
-                             "they name one activation: pass one, or the same value")
+        _pop_hidden_act(kwargs, hidden_activation)
         self.query_pre_attn_scalar = query_pre_attn_scalar
-        n = num_hidden_layers if type(num_hidden_layers) is int else 0  # a bad count: LlamaConfig's check names it
-        self.layer_types = list(layer_types) if isinstance(layer_types, (list, tuple)) else layer_types if (
-            layer_types is not None) else [LAYER_TYPES[i % 2] for i in range(n)]
+        self.layer_types = _layer_types(layer_types, num_hidden_layers)
         super().__init__(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
                          num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
                          num_key_value_heads=num_key_value_heads, head_dim=head_dim, hidden_act=hidden_activation,

@@ -11,6 +11,8 @@ import shlex
 import subprocess
 import typing as tp
 
+from fastcore.basics import patch
+
 from .executor import RayExecutor, execute_multislice_resumable
 from .resource_manager import ComputeResourceConfig, TpuAcceleratorConfig
 from .types import JobStatus
@@ -46,26 +48,28 @@ class DockerConfig:
             raise ValueError("DockerConfig: command must be a non-empty string or list of strings, "
                              f"got {self.command!r}")
 
-    @classmethod
-    def for_tpu(
-        cls,
-        image: str,  # the image to run
-        command: str | list[str],  # the command in the container
-        **kw,  # more `DockerConfig` fields
-    ) -> "DockerConfig":
-        "A TPU host container: privileged, host network, a large /dev/shm."
-        return cls(image, command, **{"privileged": True, "network": "host", "shm_size": "32g", **kw})
+# %% ../../../nbs/14e_executor.ray.docker_executor.ipynb #7e220d8d
+@patch(cls_method=True)
+def for_tpu(
+    cls: DockerConfig,
+    image: str,  # the image to run
+    command: str | list[str],  # the command in the container
+    **kw,  # more `DockerConfig` fields
+) -> "DockerConfig":
+    "A TPU host container: privileged, host network, a large /dev/shm."
+    return cls(image, command, **{"privileged": True, "network": "host", "shm_size": "32g", **kw})
 
-    @classmethod
-    def for_gpu(
-        cls,
-        image: str,  # the image to run
-        command: str | list[str],  # the command in the container
-        gpus: str = "all",  # `--gpus` value: 'all' or a device list
-        **kw,  # more `DockerConfig` fields
-    ) -> "DockerConfig":
-        "A GPU host container: the host's GPUs, host network and IPC."
-        return cls(image, command, **{"gpus": gpus, "network": "host", "shm_size": "16g", **kw})
+
+@patch(cls_method=True)
+def for_gpu(
+    cls: DockerConfig,
+    image: str,  # the image to run
+    command: str | list[str],  # the command in the container
+    gpus: str = "all",  # `--gpus` value: 'all' or a device list
+    **kw,  # more `DockerConfig` fields
+) -> "DockerConfig":
+    "A GPU host container: the host's GPUs, host network and IPC."
+    return cls(image, command, **{"gpus": gpus, "network": "host", "shm_size": "16g", **kw})
 
 # %% ../../../nbs/14e_executor.ray.docker_executor.ipynb #8c76d22f
 def make_docker_run_command(

@@ -49,7 +49,7 @@ class ActorPoolMember(tp.Generic[ActorInfoT]):
     actor: tp.Any  # ray ActorHandle
     actor_info: ActorInfoT  # what the actor's `get_info()` returned
 
-
+# %% ../../../nbs/14c_executor.ray.pool_manager.ipynb #ef3f53ff
 class ResourcePoolManager(tp.Generic[ActorInfoT]):
     "A pool of actors that each hold some hardware; subclasses say how to create one and name it."
     def __init__(self):
@@ -119,7 +119,7 @@ def _on_gce() -> bool:
     except OSError:
         return False
 
-
+# %% ../../../nbs/14c_executor.ray.pool_manager.ipynb #98932781
 class DeviceHostActor:
     "An actor pinned to one host of a slice; runs remote functions there with the host's devices."
     def __init__(
@@ -182,7 +182,7 @@ def run_remote_fn(
     self._current = remote_fn.options(**opts).remote(*f_args, **(f_kwargs or {}))
     return RefBox(self._current)
 
-
+# %% ../../../nbs/14c_executor.ray.pool_manager.ipynb #788bc95d
 @patch
 def cancel_current(self: DeviceHostActor) -> None:
     "Force-cancel the task this actor started last, if any."
@@ -260,22 +260,24 @@ class SlicePoolManager(ResourcePoolManager[SliceInfo]):
                                                    resources={self.spec.head_resource: self.head_workers},
                                                    ).remote(self.tpu_type)
 
-    def scale_multislice(
-        self,
-        num_slices: int,  # how many slices the pool should hold
-    ) -> list[SliceInfo]:
-        "Claim slices until the pool holds `num_slices`; their `SliceInfo`s."
-        if not (isinstance(num_slices, int) and num_slices >= 1):
-            raise ValueError(f"scale_multislice: num_slices must be a positive int, got {num_slices!r}")
-        if num_slices < len(self._members):
-            import ray
+# %% ../../../nbs/14c_executor.ray.pool_manager.ipynb #ca63f7c4
+@patch
+def scale_multislice(
+    self: SlicePoolManager,
+    num_slices: int,  # how many slices the pool should hold
+) -> list[SliceInfo]:
+    "Claim slices until the pool holds `num_slices`; their `SliceInfo`s."
+    if not (isinstance(num_slices, int) and num_slices >= 1):
+        raise ValueError(f"scale_multislice: num_slices must be a positive int, got {num_slices!r}")
+    if num_slices < len(self._members):
+        import ray
 
-            for m in self._members[num_slices:]:
-                ray.kill(m.actor, no_restart=True)
-                self._drop_hosts(m.actor_info.slice_name)
-            self._members = self._members[:num_slices]
-        self._grow_to(num_slices, self.start_timeout_s)
-        return [m.actor_info for m in self._members]
+        for m in self._members[num_slices:]:
+            ray.kill(m.actor, no_restart=True)
+            self._drop_hosts(m.actor_info.slice_name)
+        self._members = self._members[:num_slices]
+    self._grow_to(num_slices, self.start_timeout_s)
+    return [m.actor_info for m in self._members]
 
 # %% ../../../nbs/14c_executor.ray.pool_manager.ipynb #943aa394
 @patch
@@ -364,7 +366,7 @@ def execute_on_each_host_flat(
 
 patch_to(SlicePoolManager, nm="schedule_on_each_host")(SlicePoolManager.execute_on_each_host_flat)  # eformer's other name
 
-
+# %% ../../../nbs/14c_executor.ray.pool_manager.ipynb #89fba150
 @patch
 def execute_on_each_host(
     self: SlicePoolManager,

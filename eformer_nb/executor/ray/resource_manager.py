@@ -154,7 +154,7 @@ with os.fdopen(fd, 'wb') as f:
     f.write(data)
 """
 
-
+# %% ../../../nbs/14b_executor.ray.resource_manager.ipynb #01932328
 @patch_to(RayResources, static_method=True)
 def separate_process_fn(
     underlying_function: tp.Callable,  # the function to run
@@ -208,7 +208,7 @@ def forkify_remote_fn(
 
     return ray.remote(**(remote_fn._default_options or {}))(in_child)
 
-
+# %% ../../../nbs/14b_executor.ray.resource_manager.ipynb #fceaaf8d
 @patch_to(RayResources, static_method=True)
 def update_fn_resource_env(
     remote_fn: tp.Any,  # a Ray remote function
@@ -451,20 +451,27 @@ class TpuAcceleratorConfig(ComputeResourceConfig):
         _check_resource_name("TpuAcceleratorConfig", self.resource_name)
         _check_slice_shape(self)
 
-    @property
-    def head_name(self) -> str:
-        "The Ray resource that claims a slice of this type: `TPU-<type>-head`."
-        return self.spec.head_resource
+# %% ../../../nbs/14b_executor.ray.resource_manager.ipynb #e3616281
+@patch(as_prop=True)
+def head_name(self: TpuAcceleratorConfig) -> str:
+    "The Ray resource that claims a slice of this type: `TPU-<type>-head`."
+    return self.spec.head_resource
 
-    def hardware_identifier(self) -> str:
-        return f"TPU-{self.tpu_version}"
 
-    def to_ray_resources(self) -> RayResources:
-        return RayResources(num_cpus=self.cpu_count, resources={self.resource_name: self.chips_per_host},
-                            runtime_env=dict(self.execution_env))
+@patch
+def hardware_identifier(self: TpuAcceleratorConfig) -> str:
+    return f"TPU-{self.tpu_version}"
 
-    def get_remote_options(self) -> dict[str, tp.Any]:
-        return {**super().get_remote_options(), "max_calls": 1}
+
+@patch
+def to_ray_resources(self: TpuAcceleratorConfig) -> RayResources:
+    return RayResources(num_cpus=self.cpu_count, resources={self.resource_name: self.chips_per_host},
+                        runtime_env=dict(self.execution_env))
+
+
+@patch
+def get_remote_options(self: TpuAcceleratorConfig) -> dict[str, tp.Any]:
+    return {**super(TpuAcceleratorConfig, self).get_remote_options(), "max_calls": 1}
 
 
 AcceleratorConfigType = tp.Union[CpuAcceleratorConfig, GpuAcceleratorConfig, TpuAcceleratorConfig]

@@ -71,7 +71,7 @@ class JobStatus:
             return self.result
         raise self.error
 
-
+# %% ../../../nbs/14a_executor.ray.types.ipynb #64d26e92
 @dc.dataclass
 class JobSucceeded(JobStatus):
     "The job returned `result` (one value per worker process, or one value for a single worker)."
@@ -114,7 +114,7 @@ class RemoteTraceback(Exception):
     def __str__(self) -> str:
         return f'\n"""\n{self.tb}"""'
 
-
+# %% ../../../nbs/14a_executor.ray.types.ipynb #ac9fc208
 @dc.dataclass
 class ExceptionInfo:
     "An exception and the text of its traceback, safe to send to another process."
@@ -293,7 +293,7 @@ class SnitchRecipient:
         "The traceback texts of the failures received so far."
         return [e.tb for e in getattr(self, "child_failures", [])]
 
-
+# %% ../../../nbs/14a_executor.ray.types.ipynb #ea717e90
 @contextlib.contextmanager
 def log_failures_to(
     parent: tp.Any,  # an actor handle whose class mixes in `SnitchRecipient`

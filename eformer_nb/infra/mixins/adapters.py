@@ -73,7 +73,7 @@ def apply_lora_to_layers(
             _logger.info("LoRA rank %d on %s", lora_rank, path)
     return self
 
-
+# %% ../../../nbs/11h_infra.mixins.adapters.ipynb #5f916818
 @patch
 def split_lora_params(
     self: AdaptersMixin,

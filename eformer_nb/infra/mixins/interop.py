@@ -117,7 +117,7 @@ def to_torch(
         hf.tie_weights()
     return hf
 
-
+# %% ../../../nbs/11i_infra.mixins.interop.ipynb #57337c8c
 @patch(as_prop=True)
 def transform_fn(
     self: InteropMixin,
@@ -148,4 +148,3 @@ def pure_transform_fn(
     "A function: transformers state dict → nested dict of NumPy arrays in our layout (no model needed)."
     tie = bool(self is not None and self.config.tie_word_embeddings)
     return lambda state_dict: state_dict_to_params(state_dict, tie)
-

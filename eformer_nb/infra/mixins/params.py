@@ -100,7 +100,7 @@ def _cast(model, dtype, change_runtime_dtype: bool):
             m.param_dtype = dtype
     return model
 
-
+# %% ../../../nbs/11k_infra.mixins.params.ipynb #ee0ab853
 @patch
 def to_dtype(
     self: ParamsMixin,
@@ -108,6 +108,8 @@ def to_dtype(
 ):
     "Cast the floating parameters to `dtype`; the compute dtype stays."
     return _cast(self, dtype, change_runtime_dtype=False)
+
+
 @patch
 def half(
     self: ParamsMixin,
@@ -115,6 +117,8 @@ def half(
 ):
     "Parameters in float16 (and the compute dtype, by default)."
     return _cast(self, jnp.float16, change_runtime_dtype)
+
+
 @patch
 def float(
     self: ParamsMixin,
@@ -122,6 +126,8 @@ def float(
 ):
     "Parameters in float32 (and the compute dtype, by default)."
     return _cast(self, jnp.float32, change_runtime_dtype)
+
+# %% ../../../nbs/11k_infra.mixins.params.ipynb #2028485b
 @patch(cls_method=True)
 def lazy_init(
     cls: ParamsMixin,
@@ -159,7 +165,7 @@ def shard_model(
     nnx.update(self, state)
     return self
 
-
+# %% ../../../nbs/11k_infra.mixins.params.ipynb #9bdc5d8c
 @patch
 def gather_model(
     self: ParamsMixin,

@@ -113,7 +113,7 @@ def validate(self: LlamaConfig) -> LlamaConfig:
         _validate_rope_scaling(self.rope_scaling, kind, type(self).__name__)
     return _validate_values(self).validate_model_options()  # then the base config's options (attention, ...)
 
-
+# %% ../../../nbs/12a_modules.llama.configuration.ipynb #1f13b5b7
 def _validate_rope_scaling(rs: dict, kind: str, name: str) -> None:
     "The numbers of a linear or llama3 `rope_scaling`: anything else would give zero, infinite or NaN frequencies."
     if kind == "default":

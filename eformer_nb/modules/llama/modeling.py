@@ -55,21 +55,6 @@ class LlamaAttention(nnx.Module):
         self.v_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, **kw)
         self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, **kw)
 
-    def heads(self, h):
-        """Queries `(b, t, heads, head_dim)`, keys and values `(b, t, kv_heads, head_dim)` of `h (b, t, hidden)`,
-        before rotary. A variant that changes heads before they rotate (Qwen3's q/k norms) overrides only this."""
-        c, (b, t, _) = self.config, h.shape
-        q = self.q_proj(h).reshape(b, t, c.num_attention_heads, c.head_dim)
-        k = self.k_proj(h).reshape(b, t, c.num_key_value_heads, c.head_dim)
-        return q, k, self.v_proj(h).reshape(b, t, c.num_key_value_heads, c.head_dim)
-
-    def qkv(self, h, positions):
-        """The hook every path shares (forward, cached and paged decode): `heads(h)` with rotary applied to queries
-        and keys at `positions (b, t)`."""
-        q, k, v = self.heads(h)
-        inv = rope_inv_freq(self.config)
-        return apply_rotary(q, positions, inv), apply_rotary(k, positions, inv), v
-
     def __call__(self, h, positions, key_valid, segment_ids=None, layer_cache: LayerCache | None = None,
                  index=None, layer=None):
         c, t = self.config, h.shape[1]
@@ -84,6 +69,25 @@ class LlamaAttention(nnx.Module):
                            layer is not None, sliding_window=self.sliding_window,
                            logits_soft_cap=c.attn_logit_softcapping, softmax_scale=self.softmax_scale)
         return self.o_proj(checkpoint_name(out, "attn_output")), layer_cache
+
+# %% ../../../nbs/12b_modules.llama.modeling.ipynb #b327acc2
+@patch
+def heads(self: LlamaAttention, h):
+    """Queries `(b, t, heads, head_dim)`, keys and values `(b, t, kv_heads, head_dim)` of `h (b, t, hidden)`,
+    before rotary. A variant that changes heads before they rotate (Qwen3's q/k norms) overrides only this."""
+    c, (b, t, _) = self.config, h.shape
+    q = self.q_proj(h).reshape(b, t, c.num_attention_heads, c.head_dim)
+    k = self.k_proj(h).reshape(b, t, c.num_key_value_heads, c.head_dim)
+    return q, k, self.v_proj(h).reshape(b, t, c.num_key_value_heads, c.head_dim)
+
+
+@patch
+def qkv(self: LlamaAttention, h, positions):
+    """The hook every path shares (forward, cached and paged decode): `heads(h)` with rotary applied to queries
+    and keys at `positions (b, t)`."""
+    q, k, v = self.heads(h)
+    inv = rope_inv_freq(self.config)
+    return apply_rotary(q, positions, inv), apply_rotary(k, positions, inv), v
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #887e9b67
 _ACT = {
@@ -156,6 +160,22 @@ class LlamaDecoderLayer(nnx.Module):
         h = shard_activation(self.config, h + self.mlp(self.post_attention_layernorm(h)), HiddenStateSharding)
         return h, layer_cache
 
+# %% ../../../nbs/12b_modules.llama.modeling.ipynb #0bef2f90
+def _check_cache(config, cache, shape: tuple[int, int], segment_ids) -> None:
+    "Errors for a cache that cannot serve inputs of `(batch, length)` `shape`: another kind, batch or depth, or too short."
+    if not isinstance(cache, TransformerCache):
+        raise TypeError(f"past_key_values must be a TransformerCache (see init_cache), got {type(cache).__name__}")
+    if cache.key_mask.shape[0] != shape[0] or cache.key.shape[0] != config.num_hidden_layers:
+        raise ValueError(
+            f"the cache holds batch {cache.key_mask.shape[0]} and {cache.key.shape[0]} layers; the "
+            f"inputs have batch {shape[0]} and the model {config.num_hidden_layers} layers"
+        )
+    if segment_ids is not None:
+        raise ValueError("segment_ids (packed sequences) are for forwards without a cache; a cache holds one "
+                         "sequence per row")
+    if shape[1] > cache.max_length:
+        raise ValueError(f"{shape[1]} tokens do not fit a cache of max_length {cache.max_length}")
+
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #9c08c611
 def _check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids, segment_ids, cache):
     if (input_ids is None) == (inputs_embeds is None):
@@ -183,18 +203,7 @@ def _check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids
                 f"{name} must have the (batch, length) shape {shape} of the inputs, got {tuple(value.shape)}"
             )
     if cache is not None:
-        if not isinstance(cache, TransformerCache):
-            raise TypeError(f"past_key_values must be a TransformerCache (see init_cache), got {type(cache).__name__}")
-        if cache.key_mask.shape[0] != shape[0] or cache.key.shape[0] != config.num_hidden_layers:
-            raise ValueError(
-                f"the cache holds batch {cache.key_mask.shape[0]} and {cache.key.shape[0]} layers; the "
-                f"inputs have batch {shape[0]} and the model {config.num_hidden_layers} layers"
-            )
-        if segment_ids is not None:
-            raise ValueError("segment_ids (packed sequences) are for forwards without a cache; a cache holds one "
-                             "sequence per row")
-        if shape[1] > cache.max_length:
-            raise ValueError(f"{shape[1]} tokens do not fit a cache of max_length {cache.max_length}")
+        _check_cache(config, cache, shape, segment_ids)
     if position_ids is None and cache is None and shape[1] > config.max_position_embeddings:
         raise ValueError(f"{shape[1]} tokens are more than max_position_embeddings={config.max_position_embeddings}")
     check_values(config, input_ids, position_ids, segment_ids)
@@ -227,31 +236,33 @@ class LlamaModel(nnx.Module):
         self.dispatch_decode = None  # generate's decode steps one call per layer from the host (None: on CPU only)
         self.check_values_in_jit = False  # under jit, check ids/positions with checkify (wrap in checkify.checkify)
 
-    def __call__(self, input_ids=None, attention_mask=None, position_ids=None, segment_ids=None,
-                 past_key_values: TransformerCache | None = None, inputs_embeds=None,
-                 output_hidden_states: bool = False) -> BaseModelOutput:
-        cache = past_key_values
-        b, t = _check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, segment_ids, cache)
-        if self.check_values_in_jit:
-            check_traced_values(self.config, input_ids, position_ids)
-        mask = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
-        if position_ids is None:
-            before = 0 if cache is None else jnp.sum(cache.key_mask, axis=-1, keepdims=True)
-            position_ids = jnp.maximum(before + jnp.cumsum(mask, axis=-1) - 1, 0)
-        if cache is None:
-            key_valid, index = (None if attention_mask is None else mask), None  # no mask given: causal only
-        else:
-            index = cache.index
-            key_valid = jax.lax.dynamic_update_slice(cache.key_mask, mask, (0, index))
-        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.astype(self.dtype)
-        h = shard_activation(self.config, scale_embeddings(h, self.embedding_scale), HiddenStateSharding)
-        kv = None if cache is None else LayerCache(key=cache.key, value=cache.value)
-        h, kv, states = run_layers(self, h, position_ids, key_valid, segment_ids, kv, index, output_hidden_states)
-        h = self.norm(h)
-        new_cache = None if cache is None else TransformerCache(key=kv.key, value=kv.value, key_mask=key_valid,
-                                                                 index=index + t)
-        return BaseModelOutput(last_hidden_state=h, hidden_states=tuple(states) if states else None,
-                               past_key_values=new_cache)
+# %% ../../../nbs/12b_modules.llama.modeling.ipynb #a47b7e9e
+@patch
+def __call__(self: LlamaModel, input_ids=None, attention_mask=None, position_ids=None, segment_ids=None,
+             past_key_values: TransformerCache | None = None, inputs_embeds=None,
+             output_hidden_states: bool = False) -> BaseModelOutput:
+    cache = past_key_values
+    b, t = _check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, segment_ids, cache)
+    if self.check_values_in_jit:
+        check_traced_values(self.config, input_ids, position_ids)
+    mask = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
+    if position_ids is None:
+        before = 0 if cache is None else jnp.sum(cache.key_mask, axis=-1, keepdims=True)
+        position_ids = jnp.maximum(before + jnp.cumsum(mask, axis=-1) - 1, 0)
+    if cache is None:
+        key_valid, index = (None if attention_mask is None else mask), None  # no mask given: causal only
+    else:
+        index = cache.index
+        key_valid = jax.lax.dynamic_update_slice(cache.key_mask, mask, (0, index))
+    h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.astype(self.dtype)
+    h = shard_activation(self.config, scale_embeddings(h, self.embedding_scale), HiddenStateSharding)
+    kv = None if cache is None else LayerCache(key=cache.key, value=cache.value)
+    h, kv, states = run_layers(self, h, position_ids, key_valid, segment_ids, kv, index, output_hidden_states)
+    h = self.norm(h)
+    new_cache = None if cache is None else TransformerCache(key=kv.key, value=kv.value, key_mask=key_valid,
+                                                             index=index + t)
+    return BaseModelOutput(last_hidden_state=h, hidden_states=tuple(states) if states else None,
+                           past_key_values=new_cache)
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #27954659
 @register_module(TaskType.CAUSAL_LM, "llama", config=LlamaConfig)
@@ -329,7 +340,7 @@ def compute_loss(
         **kwargs,
     )
 
-
+# %% ../../../nbs/12b_modules.llama.modeling.ipynb #0e26482e
 @patch
 def prepare_inputs_for_call(
     self: LlamaForCausalLM,
@@ -345,7 +356,6 @@ def prepare_inputs_for_call(
 def get_static_arguments(self: LlamaForCausalLM) -> tuple:
     "Arguments of `__call__` that must be static under `jax.jit`."
     return ("output_hidden_states",)
-
 
 # %% ../../../nbs/12b_modules.llama.modeling.ipynb #f710beb5
 def _compute_loss(self: LlamaForCausalLM, input_ids=None, labels=None, inputs_embeds=None, attention_mask=None,
