@@ -11,6 +11,15 @@ space := $(subst ,, )
 NBDEV_TEST_FLAGS ?= multidevice
 NBDEV_WORKERS ?= 2
 PYTEST_WORKERS ?= 2
+# JAX's persistent compilation cache for `make nbtest` and `make pytest` (XLA_CACHE= turns it off): a program one
+# notebook, test or worker process compiled (the same tiny models run in many of them, and every Ray job and
+# restarted process compiles its step again) is read back instead of compiled. Compiling is most of the CPU time of
+# the examples (11h: 38 s of CPU without it, 10 s with its programs cached). Programs that compiled in under 0.3 s are
+# not kept; 2 GB at most, least recently used out (with a size limit JAX locks the cache: parallel workers share it).
+# The benchmarks do not use it: they time first calls.
+XLA_CACHE ?= $(CURDIR)/.jax-cache
+JAX_CACHE_ENV := $(if $(XLA_CACHE),JAX_COMPILATION_CACHE_DIR="$(XLA_CACHE)" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.3 \
+  JAX_COMPILATION_CACHE_MAX_SIZE=2000000000)
 TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: help install test client-venv jax011-venv serve bench-gpu bench-gpu-tiny gpu-wheels lint check-sync check-notebooks check-readme nbtest pytest docs readme bench bench-llamacpp bench-check demo mutate clean client peer-suite gpu-lower
@@ -65,14 +74,14 @@ check-readme: install
 nbtest: install
 	@date +"[%T] nbtest"
 	# the `hf` flag (transformers interop examples) runs where torch and transformers import (pip install -e ".[hf]")
-	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python .ci/docs_outputs.py nbtest --n-workers $(NBDEV_WORKERS) --flags "$(NBDEV_TEST_FLAGS) $$($(BIN)/python -c 'import torch, transformers; print("hf")' 2>/dev/null)" --timing
+	XLA_FLAGS="$(HOST_DEVICES)" $(JAX_CACHE_ENV) $(BIN)/python .ci/docs_outputs.py nbtest --n-workers $(NBDEV_WORKERS) --flags "$(NBDEV_TEST_FLAGS) $$($(BIN)/python -c 'import torch, transformers; print("hf")' 2>/dev/null)" --timing
 
 # tests/test_cuda_lowering.py runs in `gpu-lower`, on the GPU hosts' JAX (0.11); here it would repeat it on 0.10 (~20 s)
 # Two pytest-xdist workers (PYTEST_WORKERS=0: one process); each module runs whole on one worker, the Ray modules one
 # after another on the same worker (tests/conftest.py: the groups)
 pytest: install
 	@date +"[%T] pytest"
-	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python -m pytest -q --durations=25 -n $(PYTEST_WORKERS) --dist loadgroup tests/ \
+	XLA_FLAGS="$(HOST_DEVICES)" $(JAX_CACHE_ENV) $(BIN)/python -m pytest -q --durations=25 -n $(PYTEST_WORKERS) --dist loadgroup tests/ \
 	  --ignore=tests/test_cuda_lowering.py
 
 # ruff (settings in pyproject.toml): line length 120, unused imports/variables, undefined names. The package is
@@ -213,7 +222,7 @@ demo: install
 	XLA_FLAGS="$(HOST_DEVICES)" $(BIN)/python -m eformer_nb.demo $(DEMO_ARGS)
 
 clean:
-	rm -rf _proc _docs _mutate build dist *.egg-info .pytest_cache
+	rm -rf _proc _docs _mutate build dist *.egg-info .pytest_cache .jax-cache _venvs.log _chain.log
 
 # The GPU pages (nbs/benchmarks/gpu_<PAGE>.ipynb) on a CUDA host that has JAX with CUDA, torch and transformers but
 # may have no network and no nbdev/IPython (../shared/GPU-HOST.md). One page per command, each within ~4 minutes:
