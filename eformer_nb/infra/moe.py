@@ -15,14 +15,19 @@ from fastcore.basics import patch
 from flax import nnx
 
 from ..common_types import HiddenStateSharding
+from ..jaximus import is_implicit, materialize
+from ..loggings import get_logger
 from .layers import Linear, collecting_layer_aux, shard_activation
 from .mixins.protocol import CausalLMOutput
 
+_logger = get_logger(__name__)
+
 # %% auto #0
-__all__ = ['MOE_METHODS', 'MOE_ACTIVATIONS', 'validate_moe_config', 'route', 'RouterStats', 'router_stats', 'load_balancing_loss',
-           'router_z_loss', 'grouped_experts', 'dense_experts', 'check_expert_parallel', 'expert_parallel_experts',
-           'MoeExperts', 'SharedExpert', 'MoeBlock', 'moe_partition_rules', 'moe_block', 'MoeDecoderLayerMixin',
-           'MoeCausalLMOutput', 'MoeCausalLMMixin', 'stack_expert_sources']
+__all__ = ['MOE_METHODS', 'MOE_ACTIVATIONS', 'MOE_QUANTIZE_PATTERN', 'validate_moe_config', 'route', 'RouterStats',
+           'router_stats', 'load_balancing_loss', 'router_z_loss', 'grouped_experts', 'dense_experts',
+           'expert_quant_config', 'quantize_experts', 'chunked_experts', 'check_expert_parallel',
+           'expert_parallel_experts', 'MoeExperts', 'SharedExpert', 'MoeBlock', 'moe_partition_rules', 'moe_block',
+           'MoeDecoderLayerMixin', 'MoeConfigMixin', 'MoeCausalLMOutput', 'MoeCausalLMMixin', 'stack_expert_sources']
 
 # %% ../../nbs/11m_infra.moe.ipynb #e15af130
 MOE_METHODS = ("grouped", "dense")  # grouped: sorted dispatch + `ragged_dot` (over `ep` when the mesh has one); dense: the loop
@@ -144,11 +149,16 @@ def grouped_experts(
     return jax.ops.segment_sum(y * w[:, None].astype(y.dtype), token, num_segments=n)
 
 # %% ../../nbs/11m_infra.moe.ipynb #93921248
+def _expert(w, i: int) -> jax.Array:
+    "Expert `i` of a stacked weight, dense or quantized (of a quantized stack only expert `i`'s slice is decoded)."
+    return materialize(jax.tree.map(lambda leaf: leaf[i], w))
+
+
 def dense_experts(
     x: jax.Array,  # tokens `(n, hidden)`
     experts: jax.Array,  # chosen experts `(n, k)`
     weights: jax.Array,  # their routing weights `(n, k)`
-    gate_up: jax.Array,  # `(E, 2 * inter, hidden)`
+    gate_up: jax.Array,  # `(E, 2 * inter, hidden)` (or a quantized stack of that shape)
     down: jax.Array,  # `(E, hidden, inter)`
     act: str = "silu",  # activation of the gate
 ) -> jax.Array:
@@ -157,9 +167,69 @@ def dense_experts(
     combine = jnp.zeros((n, e), weights.dtype).at[jnp.arange(n)[:, None], experts].add(weights)
     out = jnp.zeros_like(x)
     for i in range(e):
-        g, u = jnp.split(x @ gate_up[i].astype(x.dtype).T, 2, axis=-1)
-        out = out + combine[:, i:i + 1].astype(x.dtype) * ((MOE_ACTIVATIONS[act](g) * u) @ down[i].astype(x.dtype).T)
+        g, u = jnp.split(x @ _expert(gate_up, i).astype(x.dtype).T, 2, axis=-1)
+        out = out + combine[:, i:i + 1].astype(x.dtype) * ((MOE_ACTIVATIONS[act](g) * u) @ _expert(down, i).astype(x.dtype).T)
     return out
+
+# %% ../../nbs/11m_infra.moe.ipynb #cba8a296
+def expert_quant_config(
+    config,  # a `QuantizationConfig`, a type name ("nf4", "int8"), or None (INT8, as `quantize`)
+    shape: tuple,  # the stacked weight's shape `(E, out, in)`
+):
+    "The `QuantizationConfig` for a stacked expert weight of `shape`: every scale inside one expert."
+    from eformer_nb.ops.quantization import QuantizationType, resolve_config
+    c = resolve_config("int8" if config is None else config)
+    if c.dtype is QuantizationType.NF4:
+        if c.double_quant:
+            raise ValueError("double_quant=True is not supported for expert weights: its second-level scales span "
+                             "all experts, so one expert cannot be decoded alone; pass double_quant=False, or a "
+                             "pattern that leaves out experts/gate_up_proj and experts/down_proj")
+        return resolve_config(c, block_axis=-1)  # (E, out, in): blocks of input features
+    if c.dtype is QuantizationType.INT8:
+        return resolve_config(c, granularity="block", block_size=shape[-1]) if c.granularity == "channel" else c
+    raise ValueError(f"expert weights quantize as 'nf4' or 'int8', got dtype={c.dtype.value!r}")
+
+
+def quantize_experts(
+    w: jax.Array,  # a stacked expert weight `(E, out, in)`
+    config=None,  # a `QuantizationConfig` or a type name (None: INT8)
+):
+    "`w` quantized with `expert_quant_config`: an `ArrayNF4` or `Array8B` whose every leaf starts with the expert axis."
+    from eformer_nb.ops.quantization import quantize
+    return quantize(w, expert_quant_config(config, w.shape))
+
+# %% ../../nbs/11m_infra.moe.ipynb #ddf16040
+def _default_steps(num_experts: int) -> int:
+    "Scan steps for `num_experts`: chunks of the fewest experts that keep the scan at 8 steps or fewer."
+    return num_experts // min(c for c in range(1, num_experts + 1) if num_experts % c == 0 and c * 8 >= num_experts)
+
+
+def chunked_experts(
+    x: jax.Array,  # tokens `(n, hidden)`
+    experts: jax.Array,  # chosen experts `(n, k)`
+    weights: jax.Array,  # their routing weights `(n, k)`
+    gate_up,  # `(G, 2 * inter, hidden)`, dense or quantized (`quantize_experts`)
+    down,  # `(G, hidden, inter)`, dense or quantized
+    act: str = "silu",  # activation of the gate
+    first: int = 0,  # global index of the first expert (an expert-parallel shard's offset)
+    steps: int | None = None,  # scan steps, a divisor of G (None: chunks of the fewest experts, at most 8 steps)
+) -> jax.Array:
+    "`grouped_experts` a chunk of `G/steps` experts per scan step: only that chunk of a quantized stack is decoded."
+    g = gate_up.shape[0]
+    steps = _default_steps(g) if steps is None else steps
+    if not isinstance(steps, int) or steps <= 0 or g % steps:
+        raise ValueError(f"steps={steps!r} does not split {g} experts; valid: "
+                         f"{[d for d in range(1, g + 1) if g % d == 0]}")
+    c = g // steps
+    chunks = lambda w: jax.tree.map(lambda leaf: leaf.reshape(steps, c, *leaf.shape[1:]), w)
+
+    @jax.checkpoint
+    def step(acc, chunk):
+        j, gu, dn = chunk
+        return acc + grouped_experts(x, experts, weights, materialize(gu), materialize(dn), act, first + j * c), None
+
+    y, _ = jax.lax.scan(step, jnp.zeros_like(x), (jnp.arange(steps), chunks(gate_up), chunks(down)))
+    return y
 
 # %% ../../nbs/11m_infra.moe.ipynb #cc2047ca
 def check_expert_parallel(
@@ -176,12 +246,18 @@ def check_expert_parallel(
                          f"{[d for d in range(1, num_experts + 1) if num_experts % d == 0]})")
     return ep
 
+def _prod(xs) -> int:
+    out = 1
+    for v in xs:
+        out *= v
+    return out
 
+# %% ../../nbs/11m_infra.moe.ipynb #28f2665c
 def expert_parallel_experts(
     x: jax.Array,  # tokens `(n, hidden)`
     experts: jax.Array,  # chosen experts `(n, k)`
     weights: jax.Array,  # their routing weights `(n, k)`
-    gate_up: jax.Array,  # `(E, 2 * inter, hidden)`
+    gate_up: jax.Array,  # `(E, 2 * inter, hidden)` (or a quantized stack: then split over ep only)
     down: jax.Array,  # `(E, hidden, inter)`
     mesh,  # the mesh (a `jax.sharding.Mesh` with an `ep_axis` of size > 1)
     act: str = "silu",  # activation of the gate
@@ -190,12 +266,13 @@ def expert_parallel_experts(
 ) -> jax.Array:
     """`grouped_experts` under `shard_map`: each device runs its `E/ep` experts (and its `inter/tp` slice of them) on
     all the tokens of its token shard, and one `psum` over `ep` and `tp` adds the partial outputs. Tokens are split
-    over the mesh's other axes (dp, fsdp, sp) when they divide the token count, else replicated."""
+    over the mesh's other axes (dp, fsdp, sp) when they divide the token count, else replicated. Quantized stacks
+    run `chunked_experts` on each device's experts."""
     from jax.sharding import PartitionSpec as P
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    sizes, quantized = dict(zip(mesh.axis_names, mesh.axis_sizes)), is_implicit(gate_up) or is_implicit(down)
     e, inter, h = gate_up.shape[0], down.shape[2], x.shape[1]
     check_expert_parallel(e, mesh, ep_axis)
-    tp_axis = tp_axis if sizes.get(tp_axis, 1) > 1 and inter % sizes[tp_axis] == 0 else None
+    tp_axis = tp_axis if not quantized and sizes.get(tp_axis, 1) > 1 and inter % sizes[tp_axis] == 0 else None
     rest = tuple(a for a in mesh.axis_names if a not in (ep_axis, tp_axis) and sizes[a] > 1)
     tok = P(rest, None) if rest and x.shape[0] % _prod(sizes[a] for a in rest) == 0 else P(None, None)
     reduce = (ep_axis,) if tp_axis is None else (ep_axis, tp_axis)
@@ -205,20 +282,15 @@ def expert_parallel_experts(
         # are summed over the shards (left to itself, JAX keeps one shard's part of the gather's transpose)
         x, weights = (jax.lax.pcast(v, reduce, to="varying") for v in (x, weights))
         g = gate_up.shape[0]
-        y = grouped_experts(x, experts, weights, gate_up.reshape(g, -1, h), down, act,
-                            first=jax.lax.axis_index(ep_axis) * g)
+        first = jax.lax.axis_index(ep_axis) * g
+        y = (chunked_experts(x, experts, weights, gate_up, down, act, first) if quantized else
+             grouped_experts(x, experts, weights, gate_up.reshape(g, -1, h), down, act, first))
         return jax.lax.psum(y, reduce)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, P(ep_axis, None, tp_axis, None),
-                                                     P(ep_axis, None, tp_axis)), out_specs=tok)(
-        x, experts, weights, gate_up.reshape(e, 2, inter, h), down)
-
-
-def _prod(xs) -> int:
-    out = 1
-    for v in xs:
-        out *= v
-    return out
+    w_specs = (P(ep_axis), P(ep_axis)) if quantized else (P(ep_axis, None, tp_axis, None), P(ep_axis, None, tp_axis))
+    gate_up = gate_up if quantized else gate_up.reshape(e, 2, inter, h)
+    return jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, *w_specs), out_specs=tok)(
+        x, experts, weights, gate_up, down)
 
 # %% ../../nbs/11m_infra.moe.ipynb #2d9b7a9b
 class MoeExperts(nnx.Module):
@@ -230,8 +302,18 @@ class MoeExperts(nnx.Module):
         init = lambda key, shape: (jax.random.normal(key, shape, jnp.float32) * std).astype(param_dtype)
         self.gate_up_proj = nnx.Param(init(k1, (num_experts, 2 * intermediate_size, hidden_size)))
         self.down_proj = nnx.Param(init(k2, (num_experts, hidden_size, intermediate_size)))
+        self.gate_up_quantization = self.down_quantization = None  # a QuantizationConfig: fake-quantize (straight-through)
 
+    def stacks(self) -> tuple:
+        "`(gate_up, down)` as the forward uses them: stored (float or quantized), or fake-quantized when a config is set."
+        from eformer_nb.ops.quantization import straight_through
+        out = []
+        for w, c in ((self.gate_up_proj.get_value(), self.gate_up_quantization),
+                     (self.down_proj.get_value(), self.down_quantization)):
+            out.append(straight_through(w, c) if c is not None and not is_implicit(w) else w)
+        return tuple(out)
 
+# %% ../../nbs/11m_infra.moe.ipynb #87d3b4de
 class SharedExpert(nnx.Module):
     "A SwiGLU MLP every token passes (Qwen2-MoE, DeepSeek), optionally scaled by `sigmoid(shared_expert_gate(x))`."
 
@@ -295,13 +377,15 @@ def forward(
     logits = self.gate(x)
     probs, weights, experts = route(logits, self.top_k, self.norm_topk_prob)
     weights = weights.astype(self.dtype)
-    gu, dn = self.experts.gate_up_proj.get_value(), self.experts.down_proj.get_value()
+    gu, dn = self.experts.stacks()
     mesh = get_current_mesh()
     ep = check_expert_parallel(gu.shape[0], mesh, self.ep_axis) if isinstance(mesh, jax.sharding.Mesh) else 1
     if self.method == "dense":
         y = dense_experts(x, experts, weights, gu, dn, self.act)
     elif ep > 1:
         y = expert_parallel_experts(x, experts, weights, gu, dn, mesh, self.act, self.ep_axis, self.tp_axis)
+    elif is_implicit(gu) or is_implicit(dn):  # decoded a chunk of experts at a time
+        y = chunked_experts(x, experts, weights, gu, dn, self.act)
     else:
         y = grouped_experts(x, experts, weights, gu, dn, self.act)
     if self.shared_expert is not None:
@@ -345,8 +429,8 @@ def moe_block(
 
 
 class MoeDecoderLayerMixin:
-    """The forward of a pre-norm decoder layer (`self_attn`, `input_layernorm`, `post_attention_layernorm`, as Llama's)
-    whose `mlp` is an `MoeBlock`; inside `collecting_layer_aux` it adds the block's `RouterStats` (over the tokens of
+    """The forward of a pre-norm decoder layer (`self_attn`, `input_layernorm`, `post_attention_layernorm`) whose
+    `mlp` is an `MoeBlock`; inside `collecting_layer_aux` it adds the block's `RouterStats` (over the tokens of
     the attention mask) to `aux`. Put it first in the layer's bases."""
 
     def __call__(self, h, positions, key_valid, segment_ids=None, layer_cache=None, index=None, layer=None, aux=None):
@@ -356,6 +440,24 @@ class MoeDecoderLayerMixin:
         y, stats = self.mlp.forward(self.post_attention_layernorm(h), key_valid if layer_cache is None else None)
         h = shard_activation(self.config, h + y, HiddenStateSharding)
         return (h, layer_cache) if aux is None else (h, layer_cache, aux + stats)
+
+# %% ../../nbs/11m_infra.moe.ipynb #a2c84922
+class MoeConfigMixin:
+    """First in the bases of an MoE family's config: `validate` adds `validate_moe_config` (on the field that
+    `num_experts_field` names) to the base config's checks, and `get_partition_rules` puts `moe_partition_rules`
+    before the base config's rules."""
+    num_experts_field = "num_experts"  # the config field of the expert count (Mixtral: "num_local_experts")
+
+    def validate(self):
+        super().validate()
+        return validate_moe_config(self, self.num_experts_field)
+
+    def get_partition_rules(
+        self,
+        fully_sharded_data_parallel: bool = True,  # shard the weights over the fsdp axis too
+    ) -> tuple[tuple[str, tp.Any], ...]:
+        return (*moe_partition_rules(self.partition_axis, fully_sharded_data_parallel),
+                *super().get_partition_rules(fully_sharded_data_parallel))
 
 # %% ../../nbs/11m_infra.moe.ipynb #53c3e016
 @flax.struct.dataclass
@@ -384,23 +486,68 @@ class MoeCausalLMMixin:
             out = super().__call__(*args, **kwargs)
         return _with_router_losses(out, box, init)
 
-    __call__.logits_as_llama = True  # the logits are the base class's: its loss may score hidden states in chunks
+    # the logits are the base class's head on its hidden states: a chunked loss may score those states itself
+    __call__.logits_from_base = True
 
-    def compute_loss(self, *args, **kwargs) -> tuple[MoeCausalLMOutput, tp.Any]:
-        "The base class's `compute_loss`, plus the router's losses times the config's coefficients."
-        init = RouterStats.zeros(getattr(self.config, self.num_experts_field))
-        with collecting_layer_aux(init) as box:
-            out, metrics = super().compute_loss(*args, **kwargs)
-        if not isinstance(out, MoeCausalLMOutput) or out.aux_loss is None:
-            out = _with_router_losses(out, box, init)
-        c = self.config
-        loss = out.loss + c.router_aux_loss_coef * out.aux_loss + c.router_z_loss_coef * out.router_z_loss
-        return out.replace(loss=loss), metrics.replace(loss=loss)
+# %% ../../nbs/11m_infra.moe.ipynb #9e197971
+@patch
+def compute_loss(self: MoeCausalLMMixin, *args, **kwargs) -> tuple[MoeCausalLMOutput, tp.Any]:
+    "The base class's `compute_loss`, plus the router's losses times the config's coefficients."
+    init = RouterStats.zeros(getattr(self.config, self.num_experts_field))
+    with collecting_layer_aux(init) as box:
+        out, metrics = super(MoeCausalLMMixin, self).compute_loss(*args, **kwargs)
+    if not isinstance(out, MoeCausalLMOutput) or out.aux_loss is None:
+        out = _with_router_losses(out, box, init)
+    c = self.config
+    loss = out.loss + c.router_aux_loss_coef * out.aux_loss + c.router_z_loss_coef * out.router_z_loss
+    return out.replace(loss=loss), metrics.replace(loss=loss)
 
-    @classmethod
-    def prepare_hf_sources(cls, config, sources: list) -> list:
-        "`FilesMixin`'s hook on a checkpoint's sources: per-expert tensors read as the stacked ones (`stack_expert_sources`)."
-        return stack_expert_sources(sources, getattr(config, cls.num_experts_field))
+
+@patch(cls_method=True)
+def prepare_hf_sources(cls: MoeCausalLMMixin, config, sources: list) -> list:
+    "`FilesMixin`'s hook on a checkpoint's sources: per-expert tensors read as the stacked ones (`stack_expert_sources`)."
+    return stack_expert_sources(sources, getattr(config, cls.num_experts_field))
+
+# %% ../../nbs/11m_infra.moe.ipynb #10a19396
+MOE_QUANTIZE_PATTERN = r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|experts/gate_up_proj)$"
+
+
+@patch
+def quantize(
+    self: MoeCausalLMMixin,
+    quantization_config=None,  # a `QuantizationConfig` or a type name (None: INT8)
+    quantize_tensors: bool = True,  # quantize the arrays (False: fake-quantize in the forward)
+    verbose: bool | None = None,  # log what is done
+    pattern: str | None = None,  # regex of the paths (None: MOE_QUANTIZE_PATTERN, every projection and expert stack)
+):
+    "Quantize the selected `Linear` kernels (`AdaptersMixin.quantize`) and expert stacks (`quantize_experts`); returns the model."
+    try:
+        regex = re.compile(MOE_QUANTIZE_PATTERN if pattern is None else pattern)
+    except re.error as e:
+        raise ValueError(f"pattern {pattern!r} is not a valid regex ({e})") from None
+    modules = [("/".join(map(str, p)), m) for p, m in nnx.iter_modules(self)]
+    linears = [p for p, m in modules if isinstance(m, Linear) and regex.search(p)]
+    stacks = [(f"{p}/{name}", m, name) for p, m in modules if isinstance(m, MoeExperts)
+              for name in ("gate_up_proj", "down_proj") if regex.search(f"{p}/{name}")]
+    if not linears and not stacks:
+        raise ValueError(f"pattern {regex.pattern!r} matches no Linear layer and no expert stack; their paths are like "
+                         f"{[p for p, m in modules if isinstance(m, Linear)][:2]} and 'model/layers/0/mlp/experts/gate_up_proj'")
+    configs = []
+    for path, m, name in stacks:  # every check before any change
+        w = getattr(m, name).get_value()
+        if is_implicit(w):
+            raise ValueError(f"{path} is already quantized ({type(w).__name__})")
+        configs.append(expert_quant_config(quantization_config, w.shape))
+    if linears:
+        super(MoeCausalLMMixin, self).quantize(quantization_config, quantize_tensors, verbose, regex.pattern)
+    for (path, m, name), c in zip(stacks, configs):
+        if quantize_tensors:
+            getattr(m, name).set_value(quantize_experts(getattr(m, name).get_value(), c))
+        else:
+            setattr(m, name.replace("_proj", "_quantization"), c)
+        if verbose:
+            _logger.info("%s %s as %s", "quantized" if quantize_tensors else "fake-quantizing", path, c.dtype.value)
+    return self
 
 # %% ../../nbs/11m_infra.moe.ipynb #a1c43dba
 _PER_EXPERT = re.compile(r"^(?P<pre>.+)\.experts\.(?P<e>\d+)\.(?P<w>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
@@ -432,7 +579,7 @@ def stack_expert_sources(
 
     return [(label, split(load)) for label, load in sources] + [("experts stacked", lambda: _stack_kept(kept, num_experts))]
 
-
+# %% ../../nbs/11m_infra.moe.ipynb #e6452408
 def _stack_kept(kept: dict, num_experts: int) -> dict:
     import numpy as np
     out = {}

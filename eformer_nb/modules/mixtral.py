@@ -5,15 +5,12 @@
 # %% ../../nbs/12m_modules.mixtral.ipynb #c8d3fdf8
 from __future__ import annotations
 
-import typing as tp
-
 import jax.numpy as jnp
 from fastcore.basics import patch
 from flax import nnx
 
 from ..infra.factory import TaskType, register_config, register_module
-from ..infra.moe import (MoeCausalLMMixin, MoeDecoderLayerMixin, moe_block, moe_partition_rules,
-                                  validate_moe_config)
+from ..infra.moe import MoeCausalLMMixin, MoeConfigMixin, MoeDecoderLayerMixin, moe_block
 from .llama.configuration import LlamaConfig
 from .llama.modeling import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
@@ -22,8 +19,9 @@ __all__ = ['MixtralConfig', 'MixtralDecoderLayer', 'MixtralModel', 'MixtralForCa
 
 # %% ../../nbs/12m_modules.mixtral.ipynb #4f127fb2
 @register_config("mixtral")
-class MixtralConfig(LlamaConfig):
+class MixtralConfig(MoeConfigMixin, LlamaConfig):
     "`LlamaConfig` with transformers' `MixtralConfig` defaults and its mixture-of-experts fields."
+    num_experts_field = "num_local_experts"  # `MoeConfigMixin` validates the expert count under this name
 
     def __init__(
         self,
@@ -53,9 +51,8 @@ class MixtralConfig(LlamaConfig):
 # %% ../../nbs/12m_modules.mixtral.ipynb #7d169933
 @patch
 def validate(self: MixtralConfig) -> MixtralConfig:
-    "`LlamaConfig`'s checks, the MoE fields (`infra.moe.validate_moe_config`), and what is not implemented, by name."
-    LlamaConfig.validate(self)
-    validate_moe_config(self, "num_local_experts")
+    "`LlamaConfig`'s checks and the MoE fields (`infra.moe.MoeConfigMixin`), then what is not implemented, by name."
+    MoeConfigMixin.validate(self)
     if self.sliding_window is not None:
         raise ValueError(f"MixtralConfig.sliding_window={self.sliding_window!r}: sliding-window attention is not "
                          "implemented here; valid is None")
@@ -63,16 +60,6 @@ def validate(self: MixtralConfig) -> MixtralConfig:
         raise ValueError(f"MixtralConfig.router_jitter_noise={self.router_jitter_noise!r}: router noise is not "
                          "implemented here; valid is 0.0")
     return self
-
-
-@patch
-def get_partition_rules(
-    self: MixtralConfig,
-    fully_sharded_data_parallel: bool = True,  # shard the weights over the fsdp axis too
-) -> tuple[tuple[str, tp.Any], ...]:
-    "`infra.moe.moe_partition_rules` (experts over `ep`), then `LlamaConfig`'s rules."
-    return (*moe_partition_rules(self.partition_axis, fully_sharded_data_parallel),
-            *LlamaConfig.get_partition_rules(self, fully_sharded_data_parallel))
 
 # %% ../../nbs/12m_modules.mixtral.ipynb #1e0cd1d5
 class MixtralDecoderLayer(MoeDecoderLayerMixin, LlamaDecoderLayer):
@@ -97,3 +84,6 @@ class MixtralForCausalLM(MoeCausalLMMixin, LlamaForCausalLM):
     base_model_class, decoder_layer_class = MixtralModel, MixtralDecoderLayer
     hf_model_class, hf_config_class = "MixtralForCausalLM", "MixtralConfig"  # transformers' names (to_torch)
     gguf_architecture = "mixtral"  # not a llama.cpp name: the GGUF reader (llama only) refuses it by name
+
+# modules.llama's chunked loss reads this older name; infra.moe's own is `logits_from_base`
+MoeCausalLMMixin.__call__.logits_as_llama = MoeCausalLMMixin.__call__.logits_from_base

@@ -5,15 +5,12 @@
 # %% ../../nbs/12l_modules.qwen3_moe.ipynb #c67fea94
 from __future__ import annotations
 
-import typing as tp
-
 import jax.numpy as jnp
 from fastcore.basics import patch
 from flax import nnx
 
 from ..infra.factory import TaskType, register_config, register_module
-from ..infra.moe import (MoeCausalLMMixin, MoeDecoderLayerMixin, moe_block, moe_partition_rules,
-                                  validate_moe_config)
+from ..infra.moe import MoeCausalLMMixin, MoeConfigMixin, MoeDecoderLayerMixin, moe_block
 from .qwen3 import Qwen3Config, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
 
 # %% auto #0
@@ -21,7 +18,7 @@ __all__ = ['Qwen3MoeConfig', 'Qwen3MoeDecoderLayer', 'Qwen3MoeModel', 'Qwen3MoeF
 
 # %% ../../nbs/12l_modules.qwen3_moe.ipynb #0c4646fa
 @register_config("qwen3_moe")
-class Qwen3MoeConfig(Qwen3Config):
+class Qwen3MoeConfig(MoeConfigMixin, Qwen3Config):
     "`Qwen3Config` with transformers' `Qwen3MoeConfig` defaults and its mixture-of-experts fields."
 
     def __init__(
@@ -59,24 +56,13 @@ class Qwen3MoeConfig(Qwen3Config):
 # %% ../../nbs/12l_modules.qwen3_moe.ipynb #ca321f82
 @patch
 def validate(self: Qwen3MoeConfig) -> Qwen3MoeConfig:
-    "`Qwen3Config`'s checks, the MoE fields (`infra.moe.validate_moe_config`), and every layer sparse."
-    Qwen3Config.validate(self)
-    validate_moe_config(self)
+    "`Qwen3Config`'s checks and the MoE fields (`infra.moe.MoeConfigMixin`), then every layer sparse."
+    MoeConfigMixin.validate(self)
     if self.decoder_sparse_step != 1 or self.mlp_only_layers:
         raise ValueError(f"Qwen3MoeConfig.decoder_sparse_step={self.decoder_sparse_step!r}, mlp_only_layers="
                          f"{self.mlp_only_layers!r}: dense layers between MoE layers are not implemented here; valid "
                          "are decoder_sparse_step=1 and mlp_only_layers=[] (every layer an MoE layer)")
     return self
-
-
-@patch
-def get_partition_rules(
-    self: Qwen3MoeConfig,
-    fully_sharded_data_parallel: bool = True,  # shard the weights over the fsdp axis too
-) -> tuple[tuple[str, tp.Any], ...]:
-    "`infra.moe.moe_partition_rules` (experts over `ep`), then `Qwen3Config`'s rules."
-    return (*moe_partition_rules(self.partition_axis, fully_sharded_data_parallel),
-            *Qwen3Config.get_partition_rules(self, fully_sharded_data_parallel))
 
 # %% ../../nbs/12l_modules.qwen3_moe.ipynb #0329acbb
 class Qwen3MoeDecoderLayer(MoeDecoderLayerMixin, Qwen3DecoderLayer):
@@ -101,3 +87,6 @@ class Qwen3MoeForCausalLM(MoeCausalLMMixin, Qwen3ForCausalLM):
     base_model_class, decoder_layer_class = Qwen3MoeModel, Qwen3MoeDecoderLayer
     hf_model_class, hf_config_class = "Qwen3MoeForCausalLM", "Qwen3MoeConfig"  # transformers' names (to_torch)
     gguf_architecture = "qwen3moe"  # llama.cpp's name; the GGUF reader refuses it by name (it reads llama only)
+
+# modules.llama's chunked loss reads this older name; infra.moe's own is `logits_from_base`
+MoeCausalLMMixin.__call__.logits_as_llama = MoeCausalLMMixin.__call__.logits_from_base
