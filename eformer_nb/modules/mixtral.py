@@ -84,6 +84,3 @@ class MixtralForCausalLM(MoeCausalLMMixin, LlamaForCausalLM):
     base_model_class, decoder_layer_class = MixtralModel, MixtralDecoderLayer
     hf_model_class, hf_config_class = "MixtralForCausalLM", "MixtralConfig"  # transformers' names (to_torch)
     gguf_architecture = "mixtral"  # not a llama.cpp name: the GGUF reader (llama only) refuses it by name
-
-# modules.llama's chunked loss reads this older name; infra.moe's own is `logits_from_base`
-MoeCausalLMMixin.__call__.logits_as_llama = MoeCausalLMMixin.__call__.logits_from_base

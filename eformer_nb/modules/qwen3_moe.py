@@ -87,6 +87,3 @@ class Qwen3MoeForCausalLM(MoeCausalLMMixin, Qwen3ForCausalLM):
     base_model_class, decoder_layer_class = Qwen3MoeModel, Qwen3MoeDecoderLayer
     hf_model_class, hf_config_class = "Qwen3MoeForCausalLM", "Qwen3MoeConfig"  # transformers' names (to_torch)
     gguf_architecture = "qwen3moe"  # llama.cpp's name; the GGUF reader refuses it by name (it reads llama only)
-
-# modules.llama's chunked loss reads this older name; infra.moe's own is `logits_from_base`
-MoeCausalLMMixin.__call__.logits_as_llama = MoeCausalLMMixin.__call__.logits_from_base

@@ -374,7 +374,7 @@ def _compute_loss(self: LlamaForCausalLM, input_ids=None, labels=None, inputs_em
         if attention_mask is not None:
             labels = jnp.where(attention_mask.astype(bool), labels, config.ignore_index)
     chunk = getattr(self.config, "loss_chunk_size", None)
-    own_head = type(self).__call__ is LlamaForCausalLM.__call__ or getattr(type(self).__call__, "logits_as_llama", False)
+    own_head = type(self).__call__ is LlamaForCausalLM.__call__ or getattr(type(self).__call__, "logits_from_base", False)
     if chunk is not None and own_head:  # our head (a wrapper that says so: MoE's): the hidden states suffice
         if kwargs:
             raise TypeError(f"LlamaForCausalLM got unexpected argument(s) {sorted(kwargs)}")
