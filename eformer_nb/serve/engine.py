@@ -592,7 +592,7 @@ def _loop(self: Engine):
                 r.done.set()
             return
 
-
+# %% ../../nbs/15a_serve.engine.ipynb #0af18490
 @patch
 def start(self: Engine) -> Engine:
     "Start the engine's thread (it steps while there is work)."

@@ -450,6 +450,18 @@ def _compiled_programs() -> int:
 
 _DONE_EVERY = 8  # decode steps between the host's checks that every row is done (each check waits for the device)
 
+# %% ../../../nbs/11g_infra.mixins.generation.ipynb #d3674976
+def _layer_steps(model) -> list[tuple]:
+    "(its compiled step, its leaves) per decoder layer of `model`; layers of one structure share one compiled step."
+    layers, prev = [], None
+    for layer in model.model.layers:
+        layer_def, layer_state = nnx.split(layer)
+        leaves, layer_tree = jax.tree.flatten(layer_state)
+        if prev is None or prev[:2] != (layer_def, layer_tree):
+            prev = (layer_def, layer_tree, _compiled_step(_step_layer, layer_def, layer_tree, donate=(4, 5)))
+        layers.append((prev[2], leaves))
+    return layers
+
 # %% ../../../nbs/11g_infra.mixins.generation.ipynb #e4818880
 def decode_dispatched(
     graphdef,  # the model's nnx GraphDef
@@ -473,13 +485,7 @@ def decode_dispatched(
     parts, parts_tree = jax.tree.flatten(parts)
     step_in = _compiled_step(_step_in, parts_def, parts_tree)
     step_out = _compiled_step(_step_out, parts_def, parts_tree, g, processor)
-    layers, prev = [], None  # (its compiled step, its leaves) per layer; layers of one structure share one step
-    for layer in model.model.layers:
-        layer_def, layer_state = nnx.split(layer)
-        leaves, layer_tree = jax.tree.flatten(layer_state)
-        if prev is None or prev[:2] != (layer_def, layer_tree):
-            prev = (layer_def, layer_tree, _compiled_step(_step_layer, layer_def, layer_tree, donate=(4, 5)))
-        layers.append((prev[2], leaves))
+    layers = _layer_steps(model)
     carry, keys, values, key_mask = _prefill_split_jit(graphdef, state, input_ids, attention_mask, key, eos, pad, g,
                                                        processor, stream_id, stacked)
     keys, values, t = list(keys), list(values), input_ids.shape[1]
@@ -668,6 +674,17 @@ def beam_loop(
         return _beams(nnx.merge(graphdef, state), input_ids, attention_mask, eos, pad, g)
 
 
+# %% ../../../nbs/11g_infra.mixins.generation.ipynb #83da9c26
+def _best_beams(seqs, final, ngen, b: int, k: int) -> GenerateOutput:
+    "Each row's best of its `k` beams by `final` (rows of `seqs`, `final`, `ngen` are the `b * k` beams)."
+    best = jnp.argmax(final.reshape(b, k), axis=1)
+    pick = lambda x: jnp.take_along_axis(x.reshape((b, k) + x.shape[1:]),
+                                         best.reshape((b, 1) + (1,) * (x.ndim - 1)), 1)[:, 0]
+    return GenerateOutput(sequences=pick(seqs), scores=pick(final), num_generated=pick(ngen))
+
+
+_beam_jit = jax.jit(beam_loop, static_argnums=(0, 6))
+
 # %% ../../../nbs/11g_infra.mixins.generation.ipynb #53e9e1fd
 def _beams(model, input_ids, attention_mask, eos, pad, g: GenerationConfig) -> GenerateOutput:
     b, t = input_ids.shape
@@ -707,13 +724,7 @@ def _beams(model, input_ids, attention_mask, eos, pad, g: GenerationConfig) -> G
     carry = jax.lax.while_loop(lambda c: (c[0] < n - 1) & ~jnp.all(c[5]), body, carry)
     _, _, seqs, scores, _, ngen, _ = step(carry)  # the last pick needs no forward after it
     final = scores / jnp.maximum(ngen, 1).astype(jnp.float32) ** g.length_penalty
-    best = jnp.argmax(final.reshape(b, k), axis=1)
-    pick = lambda x: jnp.take_along_axis(x.reshape((b, k) + x.shape[1:]),
-                                         best.reshape((b, 1) + (1,) * (x.ndim - 1)), 1)[:, 0]
-    return GenerateOutput(sequences=pick(seqs), scores=pick(final), num_generated=pick(ngen))
-
-
-_beam_jit = jax.jit(beam_loop, static_argnums=(0, 6))
+    return _best_beams(seqs, final, ngen, b, k)
 
 
 # %% ../../../nbs/11g_infra.mixins.generation.ipynb #585036bf
