@@ -1,9 +1,12 @@
 """Issue 45: the OpenAI-compatible server (`python -m eformer_nb.serve --model tiny`) checked with the official
-`openai` client: endpoints, streaming, exactness against `generate`, bad input, disconnects, page pressure and 200
-connections. One server for the module."""
+`openai` client: endpoints, streaming, exactness against `generate`, bad input, disconnects, page pressure, 200
+connections, and (last: it ends the server) SIGTERM draining the request in flight. One server for the module. Also,
+without a server: quantized and LoRA models through the engine give their own `generate`'s tokens."""
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
 import threading
 import time
 
@@ -16,16 +19,22 @@ from serve_helpers import metric, start_server, stop_server, wait_metric
 
 KEY = "test-key"
 ARGS = ["--model", "tiny", "--api-key", KEY, "--max-num-seqs", "8", "--page-size", "8", "--num-pages", "40",
-        "--max-model-length", "160", "--prefill-chunk", "16", "--max-pending", "48"]
+        "--max-model-length", "160", "--prefill-chunk", "16", "--max-pending", "48", "--warmup-tokens", "0",
+        "--drain-timeout", "60"]
 
 
 @pytest.fixture(scope="module")
-def server():
+def served():
     proc, url = start_server(*ARGS)
     try:
-        yield url
+        yield proc, url
     finally:
         stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[1]
 
 
 @pytest.fixture(scope="module")
@@ -197,3 +206,66 @@ def test_two_hundred_concurrent_connections_are_answered_or_refused(server):
           f"in {elapsed:.1f} s")
     assert wait_metric(server, "eformer_nb_requests_pending_http", 0) == 0
     assert metric(server, "eformer_nb_kv_pages_used") == 0 and metric(server, "eformer_nb_requests_waiting") == 0
+
+
+def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(served):  # last: the server exits
+    proc, url = served
+    body = {"model": "tiny", "prompt": "go on", "max_tokens": 140, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+    reason = None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=120) as r:
+        lines = r.iter_lines()
+        for line in lines:  # the request is running: its first token came back
+            if line.startswith("data: {"):
+                break
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        try:
+            refused = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+                                 headers={"Authorization": f"Bearer {KEY}"}, timeout=10).status_code
+        except httpx.TransportError as e:
+            refused = type(e).__name__
+        for line in lines:
+            if line.startswith("data: {"):
+                reason = json.loads(line[6:])["choices"][0]["finish_reason"] or reason
+    assert reason == "length", reason  # the request in flight ran to its end
+    assert refused in ("ConnectError", 503), refused
+    code = proc.wait(60)
+    print(f"drained in {time.monotonic() - t0:.1f} s; a new request got {refused}; exit code {code}")
+    assert code in (0, -signal.SIGTERM), code  # uvicorn re-raises the signal once drained: killed by SIGTERM
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8", "lora merged", "lora"])
+def test_quantized_and_lora_models_serve_the_tokens_of_their_own_generate(kind):
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from eformer_nb.infra.layers import param_bytes
+    from eformer_nb.modules.llama import LlamaConfig, LlamaForCausalLM
+    from eformer_nb.serve.engine import Engine, EngineConfig, SamplingParams
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, eos_token_id=None, pad_token_id=0)
+    model = LlamaForCausalLM(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(3))
+    full = param_bytes(model)
+    if kind in ("nf4", "int8"):
+        model.quantize(kind)
+        assert param_bytes(model) < full / 2, (kind, param_bytes(model), full)  # the projections are quantized
+    else:  # LoRA factors with a non-zero b (a fresh b is zero: the model would not change)
+        model.apply_lora_to_layers(4, rngs=nnx.Rngs(1))
+        keys = iter(jax.random.split(jax.random.key(2), 64))
+        model.merge_lora_params(jax.tree.map(lambda x: 0.3 * jax.random.normal(next(keys), x.shape, x.dtype),
+                                             model.split_lora_params()))
+        if kind == "lora merged":
+            model.unwrap_lora_to_layers()
+    assert bool(jax.tree.leaves(nnx.state(model, nnx.LoRAParam))) == (kind == "lora")  # factors kept, or folded
+    eng = Engine(model, EngineConfig(max_num_seqs=2, page_size=4, max_model_length=16, prefill_chunk=8))
+    prompts = [[5, 9, 2, 77, 3], [7, 7, 1, 30, 60]]  # one length, one batch shape: few compiles (each model its own)
+    reqs = [eng.add_request(p, SamplingParams(max_tokens=4)) for p in prompts]
+    while eng.has_work:
+        eng.step()
+    for r in reqs:
+        ref = np.asarray(model.generate(jnp.asarray([r.prompt]), max_new_tokens=4).sequences)[0, len(r.prompt):]
+        assert r.output == ref.tolist(), (kind, r.prompt, r.output, ref.tolist())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import os
 import threading
@@ -15,8 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from fastcore.basics import patch
+from flax import nnx
 
-from ..infra.mixins.generation import RaggedPagesMetadata, paged_forward
+from ..infra.mixins.generation import RaggedPagesMetadata, paged_hidden, paged_logits
 from ..loggings import get_logger
 
 logger = get_logger(__name__)
@@ -214,9 +216,11 @@ def sample_rows(
     seed,  # `(batch,)` uint32 seeds
     index,  # `(batch,)` int32: which output token each row picks
 ):
-    "The next token of each row, each with its own settings."
-    sampled = jax.vmap(_pick_one)(logits, temperature, top_k, top_p, seed, index)
-    return jnp.where(temperature > 0, sampled, jnp.argmax(logits, -1)).astype(jnp.int32)
+    "The next token of each row, each with its own settings; a batch of greedy rows only sorts nothing."
+    greedy = jnp.argmax(logits, -1).astype(jnp.int32)
+    sample = lambda: jnp.where(temperature > 0, jax.vmap(_pick_one)(logits, temperature, top_k, top_p, seed, index),
+                               greedy).astype(jnp.int32)
+    return jax.lax.cond(jnp.any(temperature > 0), sample, lambda: greedy)
 
 # %% ../../nbs/15a_serve.engine.ipynb #0bbcc22e
 def _bucket(n: int, cap: int) -> int:
@@ -224,12 +228,30 @@ def _bucket(n: int, cap: int) -> int:
     return min(cap, 1 << max(n - 1, 0).bit_length())
 
 
+def _engine_step(graphdef, state, key_pages, value_pages, ids, table, lens, n_new, scratch):
+    """One model call of the engine: `ids (b, t)` appended to the pages of `table`'s rows, and the logits `(b, vocab)`
+    of each row's last real token. Returns the logits and the new pages."""
+    model = nnx.merge(graphdef, state)
+    h, kps, vps = paged_hidden(model, key_pages, value_pages, ids, table, lens, n_new, scratch)
+    return paged_logits(model, h, n_new - 1), kps, vps
+
+
+_STEPS: dict = {}  # the model's GraphDef -> its compiled step: engines of one architecture share their compiles
+
+
+def _compiled_step(graphdef):
+    "`_engine_step` with the graph bound, under `jax.jit`, the pages donated (written in place)."
+    if graphdef not in _STEPS:
+        _STEPS[graphdef] = jax.jit(functools.partial(_engine_step, graphdef), donate_argnums=(1, 2))
+    return _STEPS[graphdef]
+
+# %% ../../nbs/15a_serve.engine.ipynb #196fd4cc
 class Engine:
     "Continuous batching of any protocol model on a paged KV cache; see the chapter for the scheduler."
 
     def __init__(
         self,
-        model,  # a causal LM implementing the protocol (`init_ragged_pages`, `paged_forward`)
+        model,  # a causal LM of a family (`init_ragged_pages`, `paged_hidden`); its weights as of now are served
         config: EngineConfig | None = None,  # sizes (None: the defaults)
         detokenize: tp.Callable[[list[int]], str] | None = None,  # ids -> text (stop strings and `Request.text`)
     ):
@@ -242,23 +264,32 @@ class Engine:
         if self.num_pages < per_seq:
             raise ValueError(f"num_pages={self.num_pages} cannot hold one sequence of max_model_length="
                              f"{self.max_model_length} ({per_seq} pages of {ps}); raise num_pages")
-        self.scratch_page, self.scratch_slot = self.num_pages, cfg.max_num_seqs  # written by padding, never read
-        width = -(-(self.max_model_length + cfg.prefill_chunk) // ps)
-        meta = RaggedPagesMetadata(self.num_pages + 1, ps, width * ps, width, cfg.max_num_seqs + 1, c.num_hidden_layers,
+        self.scratch_page = self.num_pages  # written by padding, never read
+        self.width = -(-(self.max_model_length + cfg.prefill_chunk) // ps)  # pages a row spans at most
+        self.min_pages = min(self.width, max(1, 64 // ps))  # the smallest length bucket: 64 tokens
+        meta = RaggedPagesMetadata(self.num_pages + 1, ps, self.width * ps, self.width, 1, c.num_hidden_layers,
                                    c.num_key_value_heads, c.head_dim, model.dtype)
-        self.cache = model.init_ragged_pages(meta)
+        self.cache = model.init_ragged_pages(meta)  # its pages; the page table is built per step
+        graphdef, self._state = nnx.split(model)
+        self._run = _compiled_step(graphdef)
         self.pool = PagePool(self.num_pages)
         eos = c.eos_token_id
         self.eos = {i for i in (eos if isinstance(eos, (list, tuple)) else [eos]) if i is not None and i >= 0}
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []
-        self._inbox, self._aborts, self._lock = [], set(), threading.Lock()
-        self._wake, self._thread, self._stopping, self.error = threading.Condition(self._lock), None, False, None
-        self._ids, self.shapes = itertools.count(), set()
-        self.counters = collections.Counter({k: 0 for k in (  # every key up front: `stats()` reads them from other threads
-            "prefill_tokens", "cached_tokens", "decode_tokens", "output_tokens", "preemptions", "finished_stop",
-            "finished_length", "finished_abort", "finished_error")})
-        self._keys: dict[str, list[tuple]] = {}
+        self._init_queues()
+
+# %% ../../nbs/15a_serve.engine.ipynb #2c34104e
+@patch
+def _init_queues(self: Engine):
+    "The queues, the lock and the counters, empty."
+    self.waiting: collections.deque[Request] = collections.deque()
+    self.running: list[Request] = []
+    self._inbox, self._aborts, self._lock = [], set(), threading.Lock()
+    self._wake, self._thread, self._stopping, self.error = threading.Condition(self._lock), None, False, None
+    self._ids, self.shapes = itertools.count(), set()
+    self.counters = collections.Counter({k: 0 for k in (  # every key up front: `stats()` reads them from other threads
+        "prefill_tokens", "cached_tokens", "decode_tokens", "output_tokens", "preemptions", "finished_stop",
+        "finished_length", "finished_abort", "finished_error")})
+    self._keys: dict[str, list[tuple]] = {}
 
 # %% ../../nbs/15a_serve.engine.ipynb #e705731b
 @patch
@@ -369,31 +400,29 @@ def _grow(self: Engine, decoding: list[Request]) -> list[Request]:
 
 # %% ../../nbs/15a_serve.engine.ipynb #c86bfc47
 @patch
-def _table(self: Engine, rows: list[Request]):
-    "The cache with the page table and lengths of the running requests (other slots: the scratch page, length 0)."
-    width = self.cache.page_table.shape[1]
-    table = np.full(self.cache.page_table.shape, self.scratch_page, np.int32)
-    lens = np.zeros(self.cache.seq_lens.shape, np.int32)
-    for r in rows:
-        table[r.slot, :len(r.pages)] = r.pages
-        lens[r.slot] = r.computed
-    assert table.shape[1] == width
-    return self.cache.replace(page_table=jnp.asarray(table), seq_lens=jnp.asarray(lens))
-
-
-@patch
-def _forward(self: Engine, kind: str, rows: list[Request], ids: np.ndarray):
-    "`paged_forward` on `ids (bucket, t)`; rows past `len(rows)` are padding in the scratch slot. Returns logits."
-    slots = [r.slot for r in rows] + [self.scratch_slot] * (ids.shape[0] - len(rows))
-    self.shapes.add((kind, *ids.shape))
-    logits, cache = paged_forward(self.model, self._table(self.running), jnp.asarray(ids), jnp.asarray(slots, jnp.int32))
-    self.cache = cache
-    return logits
+def _forward(self: Engine, kind: str, rows: list[Request], ids: np.ndarray, n_new: list[int],
+             pages: int | None = None) -> jax.Array:
+    """The compiled step on `ids (bucket, t)`, `n_new[i]` real tokens in row i; rows past `len(rows)` are padding on
+    the scratch page. `pages`: the length bucket (None: the longest row's). Returns the picked tokens (on the device)."""
+    (b, t), ps = ids.shape, self.config.page_size
+    pages = pages or _bucket(max(-(-max([r.computed + t for r in rows], default=t) // ps), self.min_pages), self.width)
+    table = np.full((b, pages), self.scratch_page, np.int32)
+    lens, n, index, top_k = np.zeros(b, np.int32), np.ones(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
+    temp, top_p, seed = np.zeros(b, np.float32), np.ones(b, np.float32), np.zeros(b, np.uint32)
+    for i, (r, k) in enumerate(zip(rows, n_new)):
+        table[i, :min(len(r.pages), pages)] = r.pages[:pages]
+        lens[i], n[i], index[i] = r.computed, k, len(r.output)
+        temp[i], top_k[i], top_p[i], seed[i] = r.params.temperature, r.params.top_k, r.params.top_p, r.seed
+    self.shapes.add((kind, b, t, pages))
+    logits, kps, vps = self._run(self._state, self.cache.key_pages, self.cache.value_pages, ids, table, lens, n,
+                                 np.int32(self.scratch_page))
+    self.cache = self.cache.replace(key_pages=kps, value_pages=vps)
+    return sample_rows(logits, temp, top_k, top_p, seed, index)
 
 # %% ../../nbs/15a_serve.engine.ipynb #b4613f66
 @patch
-def _prefill(self: Engine) -> list[tuple[Request, jax.Array]]:
-    "One chunk of up to `max_prefill_seqs` prompts; returns the requests whose prompt is done, with their last logits."
+def _prefill(self: Engine) -> list[tuple[Request, jax.Array, int]]:
+    "One chunk of up to `max_prefill_seqs` prompts; returns (request, tokens, row) for each prompt that is done."
     cfg = self.config
     rows = [r for r in self.running if r.computed < r.target][:cfg.max_prefill_seqs]
     if not rows:
@@ -402,7 +431,7 @@ def _prefill(self: Engine) -> list[tuple[Request, jax.Array]]:
     sizes = [min(cfg.prefill_chunk, r.target - r.computed) for r in rows]
     for i, (r, n) in enumerate(zip(rows, sizes)):
         ids[i, :n] = r.tokens[r.computed:r.computed + n]
-    logits = self._forward("prefill", rows, ids)
+    toks = self._forward("prefill", rows, ids, sizes)
     done = []
     for i, (r, n) in enumerate(zip(rows, sizes)):
         r.computed += n
@@ -412,43 +441,37 @@ def _prefill(self: Engine) -> list[tuple[Request, jax.Array]]:
             for k, p in zip(self._prefix_keys(r, full), r.pages):
                 self.pool.register(k, p)
         if r.computed == r.target and not r.output:
-            done.append((r, logits[i, n - 1]))
+            done.append((r, toks, i))
     return done
 
 # %% ../../nbs/15a_serve.engine.ipynb #3239313c
 @patch
-def _pick(self: Engine, picks: list[tuple[Request, jax.Array]]):
-    "Sample one token for each (request, logits) pair and record it."
+def _pick(self: Engine, picks: list[tuple[Request, jax.Array, int]]):
+    "Read the step's picked tokens back (one wait for the device) and append each to its request."
     if not picks:
         return
-    n = _bucket(len(picks), self.config.max_num_seqs + self.config.max_prefill_seqs)
-    pad = n - len(picks)
-    reqs = [r for r, _ in picks]
-    col = lambda f, dt: jnp.asarray([f(r) for r in reqs] + [0] * pad, dt)
-    logits = jnp.stack([lg for _, lg in picks] + [picks[0][1]] * pad)
-    toks = sample_rows(logits, col(lambda r: r.params.temperature, jnp.float32), col(lambda r: r.params.top_k, jnp.int32),
-                       jnp.asarray([r.params.top_p for r in reqs] + [1.0] * pad, jnp.float32),
-                       col(lambda r: r.seed, jnp.uint32), col(lambda r: len(r.output), jnp.int32))
+    arrays = list({id(t): t for _, t, _ in picks}.values())
+    host = dict(zip(map(id, arrays), jax.device_get(arrays)))
     now = time.perf_counter()
-    for r, t in zip(reqs, np.asarray(toks)[:len(reqs)].tolist()):
-        r.output.append(t)
+    for r, t, i in picks:
+        r.output.append(int(host[id(t)][i]))
         r.token_times.append(now)
         self.counters["output_tokens"] += 1
 
 # %% ../../nbs/15a_serve.engine.ipynb #06e25bdf
 @patch
-def _decode(self: Engine) -> list[tuple[Request, jax.Array]]:
-    "One token for every sequence that holds all its tokens; returns (request, logits) pairs to sample from."
+def _decode(self: Engine) -> list[tuple[Request, jax.Array, int]]:
+    "One token for every sequence that holds all its tokens; returns (request, tokens, row) for each."
     rows = self._grow([r for r in self.running if r.output and r.computed == r.target and r.finish_reason is None])
     if not rows:
         return []
     ids = np.zeros((_bucket(len(rows), self.config.max_num_seqs), 1), np.int32)
     ids[:len(rows), 0] = [r.output[-1] for r in rows]
-    logits = self._forward("decode", rows, ids)
+    toks = self._forward("decode", rows, ids, [1] * len(rows))
     for r in rows:
         r.computed += 1
         self.counters["decode_tokens"] += 1
-    return [(r, logits[i, 0]) for i, r in enumerate(rows)]
+    return [(r, toks, i) for i, r in enumerate(rows)]
 
 # %% ../../nbs/15a_serve.engine.ipynb #bc351582
 @patch
@@ -493,7 +516,7 @@ def step(self: Engine) -> list[Request]:
     picks = self._prefill()
     picks += self._decode()
     self._pick(picks)
-    for r, _ in picks:
+    for r, *_ in picks:
         reason = self._check_done(r)
         if reason:
             self._finish(r, reason)
@@ -520,17 +543,19 @@ def stats(self: Engine) -> dict:
 
 # %% ../../nbs/15a_serve.engine.ipynb #c5242644
 @patch
-def warmup(self: Engine) -> int:
-    "Compile every step shape (decode and prefill buckets, and the sampler's) before serving; returns their count."
-    cfg, vocab = self.config, self.model.config.vocab_size
-    pow2 = lambda cap: sorted({_bucket(n, cap) for n in range(1, cap + 1)})
-    for b in pow2(cfg.max_num_seqs):
-        self._forward("decode", [], np.zeros((b, 1), np.int32))
-    for p in pow2(cfg.max_prefill_seqs):
-        self._forward("prefill", [], np.zeros((p, cfg.prefill_chunk), np.int32))
-    for n in pow2(cfg.max_num_seqs + cfg.max_prefill_seqs):
-        z, f = jnp.zeros((n,), jnp.int32), jnp.zeros((n,), jnp.float32)
-        sample_rows(jnp.zeros((n, vocab), jnp.float32), f, z, f + 1, z.astype(jnp.uint32), z).block_until_ready()
+def warmup(self: Engine, max_length: int | None = None) -> int:  # longest prompt + output to expect (None: the model's)
+    "Compile every step shape sequences of up to `max_length` tokens run; returns the number of shapes compiled so far."
+    cfg, ps = self.config, self.config.page_size
+    pow2 = lambda lo, hi, cap: sorted({_bucket(max(k, lo), cap) for k in range(1, hi + 1)})
+    top = -(-min(max_length or self.max_model_length, self.max_model_length) // ps)
+    for b in pow2(1, cfg.max_num_seqs, cfg.max_num_seqs):
+        for p in pow2(self.min_pages, top, self.width):
+            self._forward("decode", [], np.zeros((b, 1), np.int32), [], pages=p)
+    chunk = -(-cfg.prefill_chunk // ps)
+    for b in pow2(1, cfg.max_prefill_seqs, cfg.max_prefill_seqs):
+        for p in pow2(max(self.min_pages, chunk), top + chunk, self.width):
+            self._forward("prefill", [], np.zeros((b, cfg.prefill_chunk), np.int32), [], pages=p)
+    jax.block_until_ready(self.cache.key_pages)
     return len(self.shapes)
 
 # %% ../../nbs/15a_serve.engine.ipynb #ae47f6db
@@ -567,7 +592,7 @@ def _loop(self: Engine):
                 r.done.set()
             return
 
-
+# %% ../../nbs/15a_serve.engine.ipynb #0af18490
 @patch
 def start(self: Engine) -> Engine:
     "Start the engine's thread (it steps while there is work)."

@@ -186,7 +186,7 @@ def submit(self: Server, prompt: list[int], params: SamplingParams) -> tuple[Req
     self.pending += 1
     return req, queue
 
-
+# %% ../../nbs/15b_serve.server.ipynb #9d36e790
 @patch
 async def events(self: Server, http, req: Request, queue: asyncio.Queue):  # the HTTP request, and `submit`'s pair
     "Yield `(settled text, tokens, finish_reason)` after each step; a client that leaves aborts the request."
@@ -230,7 +230,7 @@ class _EngineCollector:
                                ("preemptions", "preemptions", "sequences preempted for lack of pages")]:
             yield CounterMetricFamily(f"eformer_nb_{name}", doc, value=s.get(key, 0))
 
-
+# %% ../../nbs/15b_serve.server.ipynb #c2cfe25f
 class _Metrics:
     "The server's Prometheus registry: the engine's collector and the latency histograms."
 
@@ -387,6 +387,22 @@ async def _sse(self: Server, http, req: Request, queue, meta: dict, chat: bool, 
         yield f"data: {json.dumps({**meta, 'object': kind, 'choices': [], 'usage': usage(n)})}\n\n"
     yield "data: [DONE]\n\n"
 
+# %% ../../nbs/15b_serve.server.ipynb #1fa0d5ef
+def _openai_routes(app, server: Server):  # the FastAPI app and its server
+    "Add /v1/completions and /v1/chat/completions to `app`."
+    from fastapi.responses import JSONResponse, Response
+
+    async def completions(http):
+        out = await server._complete(http, chat=False)
+        return out if isinstance(out, Response) else JSONResponse(out)
+
+    async def chat_completions(http):
+        out = await server._complete(http, chat=True)
+        return out if isinstance(out, Response) else JSONResponse(out)
+
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+
 # %% ../../nbs/15b_serve.server.ipynb #7e0d93a8
 def create_app(server: Server):  # the server whose engine, codec and limits the app uses
     "The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics."
@@ -419,16 +435,7 @@ def create_app(server: Server):  # the server whose engine, codec and limits the
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
                                             "owned_by": "eformer-nb"}]}
 
-    async def completions(http):  # plain Starlette routes: the handler gets the request itself
-        out = await server._complete(http, chat=False)
-        return out if isinstance(out, Response) else JSONResponse(out)
-
-    async def chat_completions(http):
-        out = await server._complete(http, chat=True)
-        return out if isinstance(out, Response) else JSONResponse(out)
-
-    app.add_route("/v1/completions", completions, methods=["POST"])
-    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    _openai_routes(app, server)
     return app
 
 # %% ../../nbs/15b_serve.server.ipynb #d83c78c2
@@ -454,7 +461,7 @@ def run(self: Server):
     print(f"eformer_nb.serve: {self.model_name!r} on {self.url} (OpenAI API under {self.url}/v1)", flush=True)
     self._uvicorn.run(sockets=[sock])
 
-
+# %% ../../nbs/15b_serve.server.ipynb #03b2cc76
 @patch
 def start(self: Server, timeout: float = 60) -> Server:  # seconds to wait for the server to listen
     "Serve from a background thread; `stop()` ends it."
@@ -495,12 +502,15 @@ def main(argv: list[str] | None = None):  # the arguments (None: sys.argv)
     p.add_argument("--max-pending", type=int, default=64, help="requests in flight; more get 429")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
+    p.add_argument("--warmup-tokens", type=int, default=512, help="compile the step shapes of sequences up to this "
+                   "long before serving (0: none; longer ones compile when first run)")
     a = p.parse_args(argv)
     model, codec = load_model(a.model, a.quantize)
     cfg = EngineConfig(max_num_seqs=a.max_num_seqs, page_size=a.page_size, num_pages=a.num_pages,
                        max_model_length=a.max_model_length, prefill_chunk=a.prefill_chunk)
     name = a.served_model_name or (a.model if a.model in ("smollm2", "tiny") else os.path.basename(a.model.rstrip("/")))
     engine = Engine(model, cfg, detokenize=codec.decode)
-    t0 = time.perf_counter()
-    logger.info(f"compiled {engine.warmup()} step shapes in {time.perf_counter() - t0:.1f} s")
+    if a.warmup_tokens > 0:
+        t0 = time.perf_counter()
+        logger.info(f"compiled {engine.warmup(a.warmup_tokens)} step shapes in {time.perf_counter() - t0:.1f} s")
     Server(engine, codec, name, a.host, a.port, a.api_key, a.max_body_bytes, a.max_pending, a.drain_timeout).run()

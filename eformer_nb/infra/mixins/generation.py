@@ -26,7 +26,8 @@ from fastcore.basics import patch
 # %% auto #0
 __all__ = ['GenerationMixin', 'GenerationConfig', 'resolve_generation_config', 'process_logits', 'select_tokens', 'decode_loop',
            'decode_dispatched', 'kv_cache_bytes', 'available_memory_bytes', 'check_kv_cache_memory', 'beam_loop',
-           'beam_search', 'RaggedPagesMetadata', 'RaggedPagesCache', 'allocate_pages', 'free_pages', 'paged_forward']
+           'beam_search', 'RaggedPagesMetadata', 'RaggedPagesCache', 'allocate_pages', 'free_pages', 'paged_hidden',
+           'paged_logits', 'paged_forward']
 
 # %% ../../../nbs/11g_infra.mixins.generation.ipynb #ff77c4b2
 class GenerationMixin:
@@ -449,6 +450,18 @@ def _compiled_programs() -> int:
 
 _DONE_EVERY = 8  # decode steps between the host's checks that every row is done (each check waits for the device)
 
+# %% ../../../nbs/11g_infra.mixins.generation.ipynb #d3674976
+def _layer_steps(model) -> list[tuple]:
+    "(its compiled step, its leaves) per decoder layer of `model`; layers of one structure share one compiled step."
+    layers, prev = [], None
+    for layer in model.model.layers:
+        layer_def, layer_state = nnx.split(layer)
+        leaves, layer_tree = jax.tree.flatten(layer_state)
+        if prev is None or prev[:2] != (layer_def, layer_tree):
+            prev = (layer_def, layer_tree, _compiled_step(_step_layer, layer_def, layer_tree, donate=(4, 5)))
+        layers.append((prev[2], leaves))
+    return layers
+
 # %% ../../../nbs/11g_infra.mixins.generation.ipynb #e4818880
 def decode_dispatched(
     graphdef,  # the model's nnx GraphDef
@@ -472,13 +485,7 @@ def decode_dispatched(
     parts, parts_tree = jax.tree.flatten(parts)
     step_in = _compiled_step(_step_in, parts_def, parts_tree)
     step_out = _compiled_step(_step_out, parts_def, parts_tree, g, processor)
-    layers, prev = [], None  # (its compiled step, its leaves) per layer; layers of one structure share one step
-    for layer in model.model.layers:
-        layer_def, layer_state = nnx.split(layer)
-        leaves, layer_tree = jax.tree.flatten(layer_state)
-        if prev is None or prev[:2] != (layer_def, layer_tree):
-            prev = (layer_def, layer_tree, _compiled_step(_step_layer, layer_def, layer_tree, donate=(4, 5)))
-        layers.append((prev[2], leaves))
+    layers = _layer_steps(model)
     carry, keys, values, key_mask = _prefill_split_jit(graphdef, state, input_ids, attention_mask, key, eos, pad, g,
                                                        processor, stream_id, stacked)
     keys, values, t = list(keys), list(values), input_ids.shape[1]
@@ -667,6 +674,17 @@ def beam_loop(
         return _beams(nnx.merge(graphdef, state), input_ids, attention_mask, eos, pad, g)
 
 
+# %% ../../../nbs/11g_infra.mixins.generation.ipynb #83da9c26
+def _best_beams(seqs, final, ngen, b: int, k: int) -> GenerateOutput:
+    "Each row's best of its `k` beams by `final` (rows of `seqs`, `final`, `ngen` are the `b * k` beams)."
+    best = jnp.argmax(final.reshape(b, k), axis=1)
+    pick = lambda x: jnp.take_along_axis(x.reshape((b, k) + x.shape[1:]),
+                                         best.reshape((b, 1) + (1,) * (x.ndim - 1)), 1)[:, 0]
+    return GenerateOutput(sequences=pick(seqs), scores=pick(final), num_generated=pick(ngen))
+
+
+_beam_jit = jax.jit(beam_loop, static_argnums=(0, 6))
+
 # %% ../../../nbs/11g_infra.mixins.generation.ipynb #53e9e1fd
 def _beams(model, input_ids, attention_mask, eos, pad, g: GenerationConfig) -> GenerateOutput:
     b, t = input_ids.shape
@@ -706,13 +724,7 @@ def _beams(model, input_ids, attention_mask, eos, pad, g: GenerationConfig) -> G
     carry = jax.lax.while_loop(lambda c: (c[0] < n - 1) & ~jnp.all(c[5]), body, carry)
     _, _, seqs, scores, _, ngen, _ = step(carry)  # the last pick needs no forward after it
     final = scores / jnp.maximum(ngen, 1).astype(jnp.float32) ** g.length_penalty
-    best = jnp.argmax(final.reshape(b, k), axis=1)
-    pick = lambda x: jnp.take_along_axis(x.reshape((b, k) + x.shape[1:]),
-                                         best.reshape((b, 1) + (1,) * (x.ndim - 1)), 1)[:, 0]
-    return GenerateOutput(sequences=pick(seqs), scores=pick(final), num_generated=pick(ngen))
-
-
-_beam_jit = jax.jit(beam_loop, static_argnums=(0, 6))
+    return _best_beams(seqs, final, ngen, b, k)
 
 
 # %% ../../../nbs/11g_infra.mixins.generation.ipynb #585036bf
@@ -878,13 +890,22 @@ class _PagedLayer:
         return self.replace(key_pages=kp, value_pages=vp), view(kp), view(vp), self.q_slots
 
 # %% ../../../nbs/11g_infra.mixins.generation.ipynb #498b72f6
-def _paged_forward(model, cache: RaggedPagesCache, input_ids, seq_ids):
-    "The family's own embedding, layers, norm and head over the pages of sequences `seq_ids`."
-    inner, t = model.model, input_ids.shape[1]
-    lens, table, ps = cache.seq_lens[seq_ids], cache.page_table[seq_ids], cache.key_pages[0].shape[1]
+def paged_hidden(
+    model,  # a causal LM of a family (its `model.model` has `embed_tokens`, `layers`, `norm`)
+    key_pages: tuple,  # per layer `(num_pages, page_size, kv_heads, head_dim)`
+    value_pages: tuple,  # per layer, the same shape
+    input_ids,  # `(b, t)` the next tokens of each row
+    table,  # `(b, P)` int32: each row's first P pages (P * page_size >= lens + t)
+    lens,  # `(b,)` int32: tokens each row's pages hold already
+    n_new,  # `(b,)` int32: real tokens in each row of `input_ids` (the rest is padding)
+    scratch=0,  # the page that padding writes to
+) -> tuple[jax.Array, tuple, tuple]:  # hidden states `(b, t, hidden)`, the key pages, the value pages
+    "The family's embedding and layers over the pages of `table`'s rows; the new keys and values written to them."
+    inner, t, ps = model.model, input_ids.shape[1], key_pages[0].shape[1]
     pos = lens[:, None] + jnp.arange(t)  # (b, t) positions of the new tokens
-    page, off = jnp.take_along_axis(table, pos // ps, 1), pos % ps
-    slots = table.shape[1] * ps  # a row holds a whole sequence, its last token at the last slot
+    col = jnp.minimum(pos // ps, table.shape[1] - 1)  # padding past the table writes to `scratch` below
+    page = jnp.where(jnp.arange(t) < n_new[:, None], jnp.take_along_axis(table, col, 1), scratch)
+    slots = table.shape[1] * ps  # the row's last new token at the last slot
     held = jnp.arange(slots)[None, :] - (slots - (lens + t))[:, None]  # (b, slots) the position each slot holds
     key_valid, held = held >= 0, jnp.maximum(held, 0)
     read = jnp.where(key_valid, jnp.take_along_axis(table, held // ps, 1) * ps + held % ps, 0)
@@ -892,16 +913,32 @@ def _paged_forward(model, cache: RaggedPagesCache, input_ids, seq_ids):
     h = scale_embeddings(inner.embed_tokens(input_ids), inner.embedding_scale)
     kps, vps = [], []
     for i, layer in enumerate(inner.layers):
-        view = _PagedLayer(cache.key_pages[i], cache.value_pages[i], page, off, read, q_slots)
+        view = _PagedLayer(key_pages[i], value_pages[i], page, pos % ps, read, q_slots)
         h, view = layer(h, pos, key_valid, None, view, None, None)
         kps.append(view.key_pages)
         vps.append(view.value_pages)
-    logits = _head(model, inner.embed_tokens, inner.norm(h))
-    new = cache.replace(key_pages=tuple(kps), value_pages=tuple(vps), seq_lens=cache.seq_lens.at[seq_ids].add(t))
-    return logits, new
+    return h, tuple(kps), tuple(vps)
+
+# %% ../../../nbs/11g_infra.mixins.generation.ipynb #4b58c54e
+def paged_logits(
+    model,  # the model `h` came from
+    h,  # `(b, t, hidden)` hidden states from `paged_hidden`
+    index,  # `(b,)` int32: the position of each row to take (its last real token)
+) -> jax.Array:  # `(b, vocab)` logits
+    "The final norm and the head on `h[i, index[i]]` of every row."
+    last = jnp.take_along_axis(h, index[:, None, None], 1)[:, 0]
+    return _head(model, model.model.embed_tokens, model.model.norm(last))
 
 
-_paged_jit = nnx.jit(_paged_forward)
+def _paged_full(graphdef, state, key_pages, value_pages, input_ids, table, lens):
+    "Logits at every position (`paged_forward`): the norm and head on all of `h`."
+    model = nnx.merge(graphdef, state)
+    n = jnp.full(lens.shape, input_ids.shape[1], jnp.int32)
+    h, kps, vps = paged_hidden(model, key_pages, value_pages, input_ids, table, lens, n)
+    return _head(model, model.model.embed_tokens, model.model.norm(h)), kps, vps
+
+
+_paged_jit = jax.jit(_paged_full, static_argnums=0)
 
 # %% ../../../nbs/11g_infra.mixins.generation.ipynb #f68e8fc3
 def paged_forward(
@@ -911,7 +948,8 @@ def paged_forward(
     seq_ids,  # sequence slot of each row
 ) -> tuple[jax.Array, RaggedPagesCache]:
     """Run `input_ids (b, t)` as the next tokens of sequences `seq_ids (b,)` (a prompt, or one decode token each):
-    logits `(b, t, vocab)` and the cache with their keys/values written to their pages."""
+    logits `(b, t, vocab)` and the cache with their keys/values written to their pages. Attention reads each row's
+    whole page-table row; a server passes only the pages in use to `paged_hidden` (the engine does)."""
     seq_ids = jnp.asarray(seq_ids, jnp.int32)
     if input_ids.ndim != 2 or seq_ids.shape != (input_ids.shape[0],):
         raise ValueError(
@@ -927,5 +965,8 @@ def paged_forward(
             f"sequence {int(seq_ids[bad])} needs room for {int(need[bad])} tokens but holds pages for "
             f"{int(held[bad])}; allocate_pages(cache, {int(seq_ids[bad])}, {int(need[bad])}) first"
         )
-    return _paged_jit(model, cache, input_ids, seq_ids)
+    graphdef, state = nnx.split(model)
+    logits, kps, vps = _paged_jit(graphdef, state, cache.key_pages, cache.value_pages, input_ids,
+                                  cache.page_table[seq_ids], cache.seq_lens[seq_ids])
+    return logits, cache.replace(key_pages=kps, value_pages=vps, seq_lens=cache.seq_lens.at[seq_ids].add(input_ids.shape[1]))
 
