@@ -472,6 +472,15 @@ def optimizer(
     return _OPTIMIZERS[key]
 
 # %% ../nbs/90_demo.ipynb #db10ad88
+def _wait_for_peers(name: str) -> None:
+    """Wait until every process of the job got here (nothing for one process), at a barrier of JAX's coordination
+    service (`sync_processes`, 600 s). The demo calls it after each long stretch of work of a process's own (compiling
+    the model's construction, generating a sample, saving the merged model) and before the job returns: gloo gives
+    a collective's peers 30 s to arrive, and on a loaded machine one process can fall further behind than that."""
+    from eformer_nb.serialization.durable import sync_processes
+    sync_processes(f"eformer_nb.demo.{name}")
+
+
 def create_state(
     cfg: DemoConfig,  # the demo's settings
     mesh,  # the device mesh the state is sharded over
@@ -482,6 +491,7 @@ def create_state(
     from eformer_nb.infra.base_state import EasyDeLState
     from eformer_nb.mpric import LossScaleConfig
     graphdef, trainable, frozen = build_model(cfg)
+    _wait_for_peers("built")  # sharding it next is a collective
     state = EasyDeLState.create(graphdef=graphdef, graphstate=trainable, graphother=frozen)
     state = state.shard_model(partition_rules(model_config(cfg)), mesh)
     tx, schedule = optimizer(cfg)
@@ -553,15 +563,6 @@ def _init_distributed() -> None:
         if os.environ.get("EFORMER_HARDWARE", "") == "CPU":
             jax.config.update("jax_cpu_collectives_implementation", "gloo")  # collectives across CPU processes
         DistributedConfig(initialization_timeout_s=INIT_TIMEOUT_S).initialize()  # JAX_COORDINATOR_ADDRESS etc.
-
-
-def _leave_together(name: str) -> None:
-    """A barrier at the end of a job of several processes (nothing for one): no process returns, and has its Ray
-    worker exit, while a peer still works (saves the merged model, generates), so none is left to die alone."""
-    import jax
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices(f"eformer_nb.demo.{name}: done")
 
 # %% ../nbs/90_demo.ipynb #b9b08c46
 def _checkpoint_tree(state, loss_scale) -> dict:
@@ -700,7 +701,8 @@ def _restore(ckpt, state, loss_scale) -> tuple:
 def _use_compile_cache(cfg: DemoConfig, cache_dir: str) -> None:
     """Keep every compiled program under `cache_dir`, however quick its compile (a local directory; the first setting
     in this process wins): a resumed worker, or a later job of the demo on the same layout, loads what an earlier one
-    compiled. In a job of several processes one compiles each program they share and hands it to the others."""
+    compiled. (JAX's `jax_share_binary_between_hosts`, one process compiling for all, is left off: with it, the
+    two-process job failed in its first cross-process `device_put`, gloo's 30 s rendezvous timed out.)"""
     import jax
     from eformer_nb.paths import is_local_path
     if not (cfg.compile_cache and is_local_path(cache_dir)) or jax.config.jax_compilation_cache_dir:
@@ -708,8 +710,6 @@ def _use_compile_cache(cfg: DemoConfig, cache_dir: str) -> None:
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # the many small programs add up
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    if jax.process_count() > 1:
-        jax.config.update("jax_share_binary_between_hosts", True)
 
 
 def _before(cfg: DemoConfig, run: ePath, start: int, state, mesh, tok, windows) -> dict:
@@ -805,14 +805,14 @@ def _on_step(ckpt, log: dict, history: list, written: list, crash: int):
 # %% ../nbs/90_demo.ipynb #0ddb52de
 def _finish(cfg: DemoConfig, out: dict, state, run: ePath, tok, phase: _Phases, mesh, written: list) -> dict:
     """The end of an attempt: the merged model and the sample (when it trained to the last step), the phases, this
-    process's line; then every process waits for the others (`_leave_together`)."""
+    process's line; then every process waits for the others (`_wait_for_peers`)."""
     import resource
     if out["stop_step"] == cfg.steps:
         with phase("sample"):
             out.update(sample_and_save(cfg, state, run, tok))
     out.update(phases=phase.times, host=_host_facts(mesh, written),
                peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
-    _leave_together("train_job")
+    _wait_for_peers("train_job: done")  # no process exits while a peer still works
     return out
 
 # %% ../nbs/90_demo.ipynb #a7e3c1d0
@@ -836,6 +836,7 @@ def train_job(cfg: DemoConfig | dict,  # the job's settings (or `dataclasses.asd
         log = _step_log(run, start, state_digest(state.graphother), phase.times, t_start)
     with phase("before"):
         out = _before(cfg, run, start, state, mesh, tok, windows)
+        _wait_for_peers("measured")  # after a sample of its own
     with jax.set_mesh(mesh):
         step_fn = train_step_fn(cfg.policy, state.shardings)
         if start:
@@ -921,15 +922,15 @@ def sample_and_save(
     run: ePath,  # the run directory
     tok=None,  # the model's tokenizer (default: `demo_tokenizer(cfg)`)
 ) -> dict:
-    """Merge the adapters, save the merged model under `run/merged` (bf16 safetensors; process 0 of several), and
-    generate the sample."""
+    """Merge the adapters, save the merged model under `run/merged` (bf16 safetensors), and generate the sample. With
+    several processes every one holds the whole merged model and calls the save: `save_pretrained` has them all
+    meet at its barriers and process 0 commit (a save by process 0 alone would wait at them for ever)."""
     import jax
     import jax.numpy as jnp
     tok = demo_tokenizer(cfg) if tok is None else tok
     model = plain_model(state)
     merged_dir, first = run / "merged", jax.process_index() == 0
-    if first:  # every process holds the whole merged model: one writes it
-        model.save_pretrained(str(merged_dir), float_dtype=jnp.bfloat16)
+    model.save_pretrained(str(merged_dir), float_dtype=jnp.bfloat16)
     t0 = time.perf_counter()
     sample = generate_sample(cfg, model, tok)
     return {"sample": sample, "generate_s": time.perf_counter() - t0,
@@ -1227,7 +1228,7 @@ def restore_job(cfg: DemoConfig | dict,  # the job's settings (or `dataclasses.a
         tree = Checkpointer(checkpoints, save_interval=None).load_checkpoint(
             template=_checkpoint_tree(state, loss_scale), step=step)
     out = {"digest": state_digest(tree), "processes": jax.process_count(), "devices": jax.device_count()}
-    _leave_together("restore_job")
+    _wait_for_peers("restore_job: done")
     return out
 
 # %% ../nbs/90_demo.ipynb #37fd5f24
