@@ -119,7 +119,7 @@ def model_preset(model: str  # a pretrained model of REAL_MODELS or a random sha
         return MODEL_PRESETS["random"]
     raise ValueError(f"model {model!r}; valid choices are {[*REAL_MODELS, *MODEL_SIZES]}")
 
-
+# %% ../nbs/90_demo.ipynb #88f17896
 @dataclasses.dataclass
 class AcceleratorSpec:
     "Where the training workers run, and what each asks Ray for."
@@ -138,8 +138,8 @@ DEFAULT_MESH, HOSTS_MESH = "dp:2,fsdp:2,tp:2", "fsdp:-1,tp:2"  # one process / s
 
 
 @dataclasses.dataclass
-class DemoConfig:
-    "Settings of the QLoRA demo job (flags or YAML keys); the settings left at None take the model's preset."
+class _TrainSettings:
+    "The model, the data, the layout and the optimisation of the demo job (the first half of `DemoConfig`)."
     model: tp.Literal["smollm2", "tiny", "small", "base", "1b"] = Argu(
         default="smollm2", help="pretrained SmolLM2-135M-Instruct (GGUF), or a random byte-level shape (MODEL_SIZES)")
     quantization: tp.Literal["nf4", "int8"] = Argu(default="nf4", help="format of the frozen projection kernels")
@@ -153,9 +153,11 @@ class DemoConfig:
                                                  f"default {DEFAULT_MESH} (hosts > 1: {HOSTS_MESH})")
     hosts: int = Argu(default=1, help="JAX processes (Ray CPU workers) that share the accelerator.host_devices: one "
                                       "mesh over all of them, CPU collectives through gloo")
-    cross_check: bool = Argu(default=True, help="with hosts > 1: also train in one process (same mesh, no kill), "
-                                                "compare the loss curves, and restore each run's checkpoint in the "
-                                                "other's process layout (state digests)")
+    cross_check: bool = Argu(default=True, help="with hosts > 1: restore the job's checkpoint in one process "
+                                                "(state digests), and with cross_train more")
+    cross_train: bool = Argu(default=True, help="with cross_check: the one-process training run and the restore of "
+                                                "its checkpoint in hosts processes (off: only the multi-process "
+                                                "checkpoint is restored in one process)")
     policy: str | None = Argu(default=None, help=f"precision policy (params, compute, output) {_PRESET}")
     optimizer: str = Argu(default="adamw", help="optimizer registered with OptimizerFactory")
     learning_rate: float | None = Argu(default=None, help=f"peak learning rate (warmup, cosine decay) {_PRESET}")
@@ -165,6 +167,11 @@ class DemoConfig:
     checkpoint_every: int | None = Argu(default=None, help=f"save a checkpoint every N steps {_PRESET}")
     crash_at_step: int | None = Argu(default=None, help=f"a fresh run SIGKILLs its worker after this step (0: never) "
                                                         f"{_PRESET}")
+
+# %% ../nbs/90_demo.ipynb #f6df0bee
+@dataclasses.dataclass
+class DemoConfig(_TrainSettings):
+    "Settings of the QLoRA demo job (flags or YAML keys); the settings left at None take the model's preset."
     verify: bool = Argu(default=False,
                         help="after a resume, also train an uninterrupted reference run and compare all losses bit "
                              "for bit (the whole run again; without it the check is the replayed steps' digests)")
@@ -381,7 +388,7 @@ def trainable_filter(
     return nnx.Any(nnx.LoRAParam,
                    lambda path, x: isinstance(x, nnx.Param) and bool(rx.search("/".join(map(str, path)))))
 
-
+# %% ../nbs/90_demo.ipynb #5088518f
 _BUILDERS: dict = {}
 
 
@@ -464,6 +471,15 @@ def optimizer(
             clip_grad=cfg.clip_grad)
     return _OPTIMIZERS[key]
 
+# %% ../nbs/90_demo.ipynb #db10ad88
+def _wait_for_peers(name: str) -> None:
+    """Wait until every process of the job got here (nothing for one process), at a barrier of JAX's coordination
+    service (`sync_processes`, 600 s). The demo calls it after each long stretch of work of a process's own (compiling
+    the model's construction, generating a sample, saving the merged model) and before the job returns: gloo gives
+    a collective's peers 30 s to arrive, and on a loaded machine one process can fall further behind than that."""
+    from eformer_nb.serialization.durable import sync_processes
+    sync_processes(f"eformer_nb.demo.{name}")
+
 
 def create_state(
     cfg: DemoConfig,  # the demo's settings
@@ -475,6 +491,7 @@ def create_state(
     from eformer_nb.infra.base_state import EasyDeLState
     from eformer_nb.mpric import LossScaleConfig
     graphdef, trainable, frozen = build_model(cfg)
+    _wait_for_peers("built")  # sharding it next is a collective
     state = EasyDeLState.create(graphdef=graphdef, graphstate=trainable, graphother=frozen)
     state = state.shard_model(partition_rules(model_config(cfg)), mesh)
     tx, schedule = optimizer(cfg)
@@ -547,7 +564,7 @@ def _init_distributed() -> None:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")  # collectives across CPU processes
         DistributedConfig(initialization_timeout_s=INIT_TIMEOUT_S).initialize()  # JAX_COORDINATOR_ADDRESS etc.
 
-
+# %% ../nbs/90_demo.ipynb #b9b08c46
 def _checkpoint_tree(state, loss_scale) -> dict:
     return {"step": state.step, "trainable": state.graphstate, "opt_state": state.opt_state, "loss_scale": loss_scale}
 
@@ -557,7 +574,8 @@ SKIP_LOG_EVERY = 10  # a skipped step is logged the first time, then once per th
 
 def _run_steps(state, loss_scale, step_fn, tokens, cfg: DemoConfig, start: int, stop: int, *, on_step=None,
                desc: str = "train") -> tuple:
-    "Steps `start..stop-1`; `(state, loss_scale, losses, skipped, seconds after the first step)`."
+    """Steps `start..stop-1`; `(state, loss_scale, losses, skipped, seconds after the first step)`. No step at all
+    when `start == stop` (an attempt that resumes from the last step's checkpoint): no losses, 0.0 seconds."""
     losses, skipped, t_first = [], 0, None
     with ProgressLogger(total=stop - start, desc=desc, logger=logger) as bar:
         for step in range(start, stop):
@@ -574,7 +592,7 @@ def _run_steps(state, loss_scale, step_fn, tokens, cfg: DemoConfig, start: int, 
             bar.update(loss=f"{losses[-1]:.3f}")
             if on_step is not None:
                 on_step(step + 1, state, loss_scale, losses)
-    return state, loss_scale, losses, skipped, time.perf_counter() - t_first
+    return state, loss_scale, losses, skipped, 0.0 if t_first is None else time.perf_counter() - t_first
 
 # %% ../nbs/90_demo.ipynb #03f5d9b5
 def state_digest(
@@ -680,13 +698,18 @@ def _restore(ckpt, state, loss_scale) -> tuple:
     return state, restored["loss_scale"], read_metadata(ckpt.latest())["user"]["losses"]
 
 
-def _use_compile_cache(cfg: DemoConfig, run: ePath) -> None:
-    """Keep compiled programs under `run/xla-cache` (a local run, the first setting in this process wins): a resumed
-    worker loads what the killed one compiled instead of compiling the same programs again."""
+def _use_compile_cache(cfg: DemoConfig, cache_dir: str) -> None:
+    """Keep every compiled program under `cache_dir`, however quick its compile (a local directory; the first setting
+    in this process wins): a resumed worker, or a later job of the demo on the same layout, loads what an earlier one
+    compiled. (JAX's `jax_share_binary_between_hosts`, one process compiling for all, is left off: with it, the
+    two-process job failed in its first cross-process `device_put`, gloo's 30 s rendezvous timed out.)"""
     import jax
     from eformer_nb.paths import is_local_path
-    if cfg.compile_cache and is_local_path(str(run)) and not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", str(run / "xla-cache"))
+    if not (cfg.compile_cache and is_local_path(cache_dir)) or jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # the many small programs add up
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 def _before(cfg: DemoConfig, run: ePath, start: int, state, mesh, tok, windows) -> dict:
@@ -705,7 +728,8 @@ def _before(cfg: DemoConfig, run: ePath, start: int, state, mesh, tok, windows) 
 def _attempt_facts(cfg: DemoConfig, run: ePath, ckpt, mesh, state, losses: list, seconds: float) -> dict:
     "What one attempt's training loop leaves to report: throughput, parameter bytes, checkpoints, where it ran."
     import jax
-    return {"tokens_per_s": (len(losses) - 1) * cfg.batch_size * cfg.seq_len / max(seconds, 1e-9),
+    timed = len(losses) - 1  # the first step compiles; None: the attempt ran fewer than two steps
+    return {"tokens_per_s": timed * cfg.batch_size * cfg.seq_len / max(seconds, 1e-9) if timed > 0 else None,
             "trainable_bytes": _tree_bytes(state.graphstate), "frozen_bytes": _tree_bytes(state.graphother),
             "checkpoints": {s: _du(str(run / "checkpoints" / f"step-{s}")) for s in ckpt.manager.all_steps()},
             "mesh": dict(mesh.shape), "devices": jax.device_count(), "pid": os.getpid(), "final_step": int(state.step)}
@@ -750,70 +774,87 @@ def _host_facts(mesh, written: list) -> dict:
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 # %% ../nbs/90_demo.ipynb #d24ce30a
+def _job_setup(cfg: DemoConfig, run: ePath, phase: _Phases) -> tuple:
+    """`(mesh, tokenizer, training tokens, held-out windows, Checkpointer of run/checkpoints)` of the job, timed as its
+    'tokenizer' phase."""
+    from eformer_nb.serialization import Checkpointer, CheckpointInterval
+    with phase("tokenizer"):
+        mesh, tok = demo_mesh(cfg.mesh), demo_tokenizer(cfg)
+        tokens, held = split_corpus(encode_text(tok, load_corpus()))
+        ckpt = Checkpointer(str(run / "checkpoints"), save_interval=None,
+                            step_policies=[CheckpointInterval(cfg.checkpoint_every)])
+        return mesh, tok, tokens, heldout_windows(held, cfg.seq_len), ckpt
+
+
+def _on_step(ckpt, log: dict, history: list, written: list, crash: int):
+    """The `on_step` of one attempt's loop: save a checkpoint when the policy says so (appending `(step, bytes this
+    process wrote, bytes of the shards it owns)` to `written`), log the step's digest and loss, and SIGKILL this worker
+    (process 0) after step `crash`."""
+    import jax
+
+    def on_step(step, state, loss_scale, losses):
+        tree, w0 = _checkpoint_tree(state, loss_scale), _written_bytes()
+        if ckpt.on_step(tree, step=step, extras={"losses": history + losses}):
+            written.append((step, _written_bytes() - w0, _owned_bytes(tree)))
+        _log_step(log, step, state, loss_scale, losses[-1])
+        if step == crash and jax.process_index() == 0:
+            logger.warning("step %d: killing this worker (pid %d) with SIGKILL", step, os.getpid())
+            os.kill(os.getpid(), signal.SIGKILL)
+    return on_step
+
+# %% ../nbs/90_demo.ipynb #0ddb52de
+def _finish(cfg: DemoConfig, out: dict, state, run: ePath, tok, phase: _Phases, mesh, written: list) -> dict:
+    """The end of an attempt: the merged model and the sample (when it trained to the last step), the phases, this
+    process's line; then every process waits for the others (`_wait_for_peers`)."""
+    import resource
+    if out["stop_step"] == cfg.steps:
+        with phase("sample"):
+            out.update(sample_and_save(cfg, state, run, tok))
+    out.update(phases=phase.times, host=_host_facts(mesh, written),
+               peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
+    _wait_for_peers("train_job: done")  # no process exits while a peer still works
+    return out
+
+# %% ../nbs/90_demo.ipynb #a7e3c1d0
 def train_job(cfg: DemoConfig | dict,  # the job's settings (or `dataclasses.asdict` of them)
               run_dir: str,  # run directory (local or gs://): checkpoints/, step logs, the merged model
               until_step: int | None = None,  # stop cleanly after this step (default: cfg.steps)
+              cache_dir: str | None = None,  # compiled programs shared between jobs (default: run_dir/xla-cache)
               ) -> dict:
     "Measure, train (resuming from the newest checkpoint), log digests, crash once if told to, measure, merge, sample."
     if isinstance(cfg, dict):
         cfg, = DataClassArgumentParser(DemoConfig).parse_dict(cfg)
     _init_distributed()
-    import resource
     import jax
-    from eformer_nb.serialization import Checkpointer, CheckpointInterval
     t_start, run, phase = time.perf_counter(), ePath(run_dir), _Phases()
-    _use_compile_cache(cfg, run)
-    with phase("tokenizer"):
-        mesh, tok = demo_mesh(cfg.mesh), demo_tokenizer(cfg)
-        tokens, held = split_corpus(encode_text(tok, load_corpus()))
-        windows = heldout_windows(held, cfg.seq_len)
-    ckpt = Checkpointer(str(run / "checkpoints"), save_interval=None,
-                        step_policies=[CheckpointInterval(cfg.checkpoint_every)])
-    start, history = ckpt.latest_step() or 0, []
+    _use_compile_cache(cfg, cache_dir or str(run / "xla-cache"))
+    mesh, tok, tokens, windows, ckpt = _job_setup(cfg, run, phase)
+    start, history, written = ckpt.latest_step() or 0, [], []
+    stop = cfg.steps if until_step is None else min(until_step, cfg.steps)
     with phase("model"):  # outside `jax.set_mesh`: the eager quantization is slower under a mesh context
         state, loss_scale, _ = create_state(cfg, mesh)
         log = _step_log(run, start, state_digest(state.graphother), phase.times, t_start)
     with phase("before"):
         out = _before(cfg, run, start, state, mesh, tok, windows)
+        _wait_for_peers("measured")  # after a sample of its own
     with jax.set_mesh(mesh):
         step_fn = train_step_fn(cfg.policy, state.shardings)
         if start:
             with phase("restore"):
                 state, loss_scale, history = _restore(ckpt, state, loss_scale)
         _log_step(log, start, state, loss_scale)
-        crash = cfg.crash_at_step if start == 0 else 0
-        stop = cfg.steps if until_step is None else min(until_step, cfg.steps)
-
-        written = []  # (step, bytes this process wrote, bytes of the shards it owns) per checkpoint
-
-        def on_step(step, state, loss_scale, losses):
-            tree, w0 = _checkpoint_tree(state, loss_scale), _written_bytes()
-            if ckpt.on_step(tree, step=step, extras={"losses": history + losses}):
-                written.append((step, _written_bytes() - w0, _owned_bytes(tree)))
-            _log_step(log, step, state, loss_scale, losses[-1])
-            if step == crash and jax.process_index() == 0:
-                logger.warning("step %d: killing this worker (pid %d) with SIGKILL", step, os.getpid())
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        t_ready = time.perf_counter()
         with phase("train"):
-            state, loss_scale, losses, skipped, seconds = _run_steps(state, loss_scale, step_fn, tokens, cfg, start,
-                                                                     stop, on_step=on_step)
+            state, loss_scale, losses, skipped, seconds = _run_steps(
+                state, loss_scale, step_fn, tokens, cfg, start, stop,
+                on_step=_on_step(ckpt, log, history, written, cfg.crash_at_step if start == 0 else 0))
         with phase("after"):
-            ppl_after = heldout_perplexity(state, windows)
-        out.update({"start_step": start, "stop_step": stop, "losses": history + losses, "skipped_steps": skipped,
-                    "setup_s": t_ready - t_start, "train_s": time.perf_counter() - t_ready, "ppl_after": ppl_after,
-                    "step_log": log["path"], **_attempt_facts(cfg, run, ckpt, mesh, state, losses, seconds)})
+            out.update(start_step=start, stop_step=stop, losses=history + losses, skipped_steps=skipped,
+                       ppl_after=heldout_perplexity(state, windows), step_log=log["path"],
+                       **_attempt_facts(cfg, run, ckpt, mesh, state, losses, seconds))
         if start and cfg.verify:
             with phase("reference"):
                 out["reference_losses"] = _reference_losses(cfg, mesh, step_fn, tokens, stop)
-    if stop == cfg.steps:
-        with phase("sample"):
-            out.update(sample_and_save(cfg, state, run, tok))
-    out["phases"] = phase.times
-    out["host"] = _host_facts(mesh, written)
-    out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    return out
+    return _finish(cfg, out, state, run, tok, phase, mesh, written)
 
 # %% ../nbs/90_demo.ipynb #4f856694
 def _tree_bytes(tree) -> int:
@@ -874,22 +915,22 @@ def plain_model(
     trainable, frozen = jax.device_put(host, jax.local_devices()[0])
     return merge_adapters(nnx.merge(state.graphdef, trainable, frozen))
 
-
+# %% ../nbs/90_demo.ipynb #c9f82448
 def sample_and_save(
     cfg: DemoConfig,  # the demo's settings
     state,  # the trained state
     run: ePath,  # the run directory
     tok=None,  # the model's tokenizer (default: `demo_tokenizer(cfg)`)
 ) -> dict:
-    """Merge the adapters, save the merged model under `run/merged` (bf16 safetensors; process 0 of several), and
-    generate the sample."""
+    """Merge the adapters, save the merged model under `run/merged` (bf16 safetensors), and generate the sample. With
+    several processes every one holds the whole merged model and calls the save: `save_pretrained` has them all
+    meet at its barriers and process 0 commit (a save by process 0 alone would wait at them for ever)."""
     import jax
     import jax.numpy as jnp
     tok = demo_tokenizer(cfg) if tok is None else tok
     model = plain_model(state)
     merged_dir, first = run / "merged", jax.process_index() == 0
-    if first:  # every process holds the whole merged model: one writes it
-        model.save_pretrained(str(merged_dir), float_dtype=jnp.bfloat16)
+    model.save_pretrained(str(merged_dir), float_dtype=jnp.bfloat16)
     t0 = time.perf_counter()
     sample = generate_sample(cfg, model, tok)
     return {"sample": sample, "generate_s": time.perf_counter() - t0,
@@ -922,7 +963,7 @@ def connect_ray(
         return auto_ray_cluster(address)
     return auto_ray_cluster("local", num_cpus=cfg.ray_cpus, include_dashboard=False)
 
-
+# %% ../nbs/90_demo.ipynb #96d5053e
 def submit(
     cfg: DemoConfig,  # the demo's settings: the workers (`worker_spec`), retries
     fn_name: str,  # a job function of this module: 'train_job' or 'restore_job'
@@ -958,6 +999,14 @@ def run_job(
         handle.shutdown()
 
 # %% ../nbs/90_demo.ipynb #781c91a0
+def _resume_facts(logs: list[dict]) -> dict:
+    "The report's lines on a resume, from the attempts' step logs: where the first one stopped, `check_resume`'s counts."
+    first, check = logs[0]["steps"], check_resume(logs)
+    return {"killed_at_step": first[-1]["step"], "killed_run_losses": [r["loss"] for r in first if "loss" in r],
+            "restored_state_identical": check["restored"], "replayed_steps_identical": check["replayed"],
+            "frozen_base_identical": check["frozen"], "resume_mismatches": check["mismatches"]}
+
+# %% ../nbs/90_demo.ipynb #a04578b2
 def summarize(
     cfg: DemoConfig,  # the demo's settings
     status,  # the job's final `JobStatus`
@@ -986,13 +1035,7 @@ def summarize(
                          "until_s": log["steps"][-1]["elapsed_s"]} for log in logs[:-1] if log["steps"]]
     report["phases"].append(res["phases"])
     if res["start_step"] and logs:
-        first, check = logs[0]["steps"], check_resume(logs)
-        report["killed_at_step"] = first[-1]["step"]
-        report["killed_run_losses"] = [r["loss"] for r in first if "loss" in r]
-        report["restored_state_identical"] = check["restored"]
-        report["replayed_steps_identical"] = check["replayed"]
-        report["frozen_base_identical"] = check["frozen"]
-        report["resume_mismatches"] = check["mismatches"]
+        report.update(_resume_facts(logs))
     if "reference_losses" in res:
         ref = np.asarray(res["reference_losses"], np.float32)
         report["identical_to_uninterrupted"] = bool(ref.shape == losses.shape
@@ -1000,11 +1043,69 @@ def summarize(
     return report
 
 # %% ../nbs/90_demo.ipynb #fccc11da
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.2f} MiB"
+
+
+def _host_lines(r: dict) -> list[str]:
+    "A line per process of a multi-process job: its devices, the axes spanning processes, what it wrote."
+    lines = []
+    for h in r.get("hosts", []):
+        spans = [a for a, n in h["axis_processes"].items() if n > 1]
+        wrote = ", ".join(f"step-{s} {_mib(w)} (its shards {_mib(o)})" for s, w, o in h["written"]) or "no checkpoint"
+        lines.append(f"{'host ' + str(h['process']) + ' of ' + str(h['processes']):<21}pid {h['pid']}, devices "
+                     f"{h['devices']}" + (f", {'/'.join(spans)} spanning processes" if spans else "") +
+                     f"; wrote {wrote}")
+    return lines
+
+
+def _resume_lines(r: dict) -> list[str]:
+    "The kill, the restored state, the replayed steps and the frozen base of a resumed job (none otherwise)."
+    if not (r.get("resume_step") and "replayed_steps_identical" in r):
+        return []
+    (nr, same_r), (n, same), (nf, same_f) = (r["restored_state_identical"], r["replayed_steps_identical"],
+                                             r["frozen_base_identical"])
+    return [f"killed / resumed     SIGKILL after step {r['killed_at_step']}; resumed from step {r['resume_step']}",
+            f"restored state       sha256 of every leaf equal to the killed run's after step "
+            f"{r['resume_step']}: {same_r}" + (f" ({nr} restores)" if nr != 1 else ""),
+            f"replayed steps       {n} steps recomputed after the resume, losses and state digests "
+            f"bit-identical to the killed run: {same}",
+            f"frozen base          rebuilt by each of {nf} attempts, the same sha256: {same_f}"]
+
+# %% ../nbs/90_demo.ipynb #b3f0a2c4
+def _layout_lines(r: dict) -> list[str]:
+    "The one-process run and the cross-layout restores of a multi-process job (`cross_check`; none otherwise)."
+    if "cross_restore" not in r:
+        return []
+    hosts, lines = r["hosts"][0]["processes"], []
+    if "loss_max_abs_diff" in r:  # the one-process run (`cross_train`)
+        lines.append(f"one process          the same job on the same mesh, not killed: {r['losses_bit_identical']} "
+                     f"of {r['steps']} losses bit-identical to the {hosts}-process run, max |difference| "
+                     f"{r['loss_max_abs_diff']:.2e}")
+    for key, what in (("hosts_in_one", f"{hosts}-process checkpoint restored in 1 process"),
+                      ("one_in_hosts", f"1-process checkpoint restored in {hosts} processes")):
+        if key in r["cross_restore"]:
+            c = r["cross_restore"][key]
+            lines.append(f"{'cross-layout restore':<21}step-{c['step']} of the {what}: digest equal to the "
+                         f"recorded one: {all(d == c['written'] for d in c['restored'])}")
+    return lines
+
+
+def _phase_lines(r: dict) -> list[str]:
+    "The seconds of each attempt's phases, and where a killed attempt stopped."
+    lines = []
+    for i, ph in enumerate(r.get("phases", [])):
+        until = f", stopped after step {ph['killed_after']} at {ph['until_s']:.0f}" if "until_s" in ph else ""
+        parts = ", ".join(f"{k} {v:.0f}" for k, v in ph.items() if k not in ("killed_after", "until_s"))
+        lines.append(f"{'seconds, attempt ' + str(i + 1):<21}{parts}{until}")
+    return lines
+
+# %% ../nbs/90_demo.ipynb #c6d1e8f2
 def format_report(
     r: dict,  # a report from `summarize`
 ) -> str:
     "The report as the lines `make demo` prints."
-    mib = lambda b: f"{b / 2**20:.2f} MiB"
+    tps = r["tokens_per_s"]
     lines = [f"model                {r['model']}: {r['setup']}",
              f"steps                {r['steps']} on mesh {r['mesh']}",
              f"attempts             {r['attempts']}",
@@ -1012,45 +1113,18 @@ def format_report(
              f"held-out perplexity  {r['ppl_before']:.2f} -> {r['ppl_after']:.2f} "
              f"({100 * (r['ppl_after'] / r['ppl_before'] - 1):+.1f}%)",
              f"skipped steps        {r['skipped_steps']} (non-finite gradients, last attempt)",
-             f"throughput           {r['tokens_per_s']:.0f} tokens/s (last attempt, after its first step)",
+             "throughput           " + (f"{tps:.0f} tokens/s (last attempt, after its first step)" if tps is not None
+                                        else "not measured (the last attempt ran fewer than two steps)"),
              f"peak host memory     {r['peak_rss_bytes'] / 2**30:.2f} GiB (last worker's peak RSS)",
-             f"trainable / frozen   {mib(r['trainable_bytes'])} / {mib(r['frozen_bytes'])} "
+             f"trainable / frozen   {_mib(r['trainable_bytes'])} / {_mib(r['frozen_bytes'])} "
              f"({r['frozen_bytes'] / max(r['trainable_bytes'], 1):.1f}x)",
-             "checkpoints          " + ", ".join(f"step-{s}: {mib(b)}"
+             "checkpoints          " + ", ".join(f"step-{s}: {_mib(b)}"
                                                   for s, b in sorted(r["checkpoint_bytes"].items())),
-             f"merged model         {mib(r['merged_bytes'])} (bf16 safetensors)"]
-    for h in r.get("hosts", []):
-        spans = [a for a, n in h["axis_processes"].items() if n > 1]
-        wrote = ", ".join(f"step-{s} {mib(w)} (its shards {mib(o)})" for s, w, o in h["written"]) or "no checkpoint"
-        lines.append(f"{'host ' + str(h['process']) + ' of ' + str(h['processes']):<21}pid {h['pid']}, devices "
-                     f"{h['devices']}" + (f", {'/'.join(spans)} spanning processes" if spans else "") +
-                     f"; wrote {wrote}")
-    if r.get("resume_step") and "replayed_steps_identical" in r:
-        (nr, same_r), (n, same), (nf, same_f) = (r["restored_state_identical"], r["replayed_steps_identical"],
-                                                 r["frozen_base_identical"])
-        lines += [f"killed / resumed     SIGKILL after step {r['killed_at_step']}; "
-                  f"resumed from step {r['resume_step']}",
-                  f"restored state       sha256 of every leaf equal to the killed run's after step "
-                  f"{r['resume_step']}: {same_r}" + (f" ({nr} restores)" if nr != 1 else ""),
-                  f"replayed steps       {n} steps recomputed after the resume, losses and state digests "
-                  f"bit-identical to the killed run: {same}",
-                  f"frozen base          rebuilt by each of {nf} attempts, the same sha256: {same_f}"]
+             f"merged model         {_mib(r['merged_bytes'])} (bf16 safetensors)"]
+    lines += _host_lines(r) + _resume_lines(r)
     if "identical_to_uninterrupted" in r:
         lines.append(f"uninterrupted run    all {r['steps']} losses bit-identical: {r['identical_to_uninterrupted']}")
-    if "cross_restore" in r:
-        hosts = r["hosts"][0]["processes"]
-        lines.append(f"one process          the same job on the same mesh, not killed: "
-                     f"{r['losses_bit_identical']} of {r['steps']} losses bit-identical to the {hosts}-process run, "
-                     f"max |difference| {r['loss_max_abs_diff']:.2e}")
-        for key, what in (("hosts_in_one", f"{hosts}-process checkpoint restored in 1 process"),
-                          ("one_in_hosts", f"1-process checkpoint restored in {hosts} processes")):
-            c = r["cross_restore"][key]
-            lines.append(f"{'cross-layout restore':<21}step-{c['step']} of the {what}: digest equal to the "
-                         f"recorded one: {all(d == c['written'] for d in c['restored'])}")
-    for i, ph in enumerate(r.get("phases", [])):
-        until = f", stopped after step {ph['killed_after']} at {ph['until_s']:.0f}" if "until_s" in ph else ""
-        parts = ", ".join(f"{k} {v:.0f}" for k, v in ph.items() if k not in ("killed_after", "until_s"))
-        lines.append(f"{'seconds, attempt ' + str(i + 1):<21}{parts}{until}")
+    lines += _layout_lines(r) + _phase_lines(r)
     lines += [f"wall time            {r['wall_s']:.1f} s", "prompt               " + repr(r["prompt"]),
               "before fine-tuning   " + repr(r["sample_before"]), "after fine-tuning    " + repr(r["sample"])]
     return "\n".join(lines)
@@ -1137,6 +1211,7 @@ def plot_losses(
 def restore_job(cfg: DemoConfig | dict,  # the job's settings (or `dataclasses.asdict` of them): model, mesh
                 checkpoints: str,  # a `checkpoints` directory written by `train_job` (any process layout)
                 step: int,  # the checkpoint to restore
+                cache_dir: str | None = None,  # compiled programs shared between jobs (default: none)
                 ) -> dict:
     """Restore checkpoint `step` into this layout's fresh state (every process of the job calls it); its
     `state_digest`, and the processes and devices that restored it."""
@@ -1145,12 +1220,16 @@ def restore_job(cfg: DemoConfig | dict,  # the job's settings (or `dataclasses.a
     _init_distributed()
     import jax
     from eformer_nb.serialization import Checkpointer
+    if cache_dir:
+        _use_compile_cache(cfg, cache_dir)
     mesh = demo_mesh(cfg.mesh)
     state, loss_scale, _ = create_state(cfg, mesh)
     with jax.set_mesh(mesh):
         tree = Checkpointer(checkpoints, save_interval=None).load_checkpoint(
             template=_checkpoint_tree(state, loss_scale), step=step)
-    return {"digest": state_digest(tree), "processes": jax.process_count(), "devices": jax.device_count()}
+    out = {"digest": state_digest(tree), "processes": jax.process_count(), "devices": jax.device_count()}
+    _wait_for_peers("restore_job: done")
+    return out
 
 # %% ../nbs/90_demo.ipynb #37fd5f24
 def _logged_digest(run_dir: str, step: int) -> str:
@@ -1161,26 +1240,35 @@ def _logged_digest(run_dir: str, step: int) -> str:
     return found.pop()
 
 
+def _restore_in(cfg: DemoConfig, run_dir: str, step: int, cache_dir: str) -> dict:
+    "Restore the checkpoint `step` of the job in `run_dir` in the process layout of `cfg`; the digests, and the recorded."
+    got = submit(cfg, "restore_job", str(ePath(run_dir) / "checkpoints"), step, cache_dir).unwrap()
+    return {"step": step, "processes": [r["processes"] for r in got], "written": _logged_digest(run_dir, step),
+            "restored": [r["digest"] for r in got]}
+
+
 def cross_check(
     cfg: DemoConfig,  # the settings of a job of `hosts > 1` processes
     run_dir: str,  # its run directory
     report: dict,  # its report (`summarize`)
 ) -> dict:
-    """Train the job in one process (same mesh, no kill) under `run_dir/one-process`; compare the loss curves; restore
-    each run's checkpoint of the resume step in the other layout and compare the digests with the recorded ones. Runs
-    on the Ray cluster this process is connected to."""
+    """Restore the job's checkpoint of the resume step in one process and compare the digest with the recorded one;
+    with `cfg.cross_train` also train the job in one process (same mesh, no kill) under `run_dir/one-process`,
+    compare the loss curves, and restore that run's checkpoint in `cfg.hosts` processes. Runs on the Ray cluster this
+    process is connected to; every job shares the compiled programs under `run_dir/xla-cache`."""
     one = dataclasses.replace(cfg, hosts=1, crash_at_step=0, cross_check=False)
-    one_dir = str(ePath(run_dir) / "one-process")
-    ref = np.asarray(submit(one, "train_job", one_dir).unwrap()[0]["losses"], np.float32)
-    ours = np.asarray(report["losses"], np.float32)
     step = report.get("resume_step") or cfg.checkpoint_every  # a checkpoint both runs wrote
-    restored = {"hosts_in_one": submit(one, "restore_job", str(ePath(run_dir) / "checkpoints"), step).unwrap(),
-                "one_in_hosts": submit(cfg, "restore_job", str(ePath(one_dir) / "checkpoints"), step).unwrap()}
-    written = {"hosts_in_one": _logged_digest(run_dir, step), "one_in_hosts": _logged_digest(one_dir, step)}
-    return {"one_process_losses": ref.tolist(), "loss_max_abs_diff": float(np.max(np.abs(ref - ours))),
-            "losses_bit_identical": int((ref.view(np.uint32) == ours.view(np.uint32)).sum()),
-            "cross_restore": {k: {"step": step, "processes": [r["processes"] for r in v], "written": written[k],
-                                  "restored": [r["digest"] for r in v]} for k, v in restored.items()}}
+    cache = str(ePath(run_dir) / "xla-cache")
+    out = {"cross_restore": {"hosts_in_one": _restore_in(one, run_dir, step, cache)}}
+    if cfg.cross_train:
+        one_dir = str(ePath(run_dir) / "one-process")
+        ref = np.asarray(submit(one, "train_job", one_dir, None, cache).unwrap()[0]["losses"], np.float32)
+        ours = np.asarray(report["losses"], np.float32)
+        out.update(one_process_losses=ref.tolist(), loss_max_abs_diff=float(np.max(np.abs(ref - ours))),
+                   losses_bit_identical=int((ref.view(np.uint32) == ours.view(np.uint32)).sum()))
+        out["cross_restore"]["one_in_hosts"] = _restore_in(cfg, one_dir, step, cache)
+    return out
+
 
 # %% ../nbs/90_demo.ipynb #fec5f12d
 def main(

@@ -63,7 +63,7 @@ def _as_remote(fn: tp.Any) -> tp.Any:
             pass
         return remote
 
-
+# %% ../../../nbs/14d_executor.ray.executor.ipynb #cdc2b146
 @functools.lru_cache(maxsize=256)
 def _with_options(remote_fn: tp.Any, opts_json: str) -> tp.Any:
     "`remote_fn.options(**opts)`, cached: Ray re-validates the runtime env on every `.options` call."
@@ -188,7 +188,7 @@ def _launch_slices(remote_fn: tp.Any, cfg: TpuAcceleratorConfig, args: tuple, kw
     launch.refs, launch.rows = [r for row in rows for r in row], [len(row) for row in rows]
     return launch
 
-
+# %% ../../../nbs/14d_executor.ray.executor.ipynb #72d238df
 @patch
 def cancel_and_drain(
     self: SlicePoolManager,
@@ -244,6 +244,20 @@ def _cleanup(launch: _Launch, finished: bool = False) -> None:
         raise RuntimeError(f"RayExecutor: {len(errors)} clean-up actions failed: {errors}") from errors[0]
 
 
+def _raise_failed(ready: list, pending: list, launch: _Launch) -> None:
+    """Raise the error of the finished worker in `ready`, if it failed; for a CPU/GPU gang, a peer among `pending`
+    that died meanwhile is the cause raised (`_dead_peer`)."""
+    import ray
+
+    try:
+        ray.get(ready)  # raises the worker's error
+    except ray.exceptions.RayTaskError:  # raised by the function: a dead peer's consequence?
+        dead = _dead_peer(pending) if launch.rows is None else None  # a CPU/GPU gang (not slices)
+        if dead is None:
+            raise
+        raise dead  # the raised error stays its context
+
+# %% ../../../nbs/14d_executor.ray.executor.ipynb #65f50db9
 def _await(launch: _Launch, timeout_s: float | None, name: str = "job") -> list:
     """Wait for every worker; raise the first failure (in completion order) or `TimeoutError` after `timeout_s`.
     A slow attempt runs `launch.check` once and logs a progress line every `PROGRESS_EVERY_S`."""
@@ -264,13 +278,7 @@ def _await(launch: _Launch, timeout_s: float | None, name: str = "job") -> list:
         else:
             ready, pending = ray.wait(pending, num_returns=1, timeout=wait)
             if ready:
-                try:
-                    ray.get(ready)  # raises the worker's error
-                except ray.exceptions.RayTaskError:  # raised by the function: a dead peer's consequence?
-                    dead = _dead_peer(pending) if launch.rows is None else None  # a CPU/GPU gang (not slices)
-                    if dead is None:
-                        raise
-                    raise dead  # the raised error stays its context
+                _raise_failed(ready, pending, launch)
                 continue
         now = time.monotonic()
         if deadline is not None and now >= deadline:
@@ -376,7 +384,7 @@ def _resumable(run_one: tp.Callable[[int], JobStatus], max_retries_preemption: i
                        f"retry {used[kind]} of {budget[kind]}")
         time.sleep(retry_delay_s)
 
-
+# %% ../../../nbs/14d_executor.ray.executor.ipynb #8220e9f6
 @patch(cls_method=True, nm="execute_resumable")  # (the module's name: its decorator)
 def _execute_resumable(
     cls: RayExecutor,
@@ -511,7 +519,7 @@ def execute_resumable(
     "Decorator: calling the function runs `RayExecutor.execute_resumable` (budgets in `executor_kwargs`)."
     return _decorator(lambda fn, **kw: RayExecutor.execute_resumable(fn, accelerator_config, **executor_kwargs, **kw))
 
-
+# %% ../../../nbs/14d_executor.ray.executor.ipynb #d25de88c
 def autoscale_execute(
     accelerator_config: ComputeResourceConfig,  # the TPU slices the function may run on
     **executor_kwargs,  # more arguments of `RayExecutor.autoscale_execute`
