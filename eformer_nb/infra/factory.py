@@ -81,6 +81,10 @@ def register_config(
     return decorator
 
 # %% ../../nbs/11c_infra.factory.ipynb #67a948a1
+_FOR_CONFIG: dict[tuple[TaskType, str, type], type] = {}  # (task, model_type, config class) -> the module class
+                                                           # registered with that very config class
+
+
 def register_module(
     task: TaskType | str,  # a `TaskType` or its value
     model_type: str,  # the config's `model_type`
@@ -100,6 +104,9 @@ def register_module(
                 _MODULES[(task, model_type)] = cls
         if config is not None:
             cls.config_class = config
+        if isinstance(getattr(cls, "config_class", None), type):
+            with _LOCK:
+                _FOR_CONFIG[(task, model_type, cls.config_class)] = cls
         return cls
     return decorator
 
@@ -220,10 +227,13 @@ class _AutoModel:
 
     @classmethod
     def from_config(cls, config: EasyDeLBaseConfig, **kwargs):
-        "A freshly initialised model for `config` (`kwargs` go to the constructor, e.g. `rngs=`, `dtype=`)."
+        """A freshly initialised model for `config` (`kwargs` go to the constructor, e.g. `rngs=`, `dtype=`): the module
+        class registered with the config's own class (a notebook's re-run definition of a config pairs with its own
+        re-run model class), else the one registered for its `model_type`."""
         if not isinstance(config, EasyDeLBaseConfig):
             raise TypeError(f"config must be an EasyDeLBaseConfig, got {type(config).__name__}")
-        return get_module_class(cls.task, config.model_type)(config, **kwargs)
+        paired = _FOR_CONFIG.get((cls.task, config.model_type, type(config)))
+        return (paired or get_module_class(cls.task, config.model_type))(config, **kwargs)
 
 
 class AutoModelForCausalLM(_AutoModel):
