@@ -11,7 +11,7 @@ import typing as tp
 import jax
 import jax.numpy as jnp
 import numpy as np
-from fastcore.basics import patch
+from fastcore.basics import patch, patch_to
 
 from ..loggings import get_logger
 from .loss_scaling import (DynamicLossScale, LossScale, LossScaleConfig, NoOpLossScale,
@@ -145,7 +145,7 @@ def cast_to_output(
     return self.policy.cast_to_output(tree)
 
 
-PrecisionHandler.cast_for_computation = PrecisionHandler.cast_to_compute
+patch_to(PrecisionHandler, nm="cast_for_computation")(PrecisionHandler.cast_to_compute)  # eformer's name
 
 
 # %% ../../nbs/07d_mpric.handler.ipynb #443c1305
