@@ -155,13 +155,19 @@ SLOW_FIRST = {
     # 12i first, in a fresh worker: its page re-runs the definitions of Qwen3's classes and asserts their identity,
     # which a worker that imported eformer_nb.modules.qwen3 before (12l, 11f's GGUF reader) keeps registered instead
     "12i_modules.qwen3.ipynb": 1000,
-    "11f_infra.mixins.gguf.ipynb": 121, "12b_modules.llama.modeling.ipynb": 104,
-              "14d_executor.ray.executor.ipynb": 90, "09h_ops.attention.ipynb": 82, "08e_optimizers.factory.ipynb": 76,
-              "14b_executor.ray.resource_manager.ipynb": 38, "14c_executor.ray.pool_manager.ipynb": 36,
-              "06d_ops.quantization.binary_ternary.ipynb": 31, "13_plan.ipynb": 31,
-              "11h_infra.mixins.adapters.ipynb": 28, "05_ray_cluster.ipynb": 26, "14a_executor.ray.types.ipynb": 25,
-              # the notebooks of the last merges (timed alone on a quiet machine, not yet in a full run's list)
-              "12l_modules.qwen3_moe.ipynb": 95, "15a_serve.engine.ipynb": 90}
+    # the rest: `make test`'s nbtest on a fresh clone at 2c5352d (2 workers, every notebook of 20 s or more)
+    "14d_executor.ray.executor.ipynb": 162, "11f_infra.mixins.gguf.ipynb": 139, "12l_modules.qwen3_moe.ipynb": 135,
+    "12b_modules.llama.modeling.ipynb": 118, "09h_ops.attention.ipynb": 108, "08e_optimizers.factory.ipynb": 79,
+    "06b_ops.quantization.nf4.ipynb": 77, "90_demo.ipynb": 74, "06k_ops.quantization.kernels.ipynb": 63,
+    "14b_executor.ray.resource_manager.ipynb": 61, "14f_executor.cluster_util.ipynb": 53,
+    "11g_infra.mixins.generation.ipynb": 52, "07_real_model.ipynb": 51, "15a_serve.engine.ipynb": 50,
+    "11m_infra.moe.ipynb": 49, "12k_modules.gemma2.ipynb": 46, "14c_executor.ray.pool_manager.ipynb": 45,
+    "08d_optimizers.kron.ipynb": 44, "06d_ops.quantization.binary_ternary.ipynb": 43, "05_ray_cluster.ipynb": 42,
+    "02_qlora_finetuning.ipynb": 41, "11j_infra.base_state.ipynb": 38, "11h_infra.mixins.adapters.ipynb": 31,
+    "12j_modules.mistral.ipynb": 30, "13_plan.ipynb": 28, "06l_ops.quantization.ipynb": 25,
+    "06c_ops.quantization.int8.ipynb": 25, "12m_modules.mixtral.ipynb": 25, "99b_benchmarking.ipynb": 22,
+    "14a_executor.ray.types.ipynb": 21,
+}
 
 
 def _parallel_longest_first(f, items, *args, **kwargs):

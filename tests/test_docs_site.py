@@ -684,7 +684,7 @@ def test_nbtest_starts_the_slowest_notebooks_first():
                                             "11f_infra.mixins.gguf.ipynb", "01_loggings.ipynb")]
     started = []
     res = docs_outputs._parallel_longest_first(lambda f: started.append(f.name) or f.name.upper(), files, n_workers=0)
-    assert started == ["11f_infra.mixins.gguf.ipynb", "14d_executor.ray.executor.ipynb", "00_common_types.ipynb",
+    assert started == ["14d_executor.ray.executor.ipynb", "11f_infra.mixins.gguf.ipynb", "00_common_types.ipynb",
                        "01_loggings.ipynb"], started
     assert res == [f.name.upper() for f in files], res
     stale = [n for n in docs_outputs.SLOW_FIRST if not list((ROOT / "nbs").rglob(n))]
