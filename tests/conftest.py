@@ -9,7 +9,9 @@ body twice: on a local temporary directory and on a `gs://` directory. `warnings
 Parallel runs: `make pytest` runs two pytest-xdist workers with `--dist loadgroup`. Every test gets the group of its
 module, so a module runs whole on one worker and its shared set-up (a server, a model, a cluster) starts once; the
 modules that start Ray clusters share one group, `ray`, and so run one after another on one worker: two Ray clusters
-starting at once on a 2-core machine can miss Ray's start window.
+starting at once on a 2-core machine can miss Ray's start window. (pytest 9.2 broke the way xdist passes the groups,
+and every test was then scheduled alone: settings.ini pins pytest below 9.2; `test_suite_groups.py` fails if the
+groups stop reaching the scheduler again.)
 """
 from __future__ import annotations
 
