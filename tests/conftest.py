@@ -9,9 +9,10 @@ body twice: on a local temporary directory and on a `gs://` directory. `warnings
 Parallel runs: `make pytest` runs two pytest-xdist workers with `--dist loadgroup`. Every test gets the group of its
 module, so a module runs whole on one worker and its shared set-up (a server, a model, a cluster) starts once; the
 modules that start Ray clusters share one group, `ray`, and so run one after another on one worker: two Ray clusters
-starting at once on a 2-core machine can miss Ray's start window. (pytest 9.2 broke the way xdist passes the groups,
-and every test was then scheduled alone: settings.ini pins pytest below 9.2; `test_suite_groups.py` fails if the
-groups stop reaching the scheduler again.)
+starting at once on a 2-core machine can miss Ray's start window. (The groups reach the scheduler as `@group` suffixes
+that xdist's worker adds to the node ids from the marks: this file's hook has to run first, and pytest 9.2 keeps node
+ids where xdist 3.8 does not write them, so settings.ini pins pytest below 9.2. Without either, every test was
+scheduled alone; `test_suite_groups.py` fails if that happens again.)
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def pytest_configure(config):  # where pytest-xdist is not installed (the client
     config.addinivalue_line("markers", "xdist_group(name): the tests of one group run on one xdist worker")
 
 
-def pytest_collection_modifyitems(config, items):
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker turns the marks into node-id suffixes: its plugin is
+def pytest_collection_modifyitems(config, items):  # registered after this file, so it would run first and see none
     for item in items:
         name = item.path.stem
         item.add_marker(pytest.mark.xdist_group("ray" if name in RAY_MODULES else name))

@@ -1,8 +1,9 @@
 """`make pytest` keeps each module on one pytest-xdist worker and the Ray modules together (`conftest.py`'s groups,
-`--dist loadgroup`). xdist tells the scheduler a test's group by a `@group` suffix on its node id; pytest 9.2 keeps
-node ids elsewhere, so the suffix silently stopped reaching the scheduler and every test was scheduled alone (two
-docs-site builds raced on `_docs/`, Ray modules ran side by side): settings.ini pins pytest below 9.2 until xdist
-follows (pytest-xdist issue 1386)."""
+`--dist loadgroup`). xdist tells the scheduler a test's group by a `@group` suffix that its worker adds to the node
+id from the test's marks. The suffix never arrived: conftest's hook added the marks after xdist's hook had read them,
+and on pytest 9.2 xdist writes a node-id field pytest no longer reads (pytest-xdist issue 1386). Every test was then
+scheduled alone: two docs-site builds raced on `_docs/`, and the Ray modules ran side by side. conftest's hook now runs
+first, and settings.ini pins pytest below 9.2 until xdist follows."""
 import os
 
 import pytest
