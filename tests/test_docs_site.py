@@ -78,8 +78,8 @@ def chromium():
     return _chromium()
 
 
-@pytest.fixture(scope="session")  # session, not module: pytest-xdist can hand this worker another module's tests
-def site():                         # between ours, and a module fixture would then be built again (~30 s)
+@pytest.fixture(scope="session")  # once per pytest process, whatever runs between this module's tests
+def site():
     "Build the offline site, serve `_docs/` on 127.0.0.1; yields the base URL"
     pypath = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env = {**os.environ, "PYTHONPATH": pypath}
