@@ -2543,6 +2543,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                          'eformer_nb/ops/quantization/kernels.py'),
                                                      'eformer_nb.ops.quantization.kernels._int8_fits': ( 'nbs/ops.quantization.kernels.html#_int8_fits',
                                                                                                          'eformer_nb/ops/quantization/kernels.py'),
+                                                     'eformer_nb.ops.quantization.kernels._int8_gemv_gpu': ( 'nbs/ops.quantization.kernels.html#_int8_gemv_gpu',
+                                                                                                             'eformer_nb/ops/quantization/kernels.py'),
                                                      'eformer_nb.ops.quantization.kernels._int8_matmul_t_xla': ( 'nbs/ops.quantization.kernels.html#_int8_matmul_t_xla',
                                                                                                                  'eformer_nb/ops/quantization/kernels.py'),
                                                      'eformer_nb.ops.quantization.kernels._int8_matmul_xla': ( 'nbs/ops.quantization.kernels.html#_int8_matmul_xla',

@@ -11,6 +11,8 @@ rejecting an old API) fails here, with no GPU; only Triton's own compilation to 
   `occupancy` says with the tiles' warps and stages, and holds no float tensor of the weight's shape (the fused
   kernel dequantizes tile by tile; the XLA path at M > 64 does materialize it, the control that the check bites).
   A shape the GPU schedule refuses raises the documented ValueError, and `backend="auto"` sends it to XLA.
+* The decode products' GEMV schedules (NF4 `x @ W` with Wᵀ stored, INT8 `x @ W`; up to `GEMV_ROWS` rows): one
+  Triton call and no reduction after it in the program (the split-K tile schedule at 16 rows, the control, has one).
 * `attention(mechanism="flash_attn2")` (Pallas `mha`), forward and backward: causal, GQA 32/4 heads, d 64,
   t 2048; no tensor of the (b, h, t, t) scores appears.
 * `mechanism="cudnn"` lowers only where cuDNN is installed (JAX asks the cuDNN library for its version while
@@ -133,6 +135,25 @@ def test_quantized_kernels_lower_for_cuda(on_gpu, rows, cols):
         # what a model calls: backend="auto" on a GPU takes the kernel for these shapes
         txt = _lower(_public(kind, transposed, cols, "auto"), *_avals(kind, 8, rows, cols, transposed))
         assert len(_triton_calls(txt)) == 1 and not _float_shapes(txt) & _weight_shapes(rows, cols)
+
+
+GEMV = [("nf4", True), ("int8", False)]  # the model's decode products: x @ W as each format stores W (NF4: Wᵀ)
+
+
+@pytest.mark.parametrize("rows,cols", [(4096, 4096), (4096, 14336), (14336, 4096), (11008, 4096), (576, 1536)])
+def test_gemv_products_are_one_launch_with_no_reduction_after_it(on_gpu, rows, cols):
+    # Up to GEMV_ROWS rows both decode products take their GEMV schedule: one Triton call that writes the result in
+    # the activations' dtype, and no reduction in the XLA program around it (split-K's partial sums are added there)
+    for kind, transposed in GEMV:
+        for m in (1, 3, K.GEMV_ROWS):
+            t = K.default_tiles("gpu", m, kind, 64, rows, cols, transposed=transposed)
+            assert t.gemv and t.split == 1, (kind, m, rows, cols, t)
+            txt = _lower(_kernel(kind, transposed, cols), *_avals(kind, m, rows, cols, transposed))
+            assert len(_triton_calls(txt)) == 1 and "stablehlo.reduce" not in txt, (kind, m, rows, cols)
+        # the control: 16 rows take the tile schedule, which sums its split-K slabs after the kernel
+        txt = _lower(_kernel(kind, transposed, cols), *_avals(kind, 16, rows, cols, transposed))
+        assert not K.default_tiles("gpu", 16, kind, 64, rows, cols, transposed=transposed).gemv
+        assert len(_triton_calls(txt)) == 1 and "stablehlo.reduce" in txt, (kind, rows, cols)
 
 
 def test_the_dense_weight_check_bites(on_gpu):

@@ -6,6 +6,8 @@ transposed one (QLoRA's backward), M in {1, 3, 16, 64, 200}, against the float32
   chunk, output tile), run on a slice of the weight that keeps the whole contraction and two output tiles. Output
   tiles are independent programs, so the slice runs exactly the programs of the full call that differ (every
   split-K range, the last one cut at the edge); interpret mode on the full 4096 x 14336 weights would take minutes.
+* INT8's GEMV schedule (the model's decode product, up to 8 rows) on every real shape: one launch, no split-K
+  partial sums added after it; and in interpret mode on TinyLlama's 11-step down_proj at M = 1, 3 and 8.
 * The XLA path's streamed products (2..64 rows, W in K-chunks) at M = 8 and 64 on a TinyLlama weight of 11 chunks:
   the one place rows and chunks could be mixed up without M = 1 or the materializing M = 200 noticing.
 * The TPU (Mosaic) schedule with its default tiles on the shapes whose axes are not multiples of 512 / 256
@@ -148,6 +150,42 @@ def test_gpu_schedule_interpret_every_shape(name, shape):
         q, s = _int8_operands(_slice(k_in, t.bk), n_out, 6)
         w8 = np.asarray(q, np.float32) * np.asarray(s)
         _close(K.int8_matmul_t_pallas(g, q, s, variant="gpu", tiles=t, interpret=True), g, w8.T)
+
+
+def _outside_prims(jaxpr):
+    "Primitive names of a jaxpr and its sub-jaxprs, a pallas_call's kernel body left out."
+    for e in jaxpr.eqns:
+        yield e.primitive.name
+        if e.primitive.name == "pallas_call":
+            continue
+        for v in e.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr
+                if hasattr(sub, "eqns"):
+                    yield from _outside_prims(sub)
+
+
+@pytest.mark.parametrize("m", (1, 3, 8))
+def test_int8_gemv_one_launch_no_partial_sums(m):
+    # The model's INT8 decode product (x @ W, W stored (in, out), a scale per output column) up to GEMV_ROWS rows
+    # takes the GEMV schedule on every real shape: never split, one pallas_call and no reduction after it (split-K
+    # partial sums would be added there). Then TinyLlama's down_proj (5632 = 11 x 512 rows: 11 steps a program) in
+    # interpret mode with the full shape's tiles on two of its column tiles, against the dense product; M = 3 pads
+    # to 4 rows (multiply-adds on the ALUs), M = 8 to 16 (tl.dot).
+    for name, (k_in, n_out) in CASES:
+        t = K.default_tiles("gpu", m, "int8", K=k_in, cols=n_out)
+        assert t.gemv and t.split == 1 and K._fits("gpu", t, k_in, n_out, None, False), (name, k_in, n_out, t)
+        avals = (jax.ShapeDtypeStruct((m, k_in), jnp.bfloat16), jax.ShapeDtypeStruct((k_in, n_out), jnp.int8),
+                 jax.ShapeDtypeStruct((n_out,), jnp.float32))
+        f = lambda x, q, s: K.int8_matmul_pallas(x, q, s, variant="gpu", interpret=True)
+        prims = list(_outside_prims(jax.make_jaxpr(f)(*avals).jaxpr))
+        assert prims.count("pallas_call") == 1 and not [p for p in prims if p.startswith("reduce")], (name, prims)
+    k_in, n_out = 5632, 2048
+    t = K.default_tiles("gpu", m, "int8", K=k_in, cols=n_out)
+    assert (k_in // t.bk, t.bm) == (11, 16 if m > K.GEMV_ALU_ROWS else 1 << (m - 1).bit_length()), t
+    q, s = _int8_operands(k_in, 2 * t.bn, 30)
+    x = _x(m, k_in, 31)
+    _close(K.int8_matmul_pallas(x, q, s, variant="gpu", tiles=t, interpret=True), x, np.asarray(q, np.float32) * s)
 
 
 # axes that are not multiples of 512 / 256 (SmolLM2's 576 x 192 runs in the notebook, both ways round)

@@ -20,11 +20,12 @@ logger = get_logger(__name__)
 
 # %% auto #0
 __all__ = ['logger', 'DEFAULT_BLOCK_SIZE', 'BACKENDS', 'BACKEND_ENV_VAR', 'forced_backend', 'GEMV_MAX_ROWS', 'VARIANTS',
-           'GPU_SMS', 'GPU_PROGRAMS', 'REDUCE_ELEMS', 'GEMV_ROWS', 'TILE_OVERRIDES', 'MEASURED_TILES', 'H200_HBM_BPS',
-           'H200_ALU_OPS', 'set_default_backend', 'default_backend', 'nf4_unpack_codes', 'nf4_dequantize', 'Tiles',
-           'measured_tiles', 'default_tiles', 'nf4_matmul_pallas', 'nf4_matmul_t_pallas', 'int8_matmul_pallas',
-           'int8_matmul_t_pallas', 'ops_per_weight', 'alu_budget', 'occupancy', 'grid_picture', 'tpu_kernels_enabled',
-           'nf4_matmul', 'nf4_matmul_t', 'int8_matmul', 'int8_matmul_t', 'NF4_CODEBOOK']
+           'GPU_SMS', 'GPU_PROGRAMS', 'REDUCE_ELEMS', 'GEMV_ROWS', 'GEMV_ALU_ROWS', 'GEMV_BYTES', 'TILE_OVERRIDES',
+           'MEASURED_TILES', 'H200_HBM_BPS', 'H200_ALU_OPS', 'set_default_backend', 'default_backend',
+           'nf4_unpack_codes', 'nf4_dequantize', 'Tiles', 'measured_tiles', 'default_tiles', 'nf4_matmul_pallas',
+           'nf4_matmul_t_pallas', 'int8_matmul_pallas', 'int8_matmul_t_pallas', 'ops_per_weight', 'alu_budget',
+           'occupancy', 'grid_picture', 'tpu_kernels_enabled', 'nf4_matmul', 'nf4_matmul_t', 'int8_matmul',
+           'int8_matmul_t', 'NF4_CODEBOOK']
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #80f76e04
 _all_ = ["NF4_CODEBOOK"]  # re-exported from `ops.quantization.nf4`, the one home of the NF4 codec
@@ -288,7 +289,9 @@ VARIANTS = ("gpu", "tpu")
 GPU_SMS = 132  # streaming multiprocessors of an H100 SXM: the GPU schedule aims at GPU_PROGRAMS programs per call
 GPU_PROGRAMS = 4 * GPU_SMS  # programs the tile heuristic aims for (>= 2 per SM is the floor the occupancy table asserts)
 REDUCE_ELEMS = 8192  # a tiny-M program's broadcast product (bm, out tile, chunk) stays in registers: at most this many
-GEMV_ROWS = 8  # up to this many rows the model's NF4 product (x @ W, Wᵀ stored) runs the GEMV schedule on a GPU
+GEMV_ROWS = 8  # up to this many rows the model's products (NF4: x @ W, Wᵀ stored; INT8: x @ W) run the GEMV schedule
+GEMV_ALU_ROWS = 4  # INT8 GEMV: multiply-adds on the ALUs up to this many (padded) rows, else `tl.dot` on 16 padded rows
+GEMV_BYTES = 16384  # INT8 GEMV: weight bytes a program loads per loop step (16 KB; Triton keeps `stages` in flight)
 TILE_OVERRIDES: dict = {}  # (kind, m, K, cols, block_size, transposed) -> Tiles: the hook for a device-side autotuner
 
 
@@ -297,8 +300,9 @@ class Tiles:
     """Tile sizes of one kernel call: rows of `x`/`g` (bm), output columns (bn), contraction chunk (bk); `split`: how
     many programs share one contraction (split-K, GPU schedule; their float32 partial sums are added afterwards);
     `warps`, `stages`: Triton's `num_warps` and `num_stages` for the GPU schedule (the TPU schedule has neither);
-    `gemv`: the GPU GEMV schedule of the model's NF4 product (`bk` output rows per program, `bn` weights of the
-    contraction per step, the whole contraction in one program: no split)."""
+    `gemv`: the GPU GEMV schedule of the model's products, one program per output tile walking the whole contraction
+    (no split, no partial sums): NF4 `x @ W` with `Wᵀ` stored (`bk` output rows, `bn` weights of the contraction per
+    step) and INT8 `x @ W` (`bn` output columns, `bk` rows of `W` per step)."""
 
     bm: int
     bn: int
@@ -360,6 +364,14 @@ def _gpu_tiles_heuristic(kind: str, m: int, K: int, cols: int, block_size: int, 
         while K // rows < GPU_SMS and rows > 1:
             rows //= 2
         return Tiles(bm, _pow2_divisor(cols // block_size, 16) * block_size, rows, 1, 4, 3, gemv=True)
+    if kind == "int8" and not transposed and m <= GEMV_ROWS:  # INT8's GEMV schedule: output columns per program
+        bn = _pow2_divisor(cols, 256)
+        while cols // bn < GPU_SMS and bn > 16:  # a program per SM, each row segment one 16-byte load or more
+            bn //= 2
+        rows = bm if bm <= GEMV_ALU_ROWS else 16  # ALU multiply-adds while they fit the budget, else tl.dot
+        bk = _pow2_divisor(K, max(16, GEMV_BYTES // bn))  # 16 KB a step where K's power-of-two part allows
+        stages = min(4, max(3, -(-GEMV_BYTES // (bk * bn))))  # else a fourth step in flight (Llama-2's 11008 = 256 x 43)
+        return Tiles(rows, bn, bk, 1, 4, stages, gemv=True)
     reduce, half = bm < 16, (2 if kind == "nf4" else 1)
     out, con = (K, cols) if transposed else (cols, K)
     uo, uc = _gpu_units(kind, bm, block_size, transposed)
@@ -398,10 +410,13 @@ def measured_tiles() -> dict:
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #4c9a677c
 def _gpu_tiles(kind: str, m: int, K: int, cols: int, block_size: int | None, transposed: bool) -> Tiles:
     """GPU tiles for an (m, ...) x (K, cols) product: `TILE_OVERRIDES` (yours), else what the H200 sweep measured for
-    this product (`measured_tiles`), else the cached heuristic."""
+    this product (`measured_tiles`) if it tuned the schedule the heuristic picks (GEMV or not), else the heuristic."""
     key = (kind, m, K, cols, block_size, transposed)
-    return (TILE_OVERRIDES.get(key) or measured_tiles().get(key)
-            or _gpu_tiles_heuristic(kind, m, K, cols, block_size or 1, transposed))
+    if key in TILE_OVERRIDES:
+        return TILE_OVERRIDES[key]
+    guess = _gpu_tiles_heuristic(kind, m, K, cols, block_size or 1, transposed)
+    won = measured_tiles().get(key)
+    return won if won is not None and won.gemv == guess.gemv else guess
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #7a1c2e01
 _TPU_WHOLE_MAX = 2048  # an axis no lane-aligned tile divides is one block up to this length (Mosaic allows a whole axis)
@@ -455,6 +470,11 @@ def default_tiles(
 
 
 def _fits(variant: str, t: Tiles, K: int, cols: int, block_size: int | None, transposed: bool) -> bool:
+    if t.gemv and block_size is None:  # INT8's GEMV schedule: x @ W, `bn` columns per program, `bk` rows a step
+        dot = t.bm > GEMV_ROWS  # 16 padded rows through tl.dot, whose operands need every dimension >= 16
+        return (variant == "gpu" and not transposed and t.split == 1 and (t.bm == 16 if dot else True)
+                and all(_pow2(v) for v in (t.bm, t.bn, t.bk)) and cols % t.bn == 0 and K % t.bk == 0
+                and (min(t.bn, t.bk) >= 16 if dot else True))
     if t.gemv:  # the GPU GEMV schedule: NF4, x @ W with Wᵀ stored, whole blocks per step
         steps = t.bn // block_size if block_size and t.bn % block_size == 0 else 0
         return (variant == "gpu" and block_size is not None and transposed and t.split == 1 and t.bm <= GEMV_ROWS
@@ -777,6 +797,31 @@ def _int8_mm_tpu(pl, t: Tiles, K: int, N: int, Mp: int):
                 pl.BlockSpec((1, t.bn), lambda i, j, k: (0, j))]
     return kernel, (Mp // t.bm, N // t.bn, nk), in_specs, pl.BlockSpec((t.bm, t.bn), lambda i, j, k: (i, j))
 
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #b2d9f1a2
+def _int8_gemv_gpu(pl, t: Tiles, K: int, N: int, Mp: int):
+    "The GEMV schedule of `int8_matmul_pallas`: `(kernel, grid, in_specs, out spec)`; one program per `bn` columns."
+    f32, dot = jnp.float32, t.bm > GEMV_ROWS
+
+    def kernel(x_ref, q_ref, s_ref, o_ref):
+        def body(kk, acc):
+            ks = pl.ds(pl.multiple_of(kk * t.bk, t.bk), t.bk)
+            if dot:  # 16 padded rows: tl.dot on the tensor cores, the weights converted to the activations' dtype
+                return acc + _dot(x_ref[:, ks], q_ref[ks, :].astype(x_ref.dtype))
+            w = q_ref[ks, :].astype(f32)  # (bk, bn): the only decode, exact
+            return tuple(acc[m] + jnp.sum(x_ref[m, ks].astype(f32)[:, None] * w, axis=0) for m in range(Mp))
+
+        zero = jnp.zeros((Mp, t.bn), f32) if dot else tuple(jnp.zeros((t.bn,), f32) for _ in range(Mp))
+        acc = jax.lax.fori_loop(0, K // t.bk, body, zero)
+        if dot:
+            o_ref[...] = (acc * s_ref[...]).astype(o_ref.dtype)  # the column scales, once, after the contraction
+        else:
+            for m in range(Mp):
+                o_ref[m, :] = (acc[m] * s_ref[0, :]).astype(o_ref.dtype)
+
+    in_specs = [pl.BlockSpec((Mp, K), lambda j: (0, 0)), pl.BlockSpec((K, t.bn), lambda j: (0, j)),
+                pl.BlockSpec((1, t.bn), lambda j: (0, j))]
+    return kernel, (N // t.bn,), in_specs, pl.BlockSpec((Mp, t.bn), lambda j: (0, j))
+
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #eb9d9833
 def int8_matmul_pallas(
     x,  # activations (M, K)
@@ -787,7 +832,8 @@ def int8_matmul_pallas(
     tiles: Tiles | None = None,  # the tile sizes; None: `default_tiles`
     interpret: bool | None = None,  # run the kernel in Pallas' interpreter (None: on CPU only)
 ):
-    "`x @ (q * scale)` with the Pallas kernel: `(x @ q) * scale`, accumulated in float32."
+    """`x @ (q * scale)` with the Pallas kernel: `(x @ q) * scale`, accumulated in float32; GEMV tiles (`gemv`, the
+    GPU default up to `GEMV_ROWS` rows) run one launch with no partial sums."""
     pl = _pallas()
     _check_int8(x, q, scale, 0, "x")
     variant = variant or _default_variant()
@@ -796,10 +842,16 @@ def int8_matmul_pallas(
     _require(_fits(variant, t, K, N, None, False), "int8_matmul_pallas", t, (K, N))
     opts = _launch_opts(variant, interpret, ("parallel", "parallel", "arbitrary"), t)
     xp, Mp = _pad_rows(x, t.bm)
+    s2 = scale.astype(jnp.float32).reshape(1, N)
+    if t.gemv:
+        kernel, grid, in_specs, o_spec = _int8_gemv_gpu(pl, t, K, N, Mp)
+        y = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=o_spec,
+                           out_shape=jax.ShapeDtypeStruct((Mp, N), x.dtype), **opts)(xp, q, s2)
+        return y[:M]
     kernel, grid, in_specs, o_spec = (_int8_mm_gpu if variant == "gpu" else _int8_mm_tpu)(pl, t, K, N, Mp)
     out = _gpu_out(t, Mp, N) if variant == "gpu" else jax.ShapeDtypeStruct((Mp, N), jnp.float32)
     y = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=o_spec, out_shape=out, **opts)(
-        xp, q, scale.astype(jnp.float32).reshape(1, N))
+        xp, q, s2)
     return (y.sum(0) if variant == "gpu" else y)[:M].astype(x.dtype)
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #f8067cc6
@@ -874,8 +926,11 @@ def ops_per_weight(kind: str, m: int, t: Tiles, block_size: int = DEFAULT_BLOCK_
     """ALU operations a GPU kernel spends per weight, counted from its body: decoding (NF4: a 4-bit test + 15-select
     tree per code, or a gather; INT8: two conversions), the per-weight scale (NF4 tiles: a select chain over the
     tile's blocks), the bf16 round trip of the tile schedule, and one multiply-add per activation row where the
-    product runs on the ALUs (`bm < 16`; from 16 rows on `tl.dot` runs it on the tensor cores)."""
+    product runs on the ALUs (`bm < 16`; from 16 rows on `tl.dot` runs it on the tensor cores). INT8's GEMV: a byte
+    unpacked and converted, a multiply-add per computed (padded) row, or, for `tl.dot`, a third op (to its dtype)."""
     fma = m if t.bm < 16 else 0
+    if kind == "int8" and t.gemv:
+        return 2.0 + (t.bm if t.bm < 16 else 1.0)
     if kind == "int8":
         return 2.0 + fma
     if t.gemv:  # per byte: convert, gather, mask, shift (two weights); the scale once per block
@@ -899,18 +954,21 @@ def occupancy(
     block_size: int = DEFAULT_BLOCK_SIZE,  # NF4 values per scale
     tiles: Tiles | None = None,  # None: the GPU schedule's own choice
 ) -> dict:
-    "The GPU schedule of one product: its tiles, how many programs it launches, and the bytes each program reads."
+    """The GPU schedule of one product: its tiles, how many programs it launches, the bytes each program reads (in
+    all, and of weights per loop step: `step_bytes`, `stages` of them in flight), and its ALU operations per weight."""
     t = tiles or _gpu_tiles(kind, m, K, cols, block_size if kind == "nf4" else None, transposed)
     out, con = (K, cols) if transposed else (cols, K)
     to, tc = (t.bk, t.bn) if transposed else (t.bn, t.bk)
     span = -(-(con // tc) // t.split) * tc  # contracted entries one program covers (the last one may cover fewer)
     per_weight = 0.5 + 4 / block_size if kind == "nf4" else 1.0  # NF4: a nibble and its share of a float32 scale
     w_bytes = to * span * per_weight + (4 * (span if transposed else to) if kind == "int8" else 0)
-    programs = -(-m // t.bm) * (out // to) * t.split
+    programs = (1 if t.gemv else -(-m // t.bm)) * (out // to) * t.split  # a GEMV program takes every row
     ops = ops_per_weight(kind, m, t, block_size)
     return dict(kind=kind, product="g @ Wᵀ" if transposed else "x @ W", m=m, weight=(K, cols), tiles=t,
                 programs=programs, per_sm=programs / GPU_SMS, weight_bytes=int(w_bytes),
-                act_bytes=t.bm * span * 2, out_bytes=t.bm * to * 4,  # bf16 activations in, float32 partial sums out
+                step_bytes=int(to * tc * per_weight), in_flight=int(to * tc * per_weight * t.stages),
+                act_bytes=t.bm * span * 2,  # bf16 activations in; out: the result (GEMV), else float32 partial sums
+                out_bytes=t.bm * to * (2 if t.gemv else 4),
                 ops_per_weight=ops, alu_budget=alu_budget(kind, block_size),
                 memory_bound=ops <= alu_budget(kind, block_size))
 
