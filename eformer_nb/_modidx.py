@@ -3989,6 +3989,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                             'eformer_nb/serialization/serialization.py'),
                                                         'eformer_nb.serialization.serialization._drop_other_arrays': ( 'nbs/serialization.serialization.html#_drop_other_arrays',
                                                                                                                        'eformer_nb/serialization/serialization.py'),
+                                                        'eformer_nb.serialization.serialization._drop_replaced': ( 'nbs/serialization.serialization.html#_drop_replaced',
+                                                                                                                   'eformer_nb/serialization/serialization.py'),
                                                         'eformer_nb.serialization.serialization._embedded_index': ( 'nbs/serialization.serialization.html#_embedded_index',
                                                                                                                     'eformer_nb/serialization/serialization.py'),
                                                         'eformer_nb.serialization.serialization._flat_with_keys': ( 'nbs/serialization.serialization.html#_flat_with_keys',

@@ -516,18 +516,23 @@ def begin(
     self: DurableSave,
     keep: tp.Sequence[str] = (),  # locally: the user's entries of `dest`, linked into the work folder
     version: str | None = None,  # in place: write into this new folder inside `dest` (the commit file names it)
+    prepare: tp.Callable[[], tp.Any] | None = None,  # process 0, before the work folder is made: checks, cleanup
 ) -> ePath:
     "Step 1 (process 0; then every process waits): the work folder to write into, returned on every process."
     if self.in_place:
         self.work = self.dest / version if version else self.dest
         if self.first:
             self.generation = object_generation(self.dest / self.commit_file)  # None on a filesystem without them
+            if prepare is not None:
+                prepare()
             self.work.mkdir(parents=True, exist_ok=True)
             if self.marked:
                 mark(self.work, self.kind)
     else:
         self.work = self.dest.parent / (self.dest.name + PARTIAL_SUFFIX)
         if self.first:
+            if prepare is not None:
+                prepare()
             fresh_work_dir(self.dest, list(keep), self.kind)
     sync_processes(f"{self.kind}-begin")
     return self.work
@@ -538,13 +543,17 @@ def commit_now(
     self: DurableSave,
     meta: dict | None = None,  # the commit file's contents (locally: None when the caller wrote it into `work`)
     lost: tp.Callable[[], BaseException] | None = None,  # in place: on a lost race, removes this save's files (`commit_json`)
+    via: tp.Callable[[], tp.Any] | None = None,  # the commit of an enclosing save that carries this one, made instead
 ) -> None:
     """The commit itself, on process 0 alone, with no barrier (for a caller already past its own, such as a checkpoint's
     tree commit): locally `meta` into `work/commit_file`, then the rename of `work` into place; in place one
-    `commit_json` of `dest/commit_file` at the generation `begin` read."""
+    `commit_json` of `dest/commit_file` at the generation `begin` read. With `via`, the commit is `via()`: a gs://
+    checkpoint's one `metadata.json` write carries its tree's index, so the tree commits through it."""
     if self.work is None:
         raise RuntimeError(f"{self!r}: commit() before begin(): there is no work folder to commit")
-    if self.in_place:
+    if via is not None:
+        via()
+    elif self.in_place:
         commit_json(self.dest / self.commit_file, meta, self.generation, lost)
     else:
         if meta is not None:
@@ -558,11 +567,12 @@ def commit(
     self: DurableSave,
     meta: dict | None = None,  # the commit file's contents (locally: None when the caller wrote it into `work`)
     lost: tp.Callable[[], BaseException] | None = None,  # in place: on a lost race, removes this save's files
+    via: tp.Callable[[], tp.Any] | None = None,  # the enclosing save's commit that carries this one (`commit_now`)
 ) -> None:
     "Step 3: once every process wrote, process 0 commits (`commit_now`); every process returns once the commit landed."
     sync_processes(f"{self.kind}-written")
     if self.first:
-        self.commit_now(meta, lost)
+        self.commit_now(meta, lost, via)
     self.committed = True
     sync_processes(f"{self.kind}-committed")
 

@@ -25,7 +25,7 @@ from ..paths import ePath, is_remote_path
 from ..pytree.serialization import dtype_from_tag, dtype_to_tag
 from ..pytree.tree_util import tree_path_to_string
 from .durable import (BARRIER_TIMEOUT_S, LOCK_PATTERN, MARKER_FILE, TEMP_PATTERN,  # noqa: F401
-                                               CheckpointLockedError, Ownership, barrier_timeout_s,
+                                               CheckpointLockedError, DurableSave, Ownership, barrier_timeout_s,
                                                broadcast_from_first, commit_json, exclusive_writer, fsync_path,
                                                is_marked, json_digest, mark, object_generation, process_info,
                                                refuse_destination, sync_processes, write_json)
@@ -598,10 +598,10 @@ def tree_foreign(d: ePath, index: dict | None) -> list[str]:
 
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #3220ce2f
-def _begin_tree(tree_dir: ePath, arrays: str, overwrite: bool) -> dict | None:
-    """Check that `tree_dir` may be written (ours, empty, or `overwrite`), drop what crashed saves of it left, create
-    `tree_dir/arrays` for this save; returns the index it replaces (process 0, under the lock)."""
-    refuse_destination(tree_dir, "tree_serialize_leaves")
+def _begin_tree(tree_dir: ePath, local: bool, overwrite: bool) -> dict | None:
+    """`prepare` of a tree's `DurableSave` (process 0, under the lock, before its `arrays.<token>/` is made): check that
+    `tree_dir` may be written (ours, empty, or `overwrite`), drop what crashed saves of it left (`local` only); returns
+    the index it replaces."""
     try:
         index = read_index(tree_dir)  # the committed version: index.json, or the one metadata.json carries
     except (CheckpointNotFoundError, TornCheckpointError):
@@ -611,10 +611,8 @@ def _begin_tree(tree_dir: ePath, arrays: str, overwrite: bool) -> dict | None:
         raise FileExistsError(f"{str(tree_dir)!r} holds files that are not an eformer_nb tree: {sorted(foreign)[:10]}; "
                               "save into an empty or new directory, or pass overwrite=True to save beside them "
                               "(they are never deleted)")
-    if not is_remote_path(tree_dir):  # a crashed save's arrays; on gs:// only after the commit (`commit_tree`)
+    if local:  # a crashed save's arrays; on gs:// only after the commit (`commit_tree`)
         _drop_other_arrays(tree_dir, (index or {}).get("arrays"))
-    (tree_dir / arrays).mkdir(parents=True, exist_ok=False)
-    mark(tree_dir / arrays, FORMAT_NAME)  # proof that a save of ours made it
     return index
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #4fa9ef09
@@ -658,37 +656,40 @@ def _lost_tree(tree_dir: ePath, arrays: str, generation: int | None) -> Checkpoi
         "removed only its own new arrays; load the tree to see the version that won")
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #9bbde567
+def _drop_replaced(tree_dir: ePath, old: dict | None, arrays: str, local: bool) -> None:
+    """After a tree's commit (process 0): remove the arrays of the index it replaced, and on gs:// every other marked
+    `arrays.<token>/` (no save that began before ours can commit now, so what they wrote is garbage)."""
+    if old is not None and old.get("arrays") != arrays:
+        drop_arrays(tree_dir, old)
+    if not local:
+        _drop_other_arrays(tree_dir, arrays)
+
+
 def commit_tree(tree_dir: ePath, plan: _SavePlan, compression: str | None, overwrite: bool = False,
                  commit: Callable[[dict], None] | None = None) -> None:
     """Write every process's chunks into a new `arrays.<token>/`, then (process 0) replace `index.json` atomically and
-    remove the arrays it replaced: until that rename, the previous tree stays whole and loadable. `commit(index)`, when
-    given, is the commit instead (a gs:// checkpoint's one `metadata.json` write); index.json is then its copy."""
-    first = process_info()[0] == 0
+    remove the arrays it replaced: a `DurableSave` in place whose version folder is the new arrays; until the commit,
+    the previous tree stays whole and loadable. `commit(index)`, when given, is the commit instead (a gs://
+    checkpoint's one `metadata.json` write); index.json is then its copy."""
     arrays = f"{ARRAYS_DIR}.{broadcast_from_first(secrets.token_hex(4), 'tree-token')}"
     records = {k: dict(r, file=arrays + r["file"][len(ARRAYS_DIR):]) if r.get("file") else r
                for k, r in plan.records.items()}
-    remote = is_remote_path(tree_dir)
-    with exclusive_writer(tree_dir, "the tree"):
-        # gs://: the generation of index.json before the committed version is read (a commit after it makes ours fail)
-        generation = object_generation(tree_dir / INDEX_FILE) if first and remote and commit is None else None
-        old = _begin_tree(tree_dir, arrays, overwrite) if first else None
-        sync_processes("tree-begin")
+    with DurableSave(tree_dir, FORMAT_NAME, INDEX_FILE, "the tree", "tree_serialize_leaves", in_place=True) as save:
+        found = {}  # gs://: begin reads index.json's generation before the committed version is read
+        save.begin(version=arrays, prepare=lambda: found.update(old=_begin_tree(tree_dir, save.local, overwrite)))
         _write_arrays(tree_dir, plan._replace(records=records), compression)
-        sync_processes("tree-written")
-        if first:
-            body = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "arrays": arrays, "leaves": records,
-                    "tree": plan.structure, "static": plan.static,
-                    "seq": (old or {}).get("seq", 0) + 1}  # the newest committed wins
-            if commit is not None:
+        old = found.get("old")
+        body = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "arrays": arrays, "leaves": records,
+                "tree": plan.structure, "static": plan.static,
+                "seq": (old or {}).get("seq", 0) + 1}  # the newest committed wins (process 0's is the one written)
+        if commit is None:
+            save.commit(body, lambda: _lost_tree(tree_dir, arrays, save.generation))
+        else:
+            def carried() -> None:  # the checkpoint's one metadata.json write commits; index.json is its copy, after it
                 commit(dict(body, digest=json_digest(body)))
                 write_json(tree_dir / INDEX_FILE, body)
-            else:
-                commit_json(tree_dir / INDEX_FILE, body, generation, lambda: _lost_tree(tree_dir, arrays, generation))
-            if old is not None and old.get("arrays") != arrays:
-                drop_arrays(tree_dir, old)
-            if remote:  # committed: no save that began before ours can commit now, so their arrays are garbage
-                _drop_other_arrays(tree_dir, arrays)
-        sync_processes("tree-committed")
+            save.commit(via=carried)
+        save.drop(lambda: _drop_replaced(tree_dir, old, arrays, save.local))
 
 # %% ../../nbs/10a_serialization.serialization.ipynb #9b14f54a
 def tree_serialize_leaves(
