@@ -160,7 +160,7 @@ SLOW_FIRST = {
     "12b_modules.llama.modeling.ipynb": 118, "09h_ops.attention.ipynb": 108, "08e_optimizers.factory.ipynb": 79,
     "06b_ops.quantization.nf4.ipynb": 77, "90_demo.ipynb": 74, "06k_ops.quantization.kernels.ipynb": 63,
     "14b_executor.ray.resource_manager.ipynb": 61, "14f_executor.cluster_util.ipynb": 53,
-    "11g_infra.mixins.generation.ipynb": 52, "07_real_model.ipynb": 51, "15a_serve.engine.ipynb": 50,
+    "11g_infra.mixins.generation.ipynb": 52, "07_real_model.ipynb": 51, "91a_serve.engine.ipynb": 50,
     "11m_infra.moe.ipynb": 49, "12k_modules.gemma2.ipynb": 46, "14c_executor.ray.pool_manager.ipynb": 45,
     "08d_optimizers.kron.ipynb": 44, "06d_ops.quantization.binary_ternary.ipynb": 43, "05_ray_cluster.ipynb": 42,
     "02_qlora_finetuning.ipynb": 41, "11j_infra.base_state.ipynb": 38, "11h_infra.mixins.adapters.ipynb": 31,

@@ -315,7 +315,7 @@ def _positive(name: str, v) -> int:
 # %% ../nbs/13_plan.ipynb #d3a1bee4
 def _check_choices(**choices) -> None:
     "A `ValueError` for the first of `choices` (name=value) that is not one of the values `plan` knows."
-    from eformer_nb.infra.layers import GRADIENT_CHECKPOINTING
+    from eformer_nb.infra.base_config import GRADIENT_CHECKPOINTING
     valid = {"mode": ("train", "decode"), "optimizer": tuple(OPTIMIZER_STATES), "dtype": tuple(DTYPE_BYTES),
              "param_dtype": tuple(DTYPE_BYTES), "quantize": (None, "nf4"), "platform": (None, "cpu", "gpu", "tpu"),
              "gradient_checkpointing": (None, *GRADIENT_CHECKPOINTING)}

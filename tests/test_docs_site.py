@@ -351,10 +351,6 @@ KNOWN_FORWARD = {
     ("eformer_nb.pytree.tree_util", "eformer_nb.escale.mesh"),
     ("eformer_nb.serialization.async_manager", "eformer_nb.serialization.fsspec_utils"),
     ("eformer_nb.serialization.serialization", "eformer_nb.serialization.fsspec_utils"),
-    # this session's merges: the base config checks the checkpoint policies `infra.layers` names (lazily, in
-    # `validate_model_options`); the server loads the demo's model presets (`--model smollm2|tiny`)
-    ("eformer_nb.infra.base_config", "eformer_nb.infra.layers"),
-    ("eformer_nb.serve.server", "eformer_nb.demo"),
 }
 
 

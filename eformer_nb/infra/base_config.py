@@ -19,7 +19,7 @@ from ..escale.partition.manager import PartitionAxis, PartitionManager
 from ..paths import ePath
 
 # %% auto #0
-__all__ = ['CONFIG_NAME', 'EasyDeLBaseConfig', 'config_file']
+__all__ = ['CONFIG_NAME', 'GRADIENT_CHECKPOINTING', 'CHECKPOINT_NAMES', 'EasyDeLBaseConfig', 'config_file']
 
 # %% ../../nbs/11b_infra.base_config.ipynb #990d7099
 CONFIG_NAME = "config.json"
@@ -62,11 +62,17 @@ class EasyDeLBaseConfig:
             setattr(self, key, value)
         self.validate_model_options()
 
+# %% ../../nbs/11b_infra.base_config.ipynb #d2d4a582
+GRADIENT_CHECKPOINTING = ("", "none", "nothing_saveable", "everything_saveable", "checkpoint_dots",
+                          "checkpoint_dots_with_no_batch_dims", "dots_saveable", "dots_with_no_batch_dims_saveable",
+                          "save_only_these_names", "save_anything_except_these_names")  # EasyDeL's policy names
+CHECKPOINT_NAMES = ("attn_query", "attn_key", "attn_value", "attn_output", "attn_residual", "mlp_gate", "mlp_up",
+                    "mlp_intermediate", "mlp_output")  # the tensors of a decoder layer named for the name-based policies
+
 # %% ../../nbs/11b_infra.base_config.ipynb #298cb5a0
 @patch
 def validate_model_options(self: EasyDeLBaseConfig) -> EasyDeLBaseConfig:
     "The attention mechanisms, the checkpointing policy and its names, the loss chunk, the window and the soft-caps."
-    from eformer_nb.infra.layers import CHECKPOINT_NAMES, GRADIENT_CHECKPOINTING
     from eformer_nb.ops.attention import ATTENTION_MECHANISMS, DECODE_ATTENTION_MECHANISMS
     name = type(self).__name__
     for field, valid in (("attn_mechanism", ATTENTION_MECHANISMS), ("decode_attn_mechanism", DECODE_ATTENTION_MECHANISMS),

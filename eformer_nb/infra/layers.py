@@ -18,14 +18,16 @@ import jax.numpy as jnp
 from fastcore.basics import patch
 from flax import nnx
 
+from .base_config import CHECKPOINT_NAMES, GRADIENT_CHECKPOINTING  # the config's vocabulary
 from ..jaximus import implicit, is_implicit
 
+_all_ = ["GRADIENT_CHECKPOINTING", "CHECKPOINT_NAMES"]  # where model code has always imported them from
+
 # %% auto #0
-__all__ = ['GRADIENT_CHECKPOINTING', 'CHECKPOINT_NAMES', 'Linear', 'Embed', 'RMSNorm', 'rope_inv_freq', 'apply_rotary',
-           'LayerCache', 'TransformerCache', 'TransformerMetadata', 'scale_embeddings', 'lm_logits', 'shard_activation',
-           'attend_heads', 'check_values', 'check_traced_values', 'gradient_checkpoint_policy', 'LayerAux',
-           'collecting_layer_aux', 'run_layers', 'stack_layers', 'using_stacked_layers', 'flatten_params',
-           'param_bytes']
+__all__ = ['Linear', 'Embed', 'RMSNorm', 'rope_inv_freq', 'apply_rotary', 'LayerCache', 'TransformerCache', 'TransformerMetadata',
+           'scale_embeddings', 'lm_logits', 'shard_activation', 'attend_heads', 'check_values', 'check_traced_values',
+           'gradient_checkpoint_policy', 'LayerAux', 'collecting_layer_aux', 'run_layers', 'stack_layers',
+           'using_stacked_layers', 'flatten_params', 'param_bytes', 'GRADIENT_CHECKPOINTING', 'CHECKPOINT_NAMES']
 
 # %% ../../nbs/11d_infra.layers.ipynb #60798828
 def _normal(key, shape, std, dtype):
@@ -312,13 +314,6 @@ def check_traced_values(config, input_ids, position_ids):
                        f"expected values in [0, {hi})", n=jnp.sum(bad), i=first, v=value.reshape(-1)[first])
 
 # %% ../../nbs/11d_infra.layers.ipynb #4c43435f
-GRADIENT_CHECKPOINTING = ("", "none", "nothing_saveable", "everything_saveable", "checkpoint_dots",
-                          "checkpoint_dots_with_no_batch_dims", "dots_saveable", "dots_with_no_batch_dims_saveable",
-                          "save_only_these_names", "save_anything_except_these_names")  # EasyDeL's policy names
-CHECKPOINT_NAMES = ("attn_query", "attn_key", "attn_value", "attn_output", "attn_residual", "mlp_gate", "mlp_up",
-                    "mlp_intermediate", "mlp_output")  # the tensors of a decoder layer named for the name-based policies
-
-
 def gradient_checkpoint_policy(
     config,  # a model config: its `gradient_checkpointing` (and `gradient_checkpointing_names`) are read
 ):

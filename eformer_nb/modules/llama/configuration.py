@@ -14,7 +14,7 @@ from fastcore.basics import patch
 
 from ...infra.base_config import EasyDeLBaseConfig
 from ...infra.factory import register_config
-from ...infra.layers import CHECKPOINT_NAMES, GRADIENT_CHECKPOINTING  # noqa: F401 (CHECKPOINT_NAMES: its old path)
+from ...infra.base_config import CHECKPOINT_NAMES, GRADIENT_CHECKPOINTING  # noqa: F401 (CHECKPOINT_NAMES: its old path)
 from ...loggings import get_logger
 
 logger = get_logger(__name__)
