@@ -152,10 +152,9 @@ def report(globs=None) -> int:
 # worker busy while the other sat idle; longest first, the two workers finish close together. A notebook missing here
 # only starts in name order after these.
 SLOW_FIRST = {
-    # 12i first, in a fresh worker: its page re-runs the definitions of Qwen3's classes and asserts their identity,
-    # which a worker that imported eformer_nb.modules.qwen3 before (12l, 11f's GGUF reader) keeps registered instead
-    "12i_modules.qwen3.ipynb": 1000,
-    # the rest: `make test`'s nbtest on a fresh clone at 2c5352d (2 workers, every notebook of 20 s or more)
+    # `make test`'s nbtest on a fresh clone at 2c5352d (2 workers, every notebook of 20 s or more); 12i (no longer
+    # first: its page passes in a worker that imported eformer_nb.modules.qwen3 before) from c4b90d7's fresh run
+    "12i_modules.qwen3.ipynb": 63,
     "14d_executor.ray.executor.ipynb": 162, "11f_infra.mixins.gguf.ipynb": 139, "12l_modules.qwen3_moe.ipynb": 135,
     "12b_modules.llama.modeling.ipynb": 118, "09h_ops.attention.ipynb": 108, "08e_optimizers.factory.ipynb": 79,
     "06b_ops.quantization.nf4.ipynb": 77, "90_demo.ipynb": 74, "06k_ops.quantization.kernels.ipynb": 63,
