@@ -469,6 +469,7 @@ def default_tiles(
     return Tiles(bm=bm, bn=_tpu_axis(cols, cu, cc) or cc, bk=_tpu_axis(K, ku, kc) or kc)  # refused: `_fits` says no
 
 
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #c544db54
 def _fits(variant: str, t: Tiles, K: int, cols: int, block_size: int | None, transposed: bool) -> bool:
     if t.gemv and block_size is None:  # INT8's GEMV schedule: x @ W, `bn` columns per program, `bk` rows a step
         dot = t.bm > GEMV_ROWS  # 16 padded rows through tl.dot, whose operands need every dimension >= 16
