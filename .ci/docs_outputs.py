@@ -169,20 +169,63 @@ SLOW_FIRST = {
 }
 
 
-def _parallel_longest_first(f, items, *args, **kwargs):
+def _parallel_longest_first(f, items, *args, n_workers=0, **kwargs):
     """nbdev-test's `parallel`, the notebooks started by `SLOW_FIRST`'s time, longest first (the rest in the order
-    given); the results come back in the order of `items`, as nbdev expects"""
-    import fastcore.parallel as fp
+    given), each in its own process forked from this one; the results come back in the order of `items`, as nbdev
+    expects. `n_workers=0` runs them here, one after the other."""
     order = sorted(range(len(items)), key=lambda i: -SLOW_FIRST.get(Path(items[i]).name, 0))
-    res = list(fp.parallel(f, [items[i] for i in order], *args, **kwargs))
     out = [None] * len(items)
-    for i, r in zip(order, res): out[i] = r
+    kwargs = {k: v for k, v in kwargs.items() if k not in _POOL_ARGS}  # fastcore's pool options: nothing to do here
+    if not n_workers:
+        for i in order: out[i] = f(items[i], *args, **kwargs)
+        return out
+    queue, running = list(order), {}  # pid -> (index, read end of the pipe its result comes back on)
+    while queue or running:
+        while queue and len(running) < n_workers:
+            i = queue.pop(0)
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the notebook's own process: its memory goes back when it ends
+                os.close(r)
+                try: res = f(items[i], *args, **kwargs)
+                except BaseException as e:
+                    sys.__stderr__.write(f"{items[i]}: {type(e).__name__}: {e}\n")
+                    res = (False, 0.0)
+                with os.fdopen(w, "wb") as pipe: pipe.write(json.dumps(list(res)).encode())
+                sys.stdout.flush(); sys.stderr.flush()
+                os._exit(0)  # no atexit: IPython's would collect every shell's namespace first
+            os.close(w)
+            running[pid] = (i, r)
+        pid, status = os.wait()
+        if pid not in running: continue  # a grandchild a notebook left behind
+        i, r = running.pop(pid)
+        with os.fdopen(r, "rb") as pipe: data = pipe.read()
+        if not data:  # killed (the OOM killer, an LLVM abort): this notebook fails, the others run on
+            sys.__stderr__.write(f"{items[i]}: its process ended without a result ({_exit_reason(status)})\n")
+        out[i] = tuple(json.loads(data)) if data else (False, 0.0)
     return out
 
 
+_POOL_ARGS = ("pause", "method", "threadpool", "timeout", "chunksize", "progress", "total", "max_tasks_per_child")
+
+
+def _exit_reason(status: int) -> str:
+    "`os.wait`'s status in words"
+    if os.WIFSIGNALED(status): return f"killed by signal {os.WTERMSIG(status)}"
+    return f"exit status {os.WEXITSTATUS(status)}"
+
+
+def preload():
+    """import in nbtest's parent what nearly every notebook imports, so each notebook's forked process starts with it
+    (importing them starts no JAX backend: tests/test_imports.py checks it)"""
+    import flax.nnx, jax, jax.numpy, numpy, optax  # noqa: F401, E401
+    import eformer_nb.modules.llama  # noqa: F401
+
+
 def patch_nbdev_test():
-    """make nbdev-test keep each documented notebook's passing run in the cache (its workers are forked from here),
-    and start the slowest notebooks first"""
+    """make nbdev-test keep each documented notebook's passing run in the cache, run each notebook in a process of
+    its own forked from here (a worker that ran many kept them all in memory: two reached 21 GB of this machine's 23,
+    and one died in LLVM's allocator), and start the slowest notebooks first"""
     import nbdev.test as nt
     if getattr(nt, "_test_nb_orig", None) is None:
         nt._test_nb_orig, nt._write_nb_orig = nt.test_nb, nt.write_nb
@@ -314,6 +357,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["nbtest"]:  # top level: fastcor
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import docs_outputs
     docs_outputs.patch_nbdev_test()
+    docs_outputs.preload()
     from nbdev.test import nbdev_test
     try:
         nbdev_test()

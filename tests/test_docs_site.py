@@ -685,3 +685,21 @@ def test_nbtest_starts_the_slowest_notebooks_first():
     assert res == [f.name.upper() for f in files], res
     stale = [n for n in docs_outputs.SLOW_FIRST if not list((ROOT / "nbs").rglob(n))]
     assert not stale, f"SLOW_FIRST names notebooks that do not exist: {stale}"
+
+
+def test_nbtest_runs_each_notebook_in_a_process_of_its_own():
+    "each notebook runs in a process forked for it (its memory goes back when it ends); a killed one fails alone"
+    import signal
+    import docs_outputs
+
+    def run(f, flag=None):
+        if f.name.startswith("01"):
+            os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would
+        return flag == "x", float(os.getpid())
+
+    files = [Path(f"/x/nbs/{n}") for n in ("00_common_types.ipynb", "01_loggings.ipynb", "02_aparser.ipynb")]
+    res = docs_outputs._parallel_longest_first(run, files, n_workers=2, flag="x", pause=0)
+    assert res[1] == (False, 0.0), res
+    assert res[0][0] and res[2][0], res
+    pids = {res[0][1], res[2][1]}
+    assert len(pids) == 2 and float(os.getpid()) not in pids, res
