@@ -352,8 +352,8 @@ class CachedOutputs:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["nbtest"]:  # top level: fastcore's CLI reads nbdev-test's arguments
     sys.argv.pop(1)
-    # the patch by its module's own name, not `__main__`: a worker pickles `test_nb` by reference, and a worker's
-    # IPython shell replaces `sys.modules['__main__']` after its first notebook, so `__main__._test_nb_kept` is gone
+    # the patch on the module by its own name, as the tests import it; every notebook then runs in a process forked
+    # from here (`_parallel_longest_first`), which a notebook's IPython shell may change as it likes
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import docs_outputs
     docs_outputs.patch_nbdev_test()
