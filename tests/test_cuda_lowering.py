@@ -11,7 +11,7 @@ rejecting an old API) fails here, with no GPU; only Triton's own compilation to 
   `occupancy` says with the tiles' warps and stages, and holds no float tensor of the weight's shape (the fused
   kernel dequantizes tile by tile; the XLA path at M > 64 does materialize it, the control that the check bites).
   A shape the GPU schedule refuses raises the documented ValueError, and `backend="auto"` sends it to XLA.
-* The decode products' GEMV schedules (NF4 `x @ W` with Wᵀ stored, INT8 `x @ W`; up to `GEMV_ROWS` rows): one
+* The GEMV schedules (NF4 `x @ W` with Wᵀ stored, INT8 `x @ W` and `g @ Wᵀ`; up to `GEMV_ROWS` rows): one
   Triton call and no reduction after it in the program (the split-K tile schedule at 16 rows, the control, has one).
 * `attention(mechanism="flash_attn2")` (Pallas `mha`), forward and backward: causal, GQA 32/4 heads, d 64,
   t 2048; no tensor of the (b, h, t, t) scores appears.
@@ -137,13 +137,14 @@ def test_quantized_kernels_lower_for_cuda(on_gpu, rows, cols):
         assert len(_triton_calls(txt)) == 1 and not _float_shapes(txt) & _weight_shapes(rows, cols)
 
 
-GEMV = [("nf4", True), ("int8", False)]  # the model's decode products: x @ W as each format stores W (NF4: Wᵀ)
+GEMV = [("nf4", True), ("int8", False), ("int8", True)]  # x @ W as each format stores W (NF4: Wᵀ); INT8 g @ Wᵀ
 
 
 @pytest.mark.parametrize("rows,cols", [(4096, 4096), (4096, 14336), (14336, 4096), (11008, 4096), (576, 1536)])
 def test_gemv_products_are_one_launch_with_no_reduction_after_it(on_gpu, rows, cols):
-    # Up to GEMV_ROWS rows both decode products take their GEMV schedule: one Triton call that writes the result in
-    # the activations' dtype, and no reduction in the XLA program around it (split-K's partial sums are added there)
+    # Up to GEMV_ROWS rows the decode products and INT8's g @ Wᵀ take their GEMV schedule: one Triton call that writes
+    # the result in the activations' dtype, and no reduction in the XLA program around it (split-K's partial sums are
+    # added there). M = 3 runs INT8's g @ Wᵀ on tl.dot (16 padded rows), x @ W on the ALUs (4 padded rows)
     for kind, transposed in GEMV:
         for m in (1, 3, K.GEMV_ROWS):
             t = K.default_tiles("gpu", m, kind, 64, rows, cols, transposed=transposed)

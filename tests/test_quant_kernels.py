@@ -7,7 +7,9 @@ transposed one (QLoRA's backward), M in {1, 3, 16, 64, 200}, against the float32
   tiles are independent programs, so the slice runs exactly the programs of the full call that differ (every
   split-K range, the last one cut at the edge); interpret mode on the full 4096 x 14336 weights would take minutes.
 * INT8's GEMV schedule (the model's decode product, up to 8 rows) on every real shape: one launch, no split-K
-  partial sums added after it; and in interpret mode on TinyLlama's 11-step down_proj at M = 1, 3 and 8.
+  partial sums added after it; and in interpret mode on TinyLlama's 11-step down_proj at M = 1, 3 and 8. The same
+  for INT8's transposed product g @ Wᵀ (its own GEMV schedule), in interpret mode on TinyLlama's up_proj, whose
+  5632 columns are 11 steps of 512.
 * The XLA path's streamed products (2..64 rows, W in K-chunks) at M = 8 and 64 on a TinyLlama weight of 11 chunks:
   the one place rows and chunks could be mixed up without M = 1 or the materializing M = 200 noticing.
 * The TPU (Mosaic) schedule with its default tiles on the shapes whose axes are not multiples of 512 / 256
@@ -181,6 +183,29 @@ def test_int8_gemv_one_launch_no_partial_sums(m):
     q, s = _int8_operands(k_in, 2 * t.bn, 30)
     x = _x(m, k_in, 31)
     _close(K.int8_matmul_pallas(x, q, s, variant="gpu", tiles=t, interpret=True), x, np.asarray(q, np.float32) * s)
+
+
+@pytest.mark.parametrize("m", (1, 2, 8))
+def test_int8_gemv_t_one_launch_no_partial_sums(m):
+    # INT8's g @ Wᵀ (QLoRA's backward through an INT8 weight) up to GEMV_ROWS rows takes its GEMV schedule on every
+    # real shape: one program per bk rows of q walking all N columns, never split, one pallas_call and no reduction
+    # after it. Then TinyLlama's up_proj (2048, 5632) in interpret mode with the full shape's tiles on two programs'
+    # rows: 5632 columns = 11 steps of 512, against the dense product; M = 1 and 2 run on the ALUs, M = 8 on tl.dot.
+    for name, (k_in, n_out) in CASES:
+        t = K.default_tiles("gpu", m, "int8", K=k_in, cols=n_out, transposed=True)
+        assert t.gemv and t.split == 1 and K._fits("gpu", t, k_in, n_out, None, True), (name, k_in, n_out, t)
+        avals = (jax.ShapeDtypeStruct((m, n_out), jnp.bfloat16), jax.ShapeDtypeStruct((k_in, n_out), jnp.int8),
+                 jax.ShapeDtypeStruct((n_out,), jnp.float32))
+        f = lambda g, q, s: K.int8_matmul_t_pallas(g, q, s, variant="gpu", interpret=True)
+        prims = _outside_kernels(jax.make_jaxpr(f)(*avals))
+        assert prims.count("pallas_call") == 1 and not [p for p in prims if p.startswith("reduce")], (name, prims)
+    k_in, n_out = 2048, 5632
+    t = K.default_tiles("gpu", m, "int8", K=k_in, cols=n_out, transposed=True)
+    assert (n_out // t.bn, t.bm) == (11, 16 if m > K.GEMV_ALU_ROWS_T else m), t
+    q, s = _int8_operands(2 * t.bk, n_out, 32)
+    g = _x(m, n_out, 33)
+    w8 = np.asarray(q, np.float32) * np.asarray(s)
+    _close(K.int8_matmul_t_pallas(g, q, s, variant="gpu", tiles=t, interpret=True), g, w8.T)
 
 
 # axes that are not multiples of 512 / 256 (SmolLM2's 576 x 192 runs in the notebook, both ways round)

@@ -20,8 +20,8 @@ logger = get_logger(__name__)
 
 # %% auto #0
 __all__ = ['logger', 'DEFAULT_BLOCK_SIZE', 'BACKENDS', 'BACKEND_ENV_VAR', 'forced_backend', 'GEMV_MAX_ROWS', 'VARIANTS',
-           'GPU_SMS', 'GPU_PROGRAMS', 'REDUCE_ELEMS', 'GEMV_ROWS', 'GEMV_ALU_ROWS', 'GEMV_BYTES', 'TILE_OVERRIDES',
-           'MEASURED_TILES', 'H200_HBM_BPS', 'H200_ALU_OPS', 'set_default_backend', 'default_backend',
+           'GPU_SMS', 'GPU_PROGRAMS', 'REDUCE_ELEMS', 'GEMV_ROWS', 'GEMV_ALU_ROWS', 'GEMV_ALU_ROWS_T', 'GEMV_BYTES',
+           'TILE_OVERRIDES', 'MEASURED_TILES', 'H200_HBM_BPS', 'H200_ALU_OPS', 'set_default_backend', 'default_backend',
            'nf4_unpack_codes', 'nf4_dequantize', 'Tiles', 'measured_tiles', 'default_tiles', 'nf4_matmul_pallas',
            'nf4_matmul_t_pallas', 'int8_matmul_pallas', 'int8_matmul_t_pallas', 'ops_per_weight', 'alu_budget',
            'occupancy', 'grid_picture', 'tpu_kernels_enabled', 'nf4_matmul', 'nf4_matmul_t', 'int8_matmul',
@@ -289,9 +289,10 @@ VARIANTS = ("gpu", "tpu")
 GPU_SMS = 132  # streaming multiprocessors of an H100 SXM: the GPU schedule aims at GPU_PROGRAMS programs per call
 GPU_PROGRAMS = 4 * GPU_SMS  # programs the tile heuristic aims for (>= 2 per SM is the floor the occupancy table asserts)
 REDUCE_ELEMS = 8192  # a tiny-M program's broadcast product (bm, out tile, chunk) stays in registers: at most this many
-GEMV_ROWS = 8  # up to this many rows the model's products (NF4: x @ W, Wᵀ stored; INT8: x @ W) run the GEMV schedule
+GEMV_ROWS = 8  # up to this many rows these products run the GEMV schedule: NF4 x @ W (Wᵀ stored), INT8 x @ W and g @ Wᵀ
 GEMV_ALU_ROWS = 4  # INT8 GEMV: multiply-adds on the ALUs up to this many (padded) rows, else `tl.dot` on 16 padded rows
-GEMV_BYTES = 16384  # INT8 GEMV: weight bytes a program loads per loop step (16 KB; Triton keeps `stages` in flight)
+GEMV_ALU_ROWS_T = 2  # the same for INT8's g @ Wᵀ, whose ALU rows also pay for scaling g's chunk each step
+GEMV_BYTES = 16384  # INT8 GEMVs: weight bytes a program loads per loop step (16 KB; Triton keeps `stages` in flight)
 TILE_OVERRIDES: dict = {}  # (kind, m, K, cols, block_size, transposed) -> Tiles: the hook for a device-side autotuner
 
 
@@ -302,7 +303,8 @@ class Tiles:
     `warps`, `stages`: Triton's `num_warps` and `num_stages` for the GPU schedule (the TPU schedule has neither);
     `gemv`: the GPU GEMV schedule of the model's products, one program per output tile walking the whole contraction
     (no split, no partial sums): NF4 `x @ W` with `Wᵀ` stored (`bk` output rows, `bn` weights of the contraction per
-    step) and INT8 `x @ W` (`bn` output columns, `bk` rows of `W` per step)."""
+    step), INT8 `x @ W` (`bn` output columns, `bk` rows of `W` per step) and INT8 `g @ Wᵀ` (`bk` output rows, `bn`
+    columns of `W` per step)."""
 
     bm: int
     bn: int
@@ -355,6 +357,23 @@ def _gpu_reason(kind: str, K: int, cols: int, block_size: int | None, transposed
             return f"the {what} axis of the ({K}, {cols}) {kind} weight has {v} entries, not a multiple of {u}"
     return None
 
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #d48f805a
+def _int8_gemv_tiles(bm: int, K: int, cols: int, transposed: bool) -> Tiles:
+    "Tiles of INT8's GEMV schedules on a stored (K, cols) weight, `bm`: the next power of two of the rows (<= 8)."
+    rows = bm if bm <= (GEMV_ALU_ROWS_T if transposed else GEMV_ALU_ROWS) else 16  # ALU while in budget, else tl.dot
+    if transposed:  # g @ Wᵀ: `bk` output rows a program, down to one (tl.dot: 16) until there is a program per SM
+        bk = _pow2_divisor(K, 16)
+        while K // bk < GPU_SMS and bk > (16 if rows == 16 else 1):
+            bk //= 2
+        bn = _pow2_divisor(cols, max(16, GEMV_BYTES // bk))  # 16 KB a step where the columns' power-of-two part allows
+    else:  # x @ W: `bn` output columns a program
+        bn = _pow2_divisor(cols, 256)
+        while cols // bn < GPU_SMS and bn > 16:  # a program per SM, each row segment one 16-byte load or more
+            bn //= 2
+        bk = _pow2_divisor(K, max(16, GEMV_BYTES // bn))  # 16 KB a step where K's power-of-two part allows
+    stages = min(4, max(3, -(-GEMV_BYTES // (bk * bn))))  # else a fourth step in flight (Llama-2's 11008 = 256 x 43)
+    return Tiles(rows, bn, bk, 1, 4, stages, gemv=True)
+
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #e5f6fdf1
 @functools.lru_cache(maxsize=4096)
 def _gpu_tiles_heuristic(kind: str, m: int, K: int, cols: int, block_size: int, transposed: bool) -> Tiles:
@@ -364,14 +383,8 @@ def _gpu_tiles_heuristic(kind: str, m: int, K: int, cols: int, block_size: int, 
         while K // rows < GPU_SMS and rows > 1:
             rows //= 2
         return Tiles(bm, _pow2_divisor(cols // block_size, 16) * block_size, rows, 1, 4, 3, gemv=True)
-    if kind == "int8" and not transposed and m <= GEMV_ROWS:  # INT8's GEMV schedule: output columns per program
-        bn = _pow2_divisor(cols, 256)
-        while cols // bn < GPU_SMS and bn > 16:  # a program per SM, each row segment one 16-byte load or more
-            bn //= 2
-        rows = bm if bm <= GEMV_ALU_ROWS else 16  # ALU multiply-adds while they fit the budget, else tl.dot
-        bk = _pow2_divisor(K, max(16, GEMV_BYTES // bn))  # 16 KB a step where K's power-of-two part allows
-        stages = min(4, max(3, -(-GEMV_BYTES // (bk * bn))))  # else a fourth step in flight (Llama-2's 11008 = 256 x 43)
-        return Tiles(rows, bn, bk, 1, 4, stages, gemv=True)
+    if kind == "int8" and m <= GEMV_ROWS:  # INT8's GEMV schedules, x @ W and g @ Wᵀ: whole outputs per program
+        return _int8_gemv_tiles(bm, K, cols, transposed)
     reduce, half = bm < 16, (2 if kind == "nf4" else 1)
     out, con = (K, cols) if transposed else (cols, K)
     uo, uc = _gpu_units(kind, bm, block_size, transposed)
@@ -471,9 +484,9 @@ def default_tiles(
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #c544db54
 def _fits(variant: str, t: Tiles, K: int, cols: int, block_size: int | None, transposed: bool) -> bool:
-    if t.gemv and block_size is None:  # INT8's GEMV schedule: x @ W, `bn` columns per program, `bk` rows a step
+    if t.gemv and block_size is None:  # INT8's GEMV schedules: `bn` along the columns, `bk` along K, either product
         dot = t.bm > GEMV_ROWS  # 16 padded rows through tl.dot, whose operands need every dimension >= 16
-        return (variant == "gpu" and not transposed and t.split == 1 and (t.bm == 16 if dot else True)
+        return (variant == "gpu" and t.split == 1 and (t.bm == 16 if dot else True)
                 and all(_pow2(v) for v in (t.bm, t.bn, t.bk)) and cols % t.bn == 0 and K % t.bk == 0
                 and (min(t.bn, t.bk) >= 16 if dot else True))
     if t.gemv:  # the GPU GEMV schedule: NF4, x @ W with Wᵀ stored, whole blocks per step
@@ -892,6 +905,32 @@ def _int8_mmt_tpu(pl, t: Tiles, K: int, N: int, Mp: int):
                 pl.BlockSpec((1, t.bn), lambda i, kb, j: (0, j))]
     return kernel, (Mp // t.bm, K // t.bk, N // t.bn), in_specs, pl.BlockSpec((t.bm, t.bk), lambda i, kb, j: (i, kb))
 
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #7098b81b
+def _int8_gemv_t_gpu(pl, t: Tiles, K: int, N: int, Mp: int):
+    "The GEMV schedule of `int8_matmul_t_pallas`: `(kernel, grid, in_specs, out spec)`; one program per `bk` rows of q."
+    f32, dot = jnp.float32, t.bm > GEMV_ROWS
+
+    def kernel(g_ref, q_ref, s_ref, o_ref):
+        def body(jj, acc):
+            cs = pl.ds(pl.multiple_of(jj * t.bn, t.bn), t.bn)
+            if dot:  # 16 padded rows: the scaled chunk of g and the weights in g's dtype, tl.dot on the tensor cores
+                return acc + _dot_nt(_int8_scaled(g_ref[:, cs], s_ref[:, cs]), q_ref[:, cs].astype(g_ref.dtype))
+            w, s = q_ref[:, cs].astype(f32), s_ref[0, cs]  # (bk, bn): the only decode, exact; the chunk's scales
+            return tuple(acc[m] + jnp.sum(w * _int8_scaled(g_ref[m, cs], s).astype(f32)[None, :], axis=1)
+                         for m in range(Mp))
+
+        zero = jnp.zeros((Mp, t.bk), f32) if dot else tuple(jnp.zeros((t.bk,), f32) for _ in range(Mp))
+        acc = jax.lax.fori_loop(0, N // t.bn, body, zero)
+        if dot:
+            o_ref[...] = acc.astype(o_ref.dtype)
+        else:
+            for m in range(Mp):
+                o_ref[m, :] = acc[m].astype(o_ref.dtype)
+
+    in_specs = [pl.BlockSpec((Mp, N), lambda j: (0, 0)), pl.BlockSpec((t.bk, N), lambda j: (j, 0)),
+                pl.BlockSpec((1, N), lambda j: (0, 0))]
+    return kernel, (K // t.bk,), in_specs, pl.BlockSpec((Mp, t.bk), lambda j: (0, j))
+
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #40f6d65d
 def int8_matmul_t_pallas(
     g,  # output gradients (M, N)
@@ -903,7 +942,7 @@ def int8_matmul_t_pallas(
     interpret: bool | None = None,  # run the kernel in Pallas' interpreter (None: on CPU only)
 ):
     """`g @ (q * scale)ᵀ` with the Pallas kernel: `(g * scale) @ qᵀ`; `bn` is the contracted chunk of N, `bk` the
-    output tile."""
+    output tile; GEMV tiles (`gemv`, the GPU default up to `GEMV_ROWS` rows) run one launch with no partial sums."""
     pl = _pallas()
     _check_int8(g, q, scale, 1, "g")
     variant = variant or _default_variant()
@@ -912,10 +951,15 @@ def int8_matmul_t_pallas(
     _require(_fits(variant, t, K, N, None, True), "int8_matmul_t_pallas", t, (K, N))
     opts = _launch_opts(variant, interpret, ("parallel", "parallel", "arbitrary"), t)
     gp, Mp = _pad_rows(g, t.bm)
+    s2 = scale.astype(jnp.float32).reshape(1, N)
+    if t.gemv:
+        kernel, grid, in_specs, o_spec = _int8_gemv_t_gpu(pl, t, K, N, Mp)
+        y = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=o_spec,
+                           out_shape=jax.ShapeDtypeStruct((Mp, K), g.dtype), **opts)(gp, q, s2)
+        return y[:M]
     kernel, grid, in_specs, o_spec = (_int8_mmt_gpu if variant == "gpu" else _int8_mmt_tpu)(pl, t, K, N, Mp)
     out = _gpu_out(t, Mp, K) if variant == "gpu" else jax.ShapeDtypeStruct((Mp, K), jnp.float32)
-    y = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=o_spec, out_shape=out, **opts)(
-        gp, q, scale.astype(jnp.float32).reshape(1, N))
+    y = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=o_spec, out_shape=out, **opts)(gp, q, s2)
     return (y.sum(0) if variant == "gpu" else y)[:M].astype(g.dtype)
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #03375f56
@@ -923,15 +967,23 @@ H200_HBM_BPS = 4.8e12  # bytes/s of an H200's HBM3e (spec)
 H200_ALU_OPS = 132 * 128 * 1.98e9  # 32-bit ALU instructions/s: 132 SMs x 128 lanes x 1.98 GHz (an FMA is one)
 
 
-def ops_per_weight(kind: str, m: int, t: Tiles, block_size: int = DEFAULT_BLOCK_SIZE) -> float:
+def ops_per_weight(
+    kind: str,  # 'nf4' or 'int8'
+    m: int,  # rows of the activations
+    t: Tiles,  # the kernel's tiles
+    block_size: int = DEFAULT_BLOCK_SIZE,  # NF4 values per scale
+    transposed: bool = False,  # the `*_t` product, g @ Wᵀ
+) -> float:
     """ALU operations a GPU kernel spends per weight, counted from its body: decoding (NF4: a 4-bit test + 15-select
     tree per code, or a gather; INT8: two conversions), the per-weight scale (NF4 tiles: a select chain over the
     tile's blocks), the bf16 round trip of the tile schedule, and one multiply-add per activation row where the
     product runs on the ALUs (`bm < 16`; from 16 rows on `tl.dot` runs it on the tensor cores). INT8's GEMV: a byte
-    unpacked and converted, a multiply-add per computed (padded) row, or, for `tl.dot`, a third op (to its dtype)."""
+    unpacked and converted, a multiply-add per computed (padded) row, or, for `tl.dot`, a third op (to its dtype);
+    its `g @ Wᵀ` (`transposed`) adds the scaling of g's chunk, shared by the program's `bk` rows: per value of g a
+    conversion to float32, the scale, the rounding to g's dtype (as the XLA path) and, on the ALUs, back to float32."""
     fma = m if t.bm < 16 else 0
     if kind == "int8" and t.gemv:
-        return 2.0 + (t.bm if t.bm < 16 else 1.0)
+        return 2.0 + (t.bm if t.bm < 16 else 1.0) + ((3.0 if t.bm >= 16 else 4.0) * t.bm / t.bk if transposed else 0.0)
     if kind == "int8":
         return 2.0 + fma
     if t.gemv:  # per byte: convert, gather, mask, shift (two weights); the scale once per block
@@ -964,7 +1016,7 @@ def occupancy(
     per_weight = 0.5 + 4 / block_size if kind == "nf4" else 1.0  # NF4: a nibble and its share of a float32 scale
     w_bytes = to * span * per_weight + (4 * (span if transposed else to) if kind == "int8" else 0)
     programs = (1 if t.gemv else -(-m // t.bm)) * (out // to) * t.split  # a GEMV program takes every row
-    ops = ops_per_weight(kind, m, t, block_size)
+    ops = ops_per_weight(kind, m, t, block_size, transposed)
     return dict(kind=kind, product="g @ Wᵀ" if transposed else "x @ W", m=m, weight=(K, cols), tiles=t,
                 programs=programs, per_sm=programs / GPU_SMS, weight_bytes=int(w_bytes),
                 step_bytes=int(to * tc * per_weight), in_flight=int(to * tc * per_weight * t.stages),
