@@ -371,7 +371,7 @@ def _int8_gemv_tiles(bm: int, K: int, cols: int, transposed: bool) -> Tiles:
         while cols // bn < GPU_SMS and bn > 16:  # a program per SM, each row segment one 16-byte load or more
             bn //= 2
         bk = _pow2_divisor(K, max(16, GEMV_BYTES // bn))  # 16 KB a step where K's power-of-two part allows
-    stages = min(4, max(3, -(-GEMV_BYTES // (bk * bn))))  # else a fourth step in flight (Llama-2's 11008 = 256 x 43)
+    stages = min(4, max(3, -(-GEMV_BYTES // (bk * bn))))  # else a fourth step in flight (an 11008-wide MLP: 256 x 43)
     return Tiles(rows, bn, bk, 1, 4, stages, gemv=True)
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #e5f6fdf1
