@@ -613,36 +613,233 @@ def _rows(ing, spec, t):
         vis &= jnp.arange(t) - last < spec.sliding_window
     return vis
 
-# %% ../../nbs/09h_ops.attention.ipynb #338500a3
+# %% ../../nbs/09h_ops.attention.ipynb #1159778d
+@dataclasses.dataclass(frozen=True)
+class _FlashConfig:
+    "The static part of a flash call (hashable: a `custom_vjp` static)."
+    scale: float  # the softmax scale
+    causal: bool  # the causal rule, by position in the arrays
+    length: int  # the real sequence length: keys at or past it are tile padding
+    block: int  # the forward's query and key tile
+    bwd_block: int  # the backward's query and key tile
+    interpret: bool = False  # Pallas interpret mode
+
+
+def _dot_t(a, b):
+    "`a @ b.T` in float32 for `a (m, d)`, `b (n, d)`: a tile's scores, or `dO @ V.T`."
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot_tn(a, b):
+    "`a.T @ b` in float32 for `a (m, n)`, `b (m, d)`: dK and dV summed over a tile's queries."
+    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _tile_scores(q, k, qpos, kpos, qseg, kseg, cfg: _FlashConfig, n: int):
+    "Float32 scaled scores of a `(bq, bk)` tile, `-inf` where the query does not see the key (`n`: padded length)."
+    s = _dot_t(q, k) * cfg.scale
+    see = None
+    if cfg.causal:
+        see = qpos[:, None] >= kpos[None, :]
+    if n != cfg.length:
+        real = jnp.broadcast_to(kpos[None, :] < cfg.length, s.shape)
+        see = real if see is None else see & real
+    if qseg is not None:
+        same = qseg[:, None] == kseg[None, :]
+        see = same if see is None else see & same
+    return s if see is None else jnp.where(see, s, -jnp.inf)
+
+# %% ../../nbs/09h_ops.attention.ipynb #266bea94
+def _flash_fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, *, cfg: _FlashConfig):
+    "One `(bq, d)` query tile of one head over the `(n, d)` keys and values of its KV head: output and lse."
+    from jax.experimental import pallas as pl
+    bq, n, bk = q_ref.shape[0], k_ref.shape[0], cfg.block
+    i = pl.program_id(0)
+    q, qpos = q_ref[...], i * bq + jnp.arange(bq)
+    qseg = None if qs_ref is None else qs_ref[...]
+
+    def step(j, carry):  # fold key tile j into (acc, m, l)
+        acc, m, l = carry
+        ks = pl.ds(pl.multiple_of(j * bk, bk), bk)
+        s = _tile_scores(q, k_ref[ks, :], qpos, j * bk + jnp.arange(bk), qseg,
+                         None if ks_ref is None else ks_ref[ks], cfg, n)
+        m_new = jnp.maximum(m, s.max(-1))  # finite: m starts at float32's lowest, masked scores are -inf
+        p = jnp.exp(s - m_new[:, None])
+        corr = jnp.exp(m - m_new)
+        v = v_ref[ks, :]
+        acc = corr[:, None] * acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return acc, m_new, corr * l + p.sum(-1)
+
+    stop = jax.lax.div((i + 1) * bq + bk - 1, bk) if cfg.causal else n // bk  # causal: up to the diagonal tile
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((bq,), jnp.finfo(jnp.float32).min),
+            jnp.zeros((bq,), jnp.float32))
+    acc, m, l = jax.lax.fori_loop(0, stop, step, init)
+    seen = l > 0  # a row that sees no key: zeros, lse +inf
+    o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+
+# %% ../../nbs/09h_ops.attention.ipynb #cb8decd1
+def _kv_head_spec(n: int, d: int, h: int, kvh: int):
+    "BlockSpec of the `(n, d)` keys (or values) of the KV head query head `hh` reads; grid `(tile, row, hh)`."
+    from jax.experimental import pallas as pl
+    g = h // kvh
+    return pl.BlockSpec((None, n, None, d), lambda i, bb, hh: (bb, 0, hh // g, 0))
+
+
+def _seg_specs(bq: int, n: int):
+    "BlockSpecs of the query segments of a tile and of all key segments; grid `(tile, row, head)`."
+    from jax.experimental import pallas as pl
+    return [pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, i)), pl.BlockSpec((None, n), lambda i, bb, hh: (bb, 0))]
+
+
+def _gpu_params(d: int):
+    from jax.experimental.pallas import triton as plgpu
+    return plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2)
+
+
+def _flash_fwd(q, k, v, qseg, kseg, cfg: _FlashConfig):
+    "Output `(b, n, h, d)` and float32 lse `(b, h, n)` of padded `q (b, n, h, d)` over `k, v (b, n, kvh, d)`."
+    from jax.experimental import pallas as pl
+    b, n, h, d = q.shape
+    bq = cfg.block
+    tile = pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, i, hh, 0))
+    kv = _kv_head_spec(n, d, h, k.shape[2])
+    segs = [None, None] if qseg is None else _seg_specs(bq, n)
+    return pl.pallas_call(
+        functools.partial(_flash_fwd_kernel, cfg=cfg), grid=(n // bq, b, h), in_specs=[tile, kv, kv, *segs],
+        out_specs=[tile, pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, i))],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, n), jnp.float32)],
+        compiler_params=_gpu_params(d), interpret=cfg.interpret, name="flash_fwd")(q, k, v, qseg, kseg)
+
+# %% ../../nbs/09h_ops.attention.ipynb #0e54678e
+def _flash_dq_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, dl_ref, dq_ref, *, cfg: _FlashConfig):
+    "dQ of one `(bq, d)` query tile of one head, walking the key tiles of its KV head."
+    from jax.experimental import pallas as pl
+    bq, n, bk = q_ref.shape[0], k_ref.shape[0], cfg.bwd_block
+    i = pl.program_id(0)
+    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], dl_ref[...]
+    qpos = i * bq + jnp.arange(bq)
+    qseg = None if qs_ref is None else qs_ref[...]
+
+    def step(j, dq):
+        ks = pl.ds(pl.multiple_of(j * bk, bk), bk)
+        k, v = k_ref[ks, :], v_ref[ks, :]
+        s = _tile_scores(q, k, qpos, j * bk + jnp.arange(bk), qseg, None if ks_ref is None else ks_ref[ks], cfg, n)
+        p = jnp.exp(s - lse[:, None])  # 0 where masked (-inf) and in a row that sees nothing (lse +inf)
+        ds = p * (_dot_t(do, v) - delta[:, None]) * cfg.scale
+        return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+    stop = jax.lax.div((i + 1) * bq + bk - 1, bk) if cfg.causal else n // bk
+    dq_ref[...] = jax.lax.fori_loop(0, stop, step, jnp.zeros(q.shape, jnp.float32)).astype(dq_ref.dtype)
+
+# %% ../../nbs/09h_ops.attention.ipynb #d0d6c680
+def _flash_dq(q, k, v, qseg, kseg, do, lse, delta, cfg: _FlashConfig):
+    "dQ `(b, n, h, d)` from the forward's lse and `delta = rowsum(dO * O)`, both `(b, h, n)`."
+    from jax.experimental import pallas as pl
+    b, n, h, d = q.shape
+    bq = cfg.bwd_block
+    tile = pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, i, hh, 0))
+    kv = _kv_head_spec(n, d, h, k.shape[2])
+    stat = pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, i))
+    segs = [None, None] if qseg is None else _seg_specs(bq, n)
+    return pl.pallas_call(
+        functools.partial(_flash_dq_kernel, cfg=cfg), grid=(n // bq, b, h),
+        in_specs=[tile, kv, kv, *segs, tile, stat, stat], out_specs=tile,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), compiler_params=_gpu_params(d), interpret=cfg.interpret,
+        name="flash_bwd_dq")(q, k, v, qseg, kseg, do, lse, delta)
+
+# %% ../../nbs/09h_ops.attention.ipynb #38767bf0
+def _flash_dkdv_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, dl_ref, dk_ref, dv_ref, *,
+                       cfg: _FlashConfig):
+    "dK, dV of one `(bk, d)` key tile of one KV head, summed over the query tiles of every query head of its group."
+    from jax.experimental import pallas as pl
+    bk, n, g = k_ref.shape[0], q_ref.shape[0], q_ref.shape[1]
+    bq = cfg.bwd_block
+    j = pl.program_id(0)
+    k, v = k_ref[...], v_ref[...]
+    kpos = j * bk + jnp.arange(bk)
+    kseg = None if ks_ref is None else ks_ref[...]
+    first = jax.lax.div(j * bk, bq) if cfg.causal else 0  # causal: no query tile before this key tile sees it
+    tiles = n // bq - first
+
+    def step(idx, carry):  # query tile `first + idx % tiles` of the group's query head `idx // tiles`
+        dk, dv = carry
+        r, i = idx // tiles, first + idx % tiles
+        qs = pl.ds(pl.multiple_of(i * bq, bq), bq)
+        q, do = q_ref[qs, r, :], do_ref[qs, r, :]
+        s = _tile_scores(q, k, i * bq + jnp.arange(bq), kpos, None if qs_ref is None else qs_ref[qs], kseg, cfg, n)
+        p = jnp.exp(s - lse_ref[r, qs][:, None])
+        ds = p * (_dot_t(do, v) - dl_ref[r, qs][:, None]) * cfg.scale
+        return dk + _dot_tn(ds.astype(q.dtype), q), dv + _dot_tn(p.astype(do.dtype), do)
+
+    zero = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = jax.lax.fori_loop(0, g * tiles, step, (zero, zero))
+    dk_ref[...], dv_ref[...] = dk.astype(dk_ref.dtype), dv.astype(dv_ref.dtype)
+
+# %% ../../nbs/09h_ops.attention.ipynb #3b26234b
+def _flash_dkdv(q, k, v, qseg, kseg, do, lse, delta, cfg: _FlashConfig):
+    "dK, dV `(b, n, kvh, d)`: one program per (key tile, row, KV head), its group's query heads summed inside."
+    from jax.experimental import pallas as pl
+    b, n, h, d = q.shape
+    kvh, bk = k.shape[2], cfg.bwd_block
+    g = h // kvh
+    group = pl.BlockSpec((None, n, g, d), lambda j, bb, kh: (bb, 0, kh, 0))  # the query heads of KV head kh
+    stat = pl.BlockSpec((None, g, n), lambda j, bb, kh: (bb, kh, 0))
+    tile = pl.BlockSpec((None, bk, None, d), lambda j, bb, kh: (bb, j, kh, 0))
+    segs = [None, None] if qseg is None else [pl.BlockSpec((None, n), lambda j, bb, kh: (bb, 0)),
+                                              pl.BlockSpec((None, bk), lambda j, bb, kh: (bb, j))]
+    return pl.pallas_call(
+        functools.partial(_flash_dkdv_kernel, cfg=cfg), grid=(n // bk, b, kvh),
+        in_specs=[group, tile, tile, *segs, group, stat, stat], out_specs=[tile, tile],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2, compiler_params=_gpu_params(d),
+        interpret=cfg.interpret, name="flash_bwd_dkdv")(q, k, v, qseg, kseg, do, lse, delta)
+
+# %% ../../nbs/09h_ops.attention.ipynb #18bd3c99
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash_core(q, k, v, qseg, kseg, cfg: _FlashConfig):
+    "Flash attention of padded `q (b, n, h, d)` over `k, v (b, n, kvh, d)`; differentiable in q, k, v."
+    return _flash_fwd(q, k, v, qseg, kseg, cfg)[0]
+
+
+def _flash_core_fwd(q, k, v, qseg, kseg, cfg):
+    out, lse = _flash_fwd(q, k, v, qseg, kseg, cfg)
+    return out, (q, k, v, qseg, kseg, out, lse)
+
+
+def _flash_core_bwd(cfg, res, do):
+    q, k, v, qseg, kseg, out, lse = res
+    delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), out.astype(jnp.float32))
+    do = do.astype(q.dtype)
+    dk, dv = _flash_dkdv(q, k, v, qseg, kseg, do, lse, delta, cfg)
+    return _flash_dq(q, k, v, qseg, kseg, do, lse, delta, cfg), dk, dv, None, None
+
+
+_flash_core.defvjp(_flash_core_fwd, _flash_core_bwd)
+
+# %% ../../nbs/09h_ops.attention.ipynb #147968ed
 def _refuse_flash(q, k, ing, spec, auto=False):
     if spec.soft_cap is not None or spec.sliding_window is not None:
-        return "logits_soft_cap / sliding_window (Pallas mha has neither)"
+        return "logits_soft_cap / sliding_window (the flash kernel has neither)"
     return _self_attention_why("flash_attn2", q, k, ing, spec)
 
 
 def _flash_run(q, k, v, ing, spec, interpret: bool = False, block: int = 128):
-    "Pallas `mha` on `q (b,t,h,d)`, KV heads repeated, padding by segment ids, rows that see nothing zeroed."
-    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+    "Our flash kernel on `q (b,t,h,d)` over `k, v (b,t,kvh,d)` (KV heads read in place), padding by segment ids."
     b, t, h, d = q.shape
-    g = h // k.shape[2]
     blk = min(block, max(16, 1 << (t - 1).bit_length()))
-    kv, qseg = ing["key_valid"], ing["q_segments"]
-    seg = None
-    if kv is not None or qseg is not None or t % blk:
-        seg = jnp.zeros((b, t), jnp.int32) if qseg is None else jnp.asarray(qseg, jnp.int32)
-        seg = seg if kv is None else jnp.where(kv, seg, _PAD_SEGMENT)
-        seg = _pad_to(seg, blk, 1, _PAD_SEGMENT)
-    c = lambda x, n: _pad_to(x.astype(spec.dtype), blk, 1) if n == 1 else _pad_to(jnp.repeat(x.astype(spec.dtype), n, 2), blk, 1)
-    bwd = min(32, blk)
-    sizes = pallas_attention.BlockSizes(block_q=blk, block_k=blk, block_q_dkv=bwd, block_kv_dkv=bwd, block_q_dq=bwd,
-                                        block_kv_dq=bwd)
-    out = pallas_attention.mha(c(q, 1), c(k, g), c(v, g), seg, sm_scale=spec.scale, causal=spec.causal,
-                               block_sizes=sizes, interpret=interpret)[:, :t]
-    vis = _rows(ing, spec, t)
-    if vis is not None:
-        out = jnp.where(vis[:, :, None, None], out, 0.0)
-        out = jnp.where((vis & ~kv)[:, :, None, None], jnp.nan, out)  # a padding query that sees real keys
-    return out.astype(spec.dtype).reshape(b, t, h * d)
+    dp = max(16, 1 << (d - 1).bit_length())
+    kv, qseg, kseg = ing["key_valid"], ing["q_segments"], ing["k_segments"]
+    segs = (None, None)
+    if kv is not None or qseg is not None:
+        qs = jnp.zeros((b, t), jnp.int32) if qseg is None else jnp.asarray(qseg, jnp.int32)
+        ks = qs if kseg is None else jnp.asarray(kseg, jnp.int32)
+        ks = ks if kv is None else jnp.where(kv, ks, _PAD_SEGMENT)
+        segs = (_pad_to(qs, blk, 1), _pad_to(ks, blk, 1, _PAD_SEGMENT))
+    pad_d = (lambda x: x) if dp == d else (lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, dp - d),)))
+    c = lambda x: _pad_to(pad_d(x.astype(spec.dtype)), blk, 1)
+    cfg = _FlashConfig(spec.scale, spec.causal, t, blk, min(32, blk), interpret)
+    out = _flash_core(c(q), c(k), c(v), *segs, cfg)[:, :t, :, :d]
+    return out.reshape(b, t, h * d)
 
 
 _MECHANISMS["flash_attn2"] = (_refuse_flash, _flash_run)
@@ -709,6 +906,33 @@ def pallas_attention(
     if why is not None:
         raise ValueError(f"attn_mechanism {mechanism!r} cannot take these inputs: {why}")
     return run(q, k, v, ing, spec, interpret=interpret)
+
+# %% ../../nbs/09h_ops.attention.ipynb #4031b5aa
+def _computed_from(
+    closed_jaxpr,  # a `ClosedJaxpr` (`jax.make_jaxpr(f)(*args)`)
+    argnums: tp.Sequence[int],  # the arguments followed
+) -> list[tuple[str, tuple[int, ...]]]:  # `(primitive, shape)` of each value computed from them
+    "Every value computed from the arguments `argnums` outside Pallas kernels, through calls (jit, custom_vjp)."
+    from jax.extend import core as jcore
+    is_var = lambda x: isinstance(x, jcore.Var)
+    found = []
+
+    def walk(jaxpr, tainted):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call" or not any(is_var(x) and x in tainted for x in eqn.invars):
+                continue  # a kernel's outputs are its results, not copies of its operands
+            subs = [getattr(p, "jaxpr", p) for p in eqn.params.values()
+                    if isinstance(p, (jcore.Jaxpr, jcore.ClosedJaxpr))]
+            if len(subs) == 1 and len(subs[0].invars) == len(eqn.invars):  # a call: follow the arguments inside
+                inner = {a for a, x in zip(subs[0].invars, eqn.invars) if is_var(x) and x in tainted}
+                walk(subs[0], inner)
+                tainted.update(o for o, io in zip(eqn.outvars, subs[0].outvars) if is_var(io) and io in inner)
+            else:  # any other equation (a loop or a cond too: all its outputs count)
+                found.extend((eqn.primitive.name, tuple(o.aval.shape)) for o in eqn.outvars)
+                tainted.update(eqn.outvars)
+
+    walk(closed_jaxpr.jaxpr, {closed_jaxpr.jaxpr.invars[i] for i in argnums})
+    return found
 
 # %% ../../nbs/09h_ops.attention.ipynb #8223c9aa
 def _decode_vanilla(q, k, v, ing, spec):
