@@ -13,8 +13,10 @@ rejecting an old API) fails here, with no GPU; only Triton's own compilation to 
   A shape the GPU schedule refuses raises the documented ValueError, and `backend="auto"` sends it to XLA.
 * The GEMV schedules (NF4 `x @ W` with Wᵀ stored, INT8 `x @ W` and `g @ Wᵀ`; up to `GEMV_ROWS` rows): one
   Triton call and no reduction after it in the program (the split-K tile schedule at 16 rows, the control, has one).
-* `attention(mechanism="flash_attn2")` (Pallas `mha`), forward and backward: causal, GQA 32/4 heads, d 64,
-  t 2048; no tensor of the (b, h, t, t) scores appears.
+* `attention(mechanism="flash_attn2")` (our Pallas flash kernel, `ops.attention`), forward and backward: causal, GQA
+  32/4 heads, d 64, t 2048; no tensor of the (b, h, t, t) scores appears, and none of K or V repeated to the 32 query
+  heads (the kernel reads KV head h // 8 through its index map); also 28/4 heads (a group of 7, not a power of two),
+  d 80 (padded to 128) with padding segments.
 * `mechanism="cudnn"` lowers only where cuDNN is installed (JAX asks the cuDNN library for its version while
   lowering: "cuDNN is not detected" on a machine without it); there it is checked, here it is skipped, not faked.
 
@@ -204,10 +206,16 @@ def _no_scores(txt: str):
     assert biggest <= B * T * H * D < B * H * T * T, biggest
 
 
+def _no_kv_repeat(txt: str, b=B, t=T, h=H, kvh=KVH, d=D):
+    "No K/V broadcast to the query heads: `jnp.repeat` makes a (b, t, kvh, h // kvh, d) tensor (JAX's mha needed it)."
+    assert (b, t, kvh, h // kvh, d) not in _float_shapes(txt)
+
+
 def test_flash_attn2_forward_lowers_for_cuda(on_gpu):
     txt = _lower(_attn("flash_attn2"), Q, KV, KV)
-    assert [c["name"] for c in _triton_calls(txt)] == ["mha_forward"]
+    assert [c["name"] for c in _triton_calls(txt)] == ["flash_fwd"]
     _no_scores(txt)
+    _no_kv_repeat(txt)
 
 
 def test_flash_attn2_backward_lowers_for_cuda(on_gpu):
@@ -216,8 +224,28 @@ def test_flash_attn2_backward_lowers_for_cuda(on_gpu):
 
     txt = _lower(jax.grad(loss, argnums=(0, 1, 2)), Q, KV, KV)
     names = sorted(c["name"] for c in _triton_calls(txt))
-    assert names == ["mha_backward", "mha_forward", "mha_preprocess_backward"], names
+    assert names == ["flash_bwd_dkdv", "flash_bwd_dq", "flash_fwd"], names
     _no_scores(txt)
+    _no_kv_repeat(txt)
+
+
+def test_flash_attn2_odd_group_and_head_dim_lower_for_cuda(on_gpu):
+    # 28 query heads over 4 KV heads (a group of 7: the dK/dV program's block of 7 heads), d 80 (padded to 128 for
+    # Triton's power-of-two tiles), left padding (the kernel's segment ids), bf16, forward and backward
+    t, h, kvh, d = 256, 28, 4, 80
+    q, kv = jax.ShapeDtypeStruct((2, t, h, d), jnp.bfloat16), jax.ShapeDtypeStruct((2, t, kvh, d), jnp.bfloat16)
+    valid = jnp.arange(t)[None, :] >= jnp.array([0, 5])[:, None]
+
+    def loss(q, k, v):
+        out = A.attention(q, k, v, mechanism="flash_attn2", q_slots=jnp.arange(t), k_slots=jnp.arange(t),
+                          key_valid=valid)
+        return jnp.sum(out.astype(jnp.float32))
+
+    txt = _lower(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+    calls = {c["name"]: c for c in _triton_calls(txt)}
+    assert sorted(calls) == ["flash_bwd_dkdv", "flash_bwd_dq", "flash_fwd"], calls
+    assert calls["flash_bwd_dkdv"]["grid_z"] == kvh and calls["flash_bwd_dq"]["grid_z"] == h, calls
+    _no_kv_repeat(txt, b=2, t=t, h=h, kvh=kvh, d=d)
 
 
 def test_cudnn_lowers_where_cudnn_is_installed(on_gpu):
