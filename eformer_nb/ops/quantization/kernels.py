@@ -20,12 +20,12 @@ logger = get_logger(__name__)
 
 # %% auto #0
 __all__ = ['logger', 'DEFAULT_BLOCK_SIZE', 'BACKENDS', 'BACKEND_ENV_VAR', 'forced_backend', 'GEMV_MAX_ROWS', 'VARIANTS',
-           'GPU_SMS', 'GPU_PROGRAMS', 'REDUCE_ELEMS', 'GEMV_ROWS', 'GEMV_ALU_ROWS', 'GEMV_ALU_ROWS_T', 'GEMV_BYTES',
-           'TILE_OVERRIDES', 'MEASURED_TILES', 'H200_HBM_BPS', 'H200_ALU_OPS', 'set_default_backend', 'default_backend',
-           'nf4_unpack_codes', 'nf4_dequantize', 'Tiles', 'measured_tiles', 'default_tiles', 'nf4_matmul_pallas',
-           'nf4_matmul_t_pallas', 'int8_matmul_pallas', 'int8_matmul_t_pallas', 'ops_per_weight', 'alu_budget',
-           'occupancy', 'grid_picture', 'tpu_kernels_enabled', 'nf4_matmul', 'nf4_matmul_t', 'int8_matmul',
-           'int8_matmul_t', 'NF4_CODEBOOK']
+           'GPU_SMS', 'GPU_PROGRAMS', 'REDUCE_ELEMS', 'GEMV_ROWS', 'GEMV_ROWS_NF4', 'GEMV_ALU_ROWS', 'GEMV_ALU_ROWS_T',
+           'GEMV_BYTES', 'TILE_OVERRIDES', 'MEASURED_TILES', 'H200_HBM_BPS', 'H200_ALU_OPS', 'set_default_backend',
+           'default_backend', 'nf4_unpack_codes', 'nf4_dequantize', 'Tiles', 'measured_tiles', 'default_tiles',
+           'nf4_matmul_pallas', 'nf4_matmul_t_pallas', 'int8_matmul_pallas', 'int8_matmul_t_pallas', 'ops_per_weight',
+           'alu_budget', 'occupancy', 'grid_picture', 'tpu_kernels_enabled', 'nf4_matmul', 'nf4_matmul_t',
+           'int8_matmul', 'int8_matmul_t', 'NF4_CODEBOOK']
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #80f76e04
 _all_ = ["NF4_CODEBOOK"]  # re-exported from `ops.quantization.nf4`, the one home of the NF4 codec
@@ -116,9 +116,10 @@ def _dot(a, b):
     return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
-def _dot_nt(a, b):
+def _dot_nt(a, b, precision=None):
     "a (m, c) · b (n, c)ᵀ -> (m, n) in float32."
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    dims = (((1,), (1,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #fdc55297
 def nf4_unpack_codes(
@@ -289,7 +290,8 @@ VARIANTS = ("gpu", "tpu")
 GPU_SMS = 132  # streaming multiprocessors of an H100 SXM: the GPU schedule aims at GPU_PROGRAMS programs per call
 GPU_PROGRAMS = 4 * GPU_SMS  # programs the tile heuristic aims for (>= 2 per SM is the floor the occupancy table asserts)
 REDUCE_ELEMS = 8192  # a tiny-M program's broadcast product (bm, out tile, chunk) stays in registers: at most this many
-GEMV_ROWS = 8  # up to this many rows these products run the GEMV schedule: NF4 x @ W (Wᵀ stored), INT8 x @ W and g @ Wᵀ
+GEMV_ROWS = 8  # up to this many rows INT8 x @ W and g @ Wᵀ run their GEMV schedule
+GEMV_ROWS_NF4 = 16  # NF4 x @ W (Wᵀ stored): its GEMV schedule up to this many rows (one on the ALUs, 2..16: tl.dot)
 GEMV_ALU_ROWS = 4  # INT8 GEMV: multiply-adds on the ALUs up to this many (padded) rows, else `tl.dot` on 16 padded rows
 GEMV_ALU_ROWS_T = 2  # the same for INT8's g @ Wᵀ, whose ALU rows also pay for scaling g's chunk each step
 GEMV_BYTES = 16384  # INT8 GEMVs: weight bytes a program loads per loop step (16 KB; Triton keeps `stages` in flight)
@@ -303,8 +305,8 @@ class Tiles:
     `warps`, `stages`: Triton's `num_warps` and `num_stages` for the GPU schedule (the TPU schedule has neither);
     `gemv`: the GPU GEMV schedule of the model's products, one program per output tile walking the whole contraction
     (no split, no partial sums): NF4 `x @ W` with `Wᵀ` stored (`bk` output rows, `bn` weights of the contraction per
-    step), INT8 `x @ W` (`bn` output columns, `bk` rows of `W` per step) and INT8 `g @ Wᵀ` (`bk` output rows, `bn`
-    columns of `W` per step)."""
+    step; `bm` 1 on the ALUs, 16 through `tl.dot`), INT8 `x @ W` (`bn` output columns, `bk` rows of `W` per step)
+    and INT8 `g @ Wᵀ` (`bk` output rows, `bn` columns of `W` per step)."""
 
     bm: int
     bn: int
@@ -378,11 +380,11 @@ def _int8_gemv_tiles(bm: int, K: int, cols: int, transposed: bool) -> Tiles:
 @functools.lru_cache(maxsize=4096)
 def _gpu_tiles_heuristic(kind: str, m: int, K: int, cols: int, block_size: int, transposed: bool) -> Tiles:
     bm = 1 << (m - 1).bit_length() if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
-    if kind == "nf4" and transposed and m <= GEMV_ROWS:  # the GEMV schedule: output rows per program, whole contraction
-        rows = _pow2_divisor(K, 16)  # 16 rows and 16 blocks a step won the H200 sweep on both shapes it timed
-        while K // rows < GPU_SMS and rows > 1:
+    if kind == "nf4" and transposed and m <= GEMV_ROWS_NF4:  # GEMV: output rows a program, whole contraction
+        rows, dot = _pow2_divisor(K, 16), m > 1  # 16 rows, 16 blocks a step: the H200 sweep's pick
+        while K // rows < GPU_SMS and rows > (16 if dot else 1):  # tl.dot (2..16 rows, padded to 16): 16 output rows
             rows //= 2
-        return Tiles(bm, _pow2_divisor(cols // block_size, 16) * block_size, rows, 1, 4, 3, gemv=True)
+        return Tiles(16 if dot else 1, _pow2_divisor(cols // block_size, 16) * block_size, rows, 1, 4, 3, gemv=True)
     if kind == "int8" and m <= GEMV_ROWS:  # INT8's GEMV schedules, x @ W and g @ Wᵀ: whole outputs per program
         return _int8_gemv_tiles(bm, K, cols, transposed)
     reduce, half = bm < 16, (2 if kind == "nf4" else 1)
@@ -491,7 +493,9 @@ def _fits(variant: str, t: Tiles, K: int, cols: int, block_size: int | None, tra
                 and (min(t.bn, t.bk) >= 16 if dot else True))
     if t.gemv:  # the GPU GEMV schedule: NF4, x @ W with Wᵀ stored, whole blocks per step
         steps = t.bn // block_size if block_size and t.bn % block_size == 0 else 0
-        return (variant == "gpu" and block_size is not None and transposed and t.split == 1 and t.bm <= GEMV_ROWS
+        dot = t.bm > GEMV_ROWS  # 16 padded rows through tl.dot: 16 output rows, half a block contracted per dot
+        return (variant == "gpu" and block_size is not None and transposed and t.split == 1
+                and (t.bm == 16 and t.bk >= 16 and block_size >= 32 if dot else True)
                 and all(_pow2(v) for v in (t.bm, t.bk, steps, block_size)) and K % t.bk == 0
                 and (cols // block_size) % steps == 0)
     if variant == "gpu":
@@ -708,7 +712,8 @@ def _nf4_mmt_tpu(pl, t: Tiles, K: int, Np: int, Mp: int, B: int, absmax, dtype):
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #b3630085
 def _nf4_gemv_t_gpu(pl, t: Tiles, K: int, Np: int, Mp: int, B: int, exact: bool):
     "The GEMV schedule of `nf4_matmul_t_pallas`: `(kernel, grid, in_specs, out spec)`; one program per `bk` rows."
-    R, G, nblk, f32 = t.bk, t.bn // B, Np // B, jnp.float32
+    R, G, nblk, f32, dot = t.bk, t.bn // B, Np // B, jnp.float32, t.bm > GEMV_ROWS
+    prec = jax.lax.Precision.HIGHEST if exact else None  # float32: IEEE products (Triton's default is TF32)
 
     def kernel(x_ref, p_ref, a_ref, lut_ref, o_ref):
         def body(i, acc):
@@ -720,13 +725,25 @@ def _nf4_gemv_t_gpu(pl, t: Tiles, K: int, Np: int, Mp: int, B: int, exact: bool)
                                                   + lo * x_ref[m, bs, :, 1].astype(f32)[None], axis=2) * a, axis=1)
                          for m in range(Mp))
 
+        def body_dot(i, acc):  # 16 padded rows: per block, two tl.dot on the decoded tile, then its scale once
+            for gi in range(G):
+                b = i * G + gi
+                p = p_ref[:, b, :].astype(jnp.int32)  # (R, B/2) bytes: one block of R rows
+                hi, lo = lut_ref[p >> 4], lut_ref[p & 15]  # the 16-entry codebook in the activations' dtype
+                part = (_dot_nt(x_ref[:, b, :, 0], hi, prec) + _dot_nt(x_ref[:, b, :, 1], lo, prec))  # (Mp, R)
+                acc = acc + part * a_ref[:, b].astype(f32)[None, :]
+            return acc
+
+        if dot:
+            o_ref[...] = jax.lax.fori_loop(0, nblk // G, body_dot, jnp.zeros((Mp, R), f32)).astype(o_ref.dtype)
+            return
         acc = jax.lax.fori_loop(0, nblk // G, body, tuple(jnp.zeros((R,), f32) for _ in range(Mp)))
         for m in range(Mp):
             o_ref[m, :] = acc[m].astype(o_ref.dtype)
 
     in_specs = [pl.BlockSpec((Mp, nblk, B // 2, 2), lambda j: (0, 0, 0, 0)),
                 pl.BlockSpec((R, nblk, B // 2), lambda j: (j, 0, 0)), pl.BlockSpec((R, nblk), lambda j: (j, 0)),
-                _lut_spec(pl, jnp.float32 if exact else jnp.bfloat16)]
+                pl.BlockSpec((16 if dot or exact else 256,), lambda j: (0,))]
     return kernel, (K // R,), in_specs, pl.BlockSpec((Mp, R), lambda j: (0, j))
 
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #82148d31
@@ -756,7 +773,7 @@ def nf4_matmul_t_pallas(
         gp = jnp.pad(gp, ((0, 0), (0, Np - n)))
     if t.gemv:
         kernel, grid, in_specs, o_spec = _nf4_gemv_t_gpu(pl, t, K, Np, Mp, B, jnp.dtype(g.dtype) == jnp.float32)
-        lut = _nf4_lut(g.dtype)
+        lut = jnp.asarray(NF4_CODEBOOK, g.dtype) if t.bm > GEMV_ROWS else _nf4_lut(g.dtype)  # tl.dot: 16 in g's dtype
         y = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=o_spec,
                            out_shape=jax.ShapeDtypeStruct((Mp, K), g.dtype), **opts)(
             gp.reshape(Mp, Np // B, B // 2, 2), packed.reshape(K, Np // B, B // 2), absmax, lut)
@@ -980,14 +997,19 @@ def ops_per_weight(
     product runs on the ALUs (`bm < 16`; from 16 rows on `tl.dot` runs it on the tensor cores). INT8's GEMV: a byte
     unpacked and converted, a multiply-add per computed (padded) row, or, for `tl.dot`, a third op (to its dtype);
     its `g @ Wᵀ` (`transposed`) adds the scaling of g's chunk, shared by the program's `bk` rows: per value of g a
-    conversion to float32, the scale, the rounding to g's dtype (as the XLA path) and, on the ALUs, back to float32."""
+    conversion to float32, the scale, the rounding to g's dtype (as the XLA path) and, on the ALUs, back to float32.
+    NF4's GEMV counts padded rows (`t.bm`): one multiply-add per row and weight on the ALUs; through `tl.dot` (16
+    rows) per byte a conversion, a shift, a mask and two gathers from the 16-entry codebook, and per block, row and
+    output row the two dots' results added and scaled (bf16 activations: float32 ones take IEEE FMAs, not counted)."""
     fma = m if t.bm < 16 else 0
     if kind == "int8" and t.gemv:
         return 2.0 + (t.bm if t.bm < 16 else 1.0) + ((3.0 if t.bm >= 16 else 4.0) * t.bm / t.bk if transposed else 0.0)
     if kind == "int8":
         return 2.0 + fma
+    if t.gemv and t.bm >= 16:  # tl.dot: 5 ops a byte (two weights); 2 per padded row and output row a block, + scale
+        return 2.5 + (2.0 * t.bm + 1.0) / block_size
     if t.gemv:  # per byte: convert, gather, mask, shift (two weights); the scale once per block
-        return 2.0 + 2.0 / block_size + fma
+        return 2.0 + 2.0 / block_size + t.bm
     decode = 0.5 + 1.0  # the GPU tile schedule gathers from the pair table (was 23: the select tree)
     return decode + (t.bn // block_size - 1) + 1.0 + 2.0 + fma  # + scale chain, scale multiply, bf16 round trip
 
