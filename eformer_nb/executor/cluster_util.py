@@ -424,17 +424,18 @@ def _remove_dir(path: str) -> None:
         logger.warning(f"could not remove the Ray temp dir {path}: {e}")
 
 # %% ../../nbs/14f_executor.cluster_util.ipynb #cbcabc5a
-_START_ENV = {  # Ray's own start-up timeouts (RayConfig entries, read from `RAY_<name>` by every Ray process)
+_START_ENV = {  # Ray settings (RayConfig entries, read from `RAY_<name>` by every Ray process)
     "RAY_agent_register_timeout_ms": "120000",  # the raylet's wait for its dashboard and runtime-env agents
     "RAY_raylet_start_wait_time_s": "120",  # a driver's wait for its raylet (default 10)
     "RAY_gcs_rpc_server_reconnect_timeout_s": "120",  # how long a raylet or driver keeps trying to reach the GCS
     "RAY_gcs_server_request_timeout_seconds": "120",  # the bound on one request to the GCS
+    "RAY_worker_niceness": "0",  # workers at the driver's priority (Ray's default, 15, starves them on a busy machine)
 }
 
 
 @contextlib.contextmanager
 def _local_start_env(temp_dir: str):
-    "The environment a local start runs in: the process mark and the raised timeouts (a value already set wins)."
+    "The environment a local start runs in: the process mark and `_START_ENV` (a value already set wins)."
     added = {k: v for k, v in _START_ENV.items() if k not in os.environ}
     before = os.environ.get(_MARK)
     os.environ.update({**added, _MARK: temp_dir})
