@@ -11,9 +11,9 @@ rejecting an old API) fails here, with no GPU; only Triton's own compilation to 
   `occupancy` says with the tiles' warps and stages, and holds no float tensor of the weight's shape (the fused
   kernel dequantizes tile by tile; the XLA path at M > 64 does materialize it, the control that the check bites).
   A shape the GPU schedule refuses raises the documented ValueError, and `backend="auto"` sends it to XLA.
-* The GEMV schedules (INT8 `x @ W` and `g @ Wᵀ` up to `GEMV_ROWS` rows; NF4 `x @ W` with Wᵀ stored up to
-  `GEMV_ROWS_NF4` = 16, 2..16 rows through `tl.dot`): one Triton call, no reduction after it and no float tensor of
-  the weight's shape in the program (the split-K tile schedule one row past the GEMV's last, the control, has one).
+* The GEMV schedules (INT8 `x @ W` and `g @ Wᵀ` up to `GEMV_ROWS` rows; NF4 `x @ W` and `g @ Wᵀ` with Wᵀ stored up
+  to `GEMV_ROWS_NF4` = 16, 2..16 rows through `tl.dot`): one Triton call, no reduction after it and no float tensor
+  of the weight's shape in the program (the split-K tile schedule one row past the GEMV's last, the control, has one).
 * `attention(mechanism="flash_attn2")` (our Pallas flash kernel, `ops.attention`), forward and backward: causal, GQA
   32/4 heads, d 64, t 2048; no tensor of the (b, h, t, t) scores appears, and none of K or V repeated to the 32 query
   heads (the kernel reads KV head h // 8 through its index map); also 28/4 heads (a group of 7, not a power of two),
@@ -140,16 +140,17 @@ def test_quantized_kernels_lower_for_cuda(on_gpu, rows, cols):
         assert len(_triton_calls(txt)) == 1 and not _float_shapes(txt) & _weight_shapes(rows, cols)
 
 
-# x @ W as each format stores W (NF4: Wᵀ) and INT8 g @ Wᵀ, with the most rows each GEMV schedule serves
-GEMV = [("nf4", True, K.GEMV_ROWS_NF4), ("int8", False, K.GEMV_ROWS), ("int8", True, K.GEMV_ROWS)]
+# x @ W and g @ Wᵀ as each format stores W (NF4: Wᵀ), with the most rows each GEMV schedule serves
+GEMV = [("nf4", True, K.GEMV_ROWS_NF4), ("nf4", False, K.GEMV_ROWS_NF4), ("int8", False, K.GEMV_ROWS),
+        ("int8", True, K.GEMV_ROWS)]
 
 
 @pytest.mark.parametrize("rows,cols", [(4096, 4096), (4096, 14336), (14336, 4096), (11008, 4096), (576, 1536)])
 def test_gemv_products_are_one_launch_with_no_reduction_after_it(on_gpu, rows, cols):
-    # Up to GEMV_ROWS rows (NF4's x @ W: GEMV_ROWS_NF4) the decode products and INT8's g @ Wᵀ take their GEMV
-    # schedule: one Triton call that writes the result in the activations' dtype, and no reduction in the XLA program
-    # around it (split-K's partial sums are added there). M = 3 runs INT8's g @ Wᵀ on tl.dot (16 padded rows), its
-    # x @ W on the ALUs (4 padded rows), NF4's x @ W on tl.dot (16 padded rows, the decoded tile in bf16)
+    # Up to GEMV_ROWS rows (NF4: GEMV_ROWS_NF4) the four products take their GEMV schedules: one Triton call that
+    # writes the result in the activations' dtype, and no reduction in the XLA program around it (split-K's partial
+    # sums are added there). M = 3 runs INT8's g @ Wᵀ on tl.dot (16 padded rows), its x @ W on the ALUs (4 padded
+    # rows), NF4's x @ W and g @ Wᵀ on tl.dot (16 padded rows, the decoded tile in bf16)
     for kind, transposed, most in GEMV:
         for m in sorted({1, 3, K.GEMV_ROWS, most}):
             t = K.default_tiles("gpu", m, kind, 64, rows, cols, transposed=transposed)

@@ -9,9 +9,10 @@ transposed one (QLoRA's backward), M in {1, 3, 16, 64, 200}, against the float32
 * INT8's GEMV schedule (the model's decode product, up to 8 rows) on every real shape: one launch, no split-K
   partial sums added after it; and in interpret mode on TinyLlama's 11-step down_proj at M = 1, 3 and 8. The same
   for INT8's transposed product g @ Wᵀ (its own GEMV schedule), in interpret mode on TinyLlama's up_proj, whose
-  5632 columns are 11 steps of 512. NF4's x @ W (Wᵀ stored), up to 16 rows (2..16 through tl.dot on 16 padded rows):
-  one launch, no reduction after it, memory-bound by the occupancy model on every real shape; in interpret mode on
-  TinyLlama's down_proj (11 steps of 8 blocks) at M = 1, 2 and 16, in float32 and bf16.
+  5632 columns are 11 steps of 512. NF4's two products with Wᵀ stored, x @ W and g @ Wᵀ (QLoRA's backward), up to
+  16 rows (2..16 through tl.dot on 16 padded rows): one launch, no reduction after it, memory-bound by the occupancy
+  model on every real shape; in interpret mode on TinyLlama's down_proj (x @ W: 11 steps of 8 blocks) and up_proj
+  (g @ Wᵀ: 11 steps of 512 rows, 32-column programs) at M = 1, 2 and 16, in float32 and bf16.
 * The XLA path's streamed products (2..64 rows, W in K-chunks) at M = 8 and 64 on a TinyLlama weight of 11 chunks:
   the one place rows and chunks could be mixed up without M = 1 or the materializing M = 200 noticing.
 * The TPU (Mosaic) schedule with its default tiles on the shapes whose axes are not multiples of 512 / 256
@@ -210,37 +211,51 @@ def test_int8_gemv_t_one_launch_no_partial_sums(m):
     _close(K.int8_matmul_t_pallas(g, q, s, variant="gpu", tiles=t, interpret=True), g, w8.T)
 
 
+@pytest.mark.parametrize("product", ("fwd", "bwd"))
 @pytest.mark.parametrize("m", (1, 2, 16))
-def test_nf4_gemv_t_one_launch_no_partial_sums(m):
-    # NF4's x @ W with Wᵀ stored (the model's forward) up to GEMV_ROWS_NF4 rows takes its GEMV schedule on every real
-    # shape: one row on the ALUs, 2..16 through tl.dot on 16 padded rows; never split, one pallas_call and no
-    # reduction after it, and memory-bound by the occupancy model's count (padded rows). Then TinyLlama's down_proj
-    # (Wᵀ stored (2048, 5632): 11 steps of 8 blocks) in interpret mode with the full shape's tiles on two programs'
-    # rows: float32 against the dense product; bf16 within (2^-8 + K 2^-24) |x| |W| (the codebook
-    # and the output in bf16, float32 summation).
+def test_nf4_gemv_one_launch_no_partial_sums(m, product):
+    # NF4's two products up to GEMV_ROWS_NF4 rows, as the model stores the weight (Wᵀ, (out, in)), take their GEMV
+    # schedules on every real shape: fwd, x @ W (nf4_matmul_t_pallas), and bwd, g @ Wᵀ (nf4_matmul_pallas, QLoRA's
+    # backward). One row on the ALUs, 2..16 through tl.dot on 16 padded rows; never split, one pallas_call and no
+    # reduction after it, and memory-bound by the occupancy model's count (padded rows). Then in interpret mode with
+    # the full shape's tiles, float32 against the dense product and bf16 within (2^-8 + K 2^-24) |x| |W| (the codebook
+    # and the output in bf16, float32 summation; bwd's tl.dot form adds 2^-9 + 2^-16: x times the scale rounded to
+    # bf16): fwd on TinyLlama's down_proj (Wᵀ (2048, 5632): 11 steps of 8 blocks) on two programs' rows, bwd on its
+    # up_proj (Wᵀ (5632, 2048): 11 steps of 512 rows, 32 columns a program) on four programs' columns, two blocks
+    # each shared by two programs.
+    fwd = product == "fwd"
+    f = K.nf4_matmul_t_pallas if fwd else K.nf4_matmul_pallas
     for name, (k_in, n_out) in CASES:
-        t = K.default_tiles("gpu", m, "nf4", 64, n_out, k_in, transposed=True)
-        assert t.gemv and t.split == 1 and K._fits("gpu", t, n_out, k_in, 64, True), (name, k_in, n_out, t)
-        assert K.occupancy("nf4", m, n_out, k_in, True)["memory_bound"], (name, k_in, n_out, t)
-        avals = (jax.ShapeDtypeStruct((m, k_in), jnp.bfloat16), jax.ShapeDtypeStruct((n_out, k_in // 2), jnp.uint8),
+        t = K.default_tiles("gpu", m, "nf4", 64, n_out, k_in, transposed=fwd)
+        assert t.gemv and t.split == 1 and K._fits("gpu", t, n_out, k_in, 64, fwd), (name, k_in, n_out, t)
+        assert K.occupancy("nf4", m, n_out, k_in, fwd)["memory_bound"], (name, k_in, n_out, t)
+        avals = (jax.ShapeDtypeStruct((m, k_in if fwd else n_out), jnp.bfloat16),
+                 jax.ShapeDtypeStruct((n_out, k_in // 2), jnp.uint8),
                  jax.ShapeDtypeStruct((n_out, k_in // 64), jnp.float32))
-        f = lambda x, p, a: K.nf4_matmul_t_pallas(x, p, a, n=k_in, variant="gpu", interpret=True)
-        prims = _outside_kernels(jax.make_jaxpr(f)(*avals))
+        call = lambda x, p, a: f(x, p, a, n=k_in, variant="gpu", interpret=True)
+        prims = _outside_kernels(jax.make_jaxpr(call)(*avals))
         assert prims.count("pallas_call") == 1 and not [p for p in prims if p.startswith("reduce")], (name, prims)
-    k_in, n_out = 5632, 2048
-    t = K.default_tiles("gpu", m, "nf4", 64, n_out, k_in, transposed=True)
-    assert (k_in // t.bn, t.bm) == (11, 1 if m == 1 else 16), t
-    p, a = _nf4_operands(2 * t.bk, k_in, 34)
-    wt = np.asarray(K.nf4_dequantize(p, a, n=k_in), np.float64)
-    x = _x(m, k_in, 35)
-    _close(K.nf4_matmul_t_pallas(x, p, a, n=k_in, variant="gpu", tiles=t, interpret=True), x, wt.T)
+    rows, cols = (2048, 5632) if fwd else (5632, 2048)  # the stored Wᵀ
+    t = K.default_tiles("gpu", m, "nf4", 64, rows, cols, transposed=fwd)
+    if fwd:
+        assert (cols // t.bn, t.bm) == (11, 1 if m == 1 else 16), t
+        p, a = _nf4_operands(2 * t.bk, cols, 34)
+    else:
+        assert (rows // t.bk, t.bn, t.bm) == (11, 32, 1 if m == 1 else 16), t
+        p, a = _nf4_operands(rows, 4 * t.bn, 34)
+    w = np.asarray(K.nf4_dequantize(p, a, n=p.shape[1] * 2), np.float64)  # the stored (rows, cols) matrix
+    w = w.T if fwd else w  # what x multiplies
+    n = p.shape[1] * 2
+    x = _x(m, w.shape[0], 35)
+    _close(f(x, p, a, n=n, variant="gpu", tiles=t, interpret=True), x, w)
     if m == 2:
         return  # bf16: 2 rows run the kernel of 16 (padded rows), checked at 16; 1 row the ALU kernel
     xb = x.astype(jnp.bfloat16)
-    yb = K.nf4_matmul_t_pallas(xb, p, a, n=k_in, variant="gpu", tiles=t, interpret=True)
+    yb = f(xb, p, a, n=n, variant="gpu", tiles=t, interpret=True)
     x64 = np.asarray(xb, np.float64)
-    bound = (2.0 ** -8 + k_in * 2.0 ** -24) * (np.abs(x64) @ np.abs(wt).T)
-    assert (np.abs(np.asarray(yb, np.float64) - x64 @ wt.T) <= bound).all()
+    extra = 0.0 if fwd or t.bm == 1 else 2.0 ** -9 + 2.0 ** -16
+    bound = (2.0 ** -8 + extra + w.shape[0] * 2.0 ** -24) * (np.abs(x64) @ np.abs(w))
+    assert (np.abs(np.asarray(yb, np.float64) - x64 @ w) <= bound).all()
 
 
 # axes that are not multiples of 512 / 256 (SmolLM2's 576 x 192 runs in the notebook, both ways round)

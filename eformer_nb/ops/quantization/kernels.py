@@ -112,8 +112,9 @@ def _nf4_lookup(codes):
     return level[0]
 
 
-def _dot(a, b):
-    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+def _dot(a, b, precision=None):
+    "a (m, c) · b (c, n) -> (m, n) in float32."
+    return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _dot_nt(a, b, precision=None):
@@ -291,10 +292,10 @@ GPU_SMS = 132  # streaming multiprocessors of an H100 SXM: the GPU schedule aims
 GPU_PROGRAMS = 4 * GPU_SMS  # programs the tile heuristic aims for (>= 2 per SM is the floor the occupancy table asserts)
 REDUCE_ELEMS = 8192  # a tiny-M program's broadcast product (bm, out tile, chunk) stays in registers: at most this many
 GEMV_ROWS = 8  # up to this many rows INT8 x @ W and g @ Wᵀ run their GEMV schedule
-GEMV_ROWS_NF4 = 16  # NF4 x @ W (Wᵀ stored): its GEMV schedule up to this many rows (one on the ALUs, 2..16: tl.dot)
+GEMV_ROWS_NF4 = 16  # NF4's GEMVs (x @ W and g @ Wᵀ, Wᵀ stored) up to this many rows (1: ALUs, 2..16: tl.dot)
 GEMV_ALU_ROWS = 4  # INT8 GEMV: multiply-adds on the ALUs up to this many (padded) rows, else `tl.dot` on 16 padded rows
 GEMV_ALU_ROWS_T = 2  # the same for INT8's g @ Wᵀ, whose ALU rows also pay for scaling g's chunk each step
-GEMV_BYTES = 16384  # INT8 GEMVs: weight bytes a program loads per loop step (16 KB; Triton keeps `stages` in flight)
+GEMV_BYTES = 16384  # INT8's GEMVs, NF4's g @ Wᵀ: weight bytes a program loads a step (16 KB; `stages` in flight)
 TILE_OVERRIDES: dict = {}  # (kind, m, K, cols, block_size, transposed) -> Tiles: the hook for a device-side autotuner
 
 
@@ -304,9 +305,11 @@ class Tiles:
     many programs share one contraction (split-K, GPU schedule; their float32 partial sums are added afterwards);
     `warps`, `stages`: Triton's `num_warps` and `num_stages` for the GPU schedule (the TPU schedule has neither);
     `gemv`: the GPU GEMV schedule of the model's products, one program per output tile walking the whole contraction
-    (no split, no partial sums): NF4 `x @ W` with `Wᵀ` stored (`bk` output rows, `bn` weights of the contraction per
-    step; `bm` 1 on the ALUs, 16 through `tl.dot`), INT8 `x @ W` (`bn` output columns, `bk` rows of `W` per step)
-    and INT8 `g @ Wᵀ` (`bk` output rows, `bn` columns of `W` per step)."""
+    (no split, no partial sums): NF4 `x @ W` with `Wᵀ` stored (`nf4_matmul_t_pallas`: `bk` output rows, `bn` weights
+    of the contraction per step), NF4 `g @ Wᵀ` on that stored `Wᵀ` (`nf4_matmul_pallas`, QLoRA's backward: `bn`
+    output columns, part of one block or whole blocks, `bk` stored rows per step), both with `bm` 1 on the ALUs and 16
+    through `tl.dot`; INT8 `x @ W` (`bn` output columns, `bk` rows of `W` per step) and INT8 `g @ Wᵀ` (`bk` output
+    rows, `bn` columns of `W` per step)."""
 
     bm: int
     bn: int
@@ -376,6 +379,17 @@ def _int8_gemv_tiles(bm: int, K: int, cols: int, transposed: bool) -> Tiles:
     stages = min(4, max(3, -(-GEMV_BYTES // (bk * bn))))  # else a fourth step in flight (an 11008-wide MLP: 256 x 43)
     return Tiles(rows, bn, bk, 1, 4, stages, gemv=True)
 
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #f87df08b
+def _nf4_gemv_tiles(m: int, K: int, cols: int) -> Tiles:
+    "Tiles of NF4's GEMV on a stored (K, cols) matrix contracted over K (`nf4_matmul_pallas`), up to GEMV_ROWS_NF4 rows."
+    bn = _pow2_divisor(cols, 256)
+    while cols // bn < GPU_SMS and bn > 32:  # a program per SM, each row segment 16 bytes (32 codes) or more
+        bn //= 2
+    step = max(1, bn // 2)  # bytes of codes a row of the program's tile
+    bk = _pow2_divisor(K, max(16, GEMV_BYTES // step))  # 16 KB a step where K's power-of-two part allows
+    stages = min(4, max(3, -(-GEMV_BYTES // (bk * step))))  # a fourth step in flight where steps are small
+    return Tiles(1 if m == 1 else 16, bn, bk, 1, 4, stages, gemv=True)
+
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #e5f6fdf1
 @functools.lru_cache(maxsize=4096)
 def _gpu_tiles_heuristic(kind: str, m: int, K: int, cols: int, block_size: int, transposed: bool) -> Tiles:
@@ -385,6 +399,10 @@ def _gpu_tiles_heuristic(kind: str, m: int, K: int, cols: int, block_size: int, 
         while K // rows < GPU_SMS and rows > (16 if dot else 1):  # tl.dot (2..16 rows, padded to 16): 16 output rows
             rows //= 2
         return Tiles(16 if dot else 1, _pow2_divisor(cols // block_size, 16) * block_size, rows, 1, 4, 3, gemv=True)
+    if kind == "nf4" and not transposed and m <= GEMV_ROWS_NF4:  # NF4's backward GEMV, where its tiles fit (tl.dot:
+        t = _nf4_gemv_tiles(m, K, cols)  # blocks of >= 32 codes, K a multiple of 16); else the tile schedule below
+        if _fits("gpu", t, K, cols, block_size, False):
+            return t
     if kind == "int8" and m <= GEMV_ROWS:  # INT8's GEMV schedules, x @ W and g @ Wᵀ: whole outputs per program
         return _int8_gemv_tiles(bm, K, cols, transposed)
     reduce, half = bm < 16, (2 if kind == "nf4" else 1)
@@ -491,7 +509,12 @@ def _fits(variant: str, t: Tiles, K: int, cols: int, block_size: int | None, tra
         return (variant == "gpu" and t.split == 1 and (t.bm == 16 if dot else True)
                 and all(_pow2(v) for v in (t.bm, t.bn, t.bk)) and cols % t.bn == 0 and K % t.bk == 0
                 and (min(t.bn, t.bk) >= 16 if dot else True))
-    if t.gemv:  # the GPU GEMV schedule: NF4, x @ W with Wᵀ stored, whole blocks per step
+    if t.gemv and not transposed:  # NF4's backward GEMV: `bn` output columns, part of one block or whole blocks
+        dot = t.bm > GEMV_ROWS  # 16 padded rows through tl.dot: (16, bk) x (bk, >= 16 bytes' codes) per block
+        return (variant == "gpu" and t.split == 1 and all(_pow2(v) for v in (t.bm, t.bn, t.bk, block_size))
+                and t.bn >= 2 and cols % t.bn == 0 and K % t.bk == 0
+                and (t.bm == 16 and t.bk >= 16 and min(t.bn, block_size) >= 32 if dot else True))
+    if t.gemv:  # NF4's forward GEMV: x @ W with Wᵀ stored, whole blocks per step
         steps = t.bn // block_size if block_size and t.bn % block_size == 0 else 0
         dot = t.bm > GEMV_ROWS  # 16 padded rows through tl.dot: 16 output rows, half a block contracted per dot
         return (variant == "gpu" and block_size is not None and transposed and t.split == 1
@@ -637,7 +660,8 @@ def nf4_matmul_pallas(
     tiles: Tiles | None = None,  # the tile sizes; None: `default_tiles`
     interpret: bool | None = None,  # run the kernel in Pallas' interpreter (None: on CPU only)
 ):
-    "`x @ W` (NF4 `W`) with the fused Pallas kernel; `variant` 'gpu' (Triton schedule) or 'tpu' (Mosaic schedule)."
+    """`x @ W` (NF4 `W`) with the fused Pallas kernel; `variant` 'gpu' (Triton schedule) or 'tpu' (Mosaic schedule).
+    GEMV tiles (`gemv`, the GPU default up to `GEMV_ROWS_NF4` rows) run one launch with no partial sums."""
     pl = _pallas()
     _check_nf4(x, packed, absmax, block_size, n, 0, "x")
     variant = variant or _default_variant()
@@ -647,6 +671,12 @@ def nf4_matmul_pallas(
     _require(_fits(variant, t, K, Np, B, False), "nf4_matmul_pallas", t, (K, Np))
     opts = _launch_opts(variant, interpret, ("parallel", "parallel", "arbitrary"), t)
     xp, Mp = _pad_rows(x, t.bm)
+    if t.gemv:  # one launch writes the result: a byte's even and odd columns side by side, (Mp, Np/B, B/2, 2)
+        kernel, grid, in_specs, o_spec = _nf4_gemv_gpu(pl, t, K, Np, Mp, B, jnp.dtype(x.dtype) == jnp.float32)
+        y = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=o_spec,
+                           out_shape=jax.ShapeDtypeStruct((Mp, Np // B, B // 2, 2), x.dtype), **opts)(
+            xp, packed.reshape(K, Np // B, B // 2), absmax, *_nf4_gemv_luts(x.dtype, t.bm))
+        return y.reshape(Mp, Np)[:M, :n]
     schedule = _nf4_mm_gpu if variant == "gpu" else _nf4_mm_tpu
     kernel, grid, in_specs, o_spec, a_in = schedule(pl, t, K, Np, Mp, B, absmax, x.dtype)
     out = _gpu_out(t, Mp, hn_all) if variant == "gpu" else jax.ShapeDtypeStruct((Mp, hn_all), jnp.float32)
@@ -979,6 +1009,67 @@ def int8_matmul_t_pallas(
     y = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=o_spec, out_shape=out, **opts)(gp, q, s2)
     return (y.sum(0) if variant == "gpu" else y)[:M].astype(g.dtype)
 
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #fad91c7e
+def _nf4_byte_tables(dtype) -> tuple:
+    "(hi, lo): 256-entry tables, byte b -> NF4[b >> 4] and b -> NF4[b & 15] in `dtype`: a gather a code, no shift."
+    cb, b = np.asarray(NF4_CODEBOOK, np.float32), np.arange(256)
+    return jnp.asarray(cb[b >> 4], dtype), jnp.asarray(cb[b & 15], dtype)
+
+
+def _nf4_gemv_luts(dtype, bm: int) -> tuple:
+    "What `_nf4_gemv_gpu` gathers from: the pair table for rows on the ALUs (not float32), else the byte tables."
+    if bm <= GEMV_ROWS and jnp.dtype(dtype) != jnp.float32:
+        return (jnp.asarray(_nf4_pair_table()),)
+    return _nf4_byte_tables(dtype)
+
+# %% ../../../nbs/06k_ops.quantization.kernels.ipynb #16111ea6
+def _nf4_gemv_gpu(pl, t: Tiles, K: int, Np: int, Mp: int, B: int, exact: bool):
+    """The GEMV schedule of `nf4_matmul_pallas`: `(kernel, grid, in_specs, out spec)`; one program per `bn` output
+    columns walking all K rows, `bk` a step. Codes (K, Np/B, B/2), output (Mp, Np/B, B/2, 2) (even, odd columns)."""
+    g, w, r = max(1, t.bn // B), min(t.bn, B) // 2, max(1, B // t.bn)  # blocks a program, bytes each; programs a block
+    f32, dot, steps = jnp.float32, t.bm > GEMV_ROWS, K // t.bk
+    prec = jax.lax.Precision.HIGHEST if exact else None  # float32: IEEE products (Triton's default is TF32)
+
+    def kernel(x_ref, p_ref, a_ref, *refs):
+        *luts, o_ref = refs
+        decode = (lambda p: _nf4_pair_values(luts[0][p])) if len(luts) == 1 else (lambda p: (luts[0][p], luts[1][p]))
+
+        def body(kk, acc):  # rows on the ALUs: a coefficient per row and block, then a multiply-add per weight
+            ks = pl.ds(pl.multiple_of(kk * t.bk, t.bk), t.bk)
+            ev, od = decode(p_ref[ks, :, :].astype(jnp.int32))  # (bk, g, w) float32: even and odd columns
+            a = a_ref[ks, :].astype(f32)  # (bk, g): each row's scale of each block
+            out = []
+            for m in range(Mp):
+                c = (x_ref[m, ks].astype(f32)[:, None] * a)[:, :, None]  # x[k] * absmax[k, blk]
+                out.append((acc[m][0] + jnp.sum(ev * c, axis=0), acc[m][1] + jnp.sum(od * c, axis=0)))
+            return tuple(out)
+
+        def body_dot(kk, acc):  # 16 padded rows: per block x's chunk scaled, then two tl.dot on the decoded tile
+            ks = pl.ds(pl.multiple_of(kk * t.bk, t.bk), t.bk)
+            xk = x_ref[:, ks].astype(f32)  # (16, bk)
+            out = []
+            for s in range(g):
+                ev, od = decode(p_ref[ks, s, :].astype(jnp.int32))  # (bk, w) in x's dtype
+                xs = (xk * a_ref[ks, s].astype(f32)[None, :]).astype(x_ref.dtype)  # the block's scale, on x
+                out.append((acc[s][0] + _dot(xs, ev, prec), acc[s][1] + _dot(xs, od, prec)))
+            return tuple(out)
+
+        if dot:
+            acc = jax.lax.fori_loop(0, steps, body_dot, tuple((jnp.zeros((Mp, w), f32),) * 2 for _ in range(g)))
+            for s in range(g):
+                o_ref[:, s, :, 0] = acc[s][0].astype(o_ref.dtype)
+                o_ref[:, s, :, 1] = acc[s][1].astype(o_ref.dtype)
+            return
+        acc = jax.lax.fori_loop(0, steps, body, tuple((jnp.zeros((g, w), f32),) * 2 for _ in range(Mp)))
+        for m in range(Mp):
+            o_ref[m, :, :, 0] = acc[m][0].astype(o_ref.dtype)
+            o_ref[m, :, :, 1] = acc[m][1].astype(o_ref.dtype)
+
+    tables = 1 if not dot and not exact else 2  # as `_nf4_gemv_luts`
+    in_specs = [pl.BlockSpec((Mp, K), lambda j: (0, 0)), pl.BlockSpec((K, g, w), lambda j: (0, j // r, j % r)),
+                pl.BlockSpec((K, g), lambda j: (0, j // r)), *[pl.BlockSpec((256,), lambda j: (0,))] * tables]
+    return kernel, (Np // t.bn,), in_specs, pl.BlockSpec((Mp, g, w, 2), lambda j: (0, j // r, j % r, 0))
+
 # %% ../../../nbs/06k_ops.quantization.kernels.ipynb #03375f56
 H200_HBM_BPS = 4.8e12  # bytes/s of an H200's HBM3e (spec)
 H200_ALU_OPS = 132 * 128 * 1.98e9  # 32-bit ALU instructions/s: 132 SMs x 128 lanes x 1.98 GHz (an FMA is one)
@@ -1000,12 +1091,23 @@ def ops_per_weight(
     conversion to float32, the scale, the rounding to g's dtype (as the XLA path) and, on the ALUs, back to float32.
     NF4's GEMV counts padded rows (`t.bm`): one multiply-add per row and weight on the ALUs; through `tl.dot` (16
     rows) per byte a conversion, a shift, a mask and two gathers from the 16-entry codebook, and per block, row and
-    output row the two dots' results added and scaled (bf16 activations: float32 ones take IEEE FMAs, not counted)."""
+    output row the two dots' results added and scaled (bf16 activations: float32 ones take IEEE FMAs, not counted).
+    NF4's backward GEMV (`nf4_matmul_pallas`, not `transposed`; bf16 activations), padded rows too: on the ALUs per
+    byte a conversion, a gather from the pair table, a mask and a shift, per row and weight a multiply-add, per row
+    and stored row the conversion of x[k] and a coefficient x[k]·absmax[k, blk] for each of the `bn/B` (at least one)
+    blocks its columns span, and per step the sums added to the accumulators; through `tl.dot` per byte a conversion
+    and two gathers (the byte tables), per value of x's (16, bk) chunk its conversion to float32 and, per block, the
+    scale and the rounding to x's dtype, and per step the dots' results added. A gather counts as one operation."""
     fma = m if t.bm < 16 else 0
     if kind == "int8" and t.gemv:
         return 2.0 + (t.bm if t.bm < 16 else 1.0) + ((3.0 if t.bm >= 16 else 4.0) * t.bm / t.bk if transposed else 0.0)
     if kind == "int8":
         return 2.0 + fma
+    if t.gemv and not transposed:  # NF4's backward GEMV: `bn` columns of `g` blocks (fewer than a block: one scale)
+        g = max(1, t.bn // block_size)
+        if t.bm >= 16:  # 1.5 a weight to decode; x's chunk scaled per block, shared by the bn columns; the dots' sums
+            return 1.5 + t.bm * (1.0 + 2.0 * g) / t.bn + t.bm / t.bk
+        return 2.0 + t.bm * (1.0 + (1.0 + g) / t.bn + 1.0 / t.bk)  # decode; FMA, coefficients and sums per row
     if t.gemv and t.bm >= 16:  # tl.dot: 5 ops a byte (two weights); 2 per padded row and output row a block, + scale
         return 2.5 + (2.0 * t.bm + 1.0) / block_size
     if t.gemv:  # per byte: convert, gather, mask, shift (two weights); the scale once per block
@@ -1035,7 +1137,7 @@ def occupancy(
     out, con = (K, cols) if transposed else (cols, K)
     to, tc = (t.bk, t.bn) if transposed else (t.bn, t.bk)
     span = -(-(con // tc) // t.split) * tc  # contracted entries one program covers (the last one may cover fewer)
-    per_weight = 0.5 + 4 / block_size if kind == "nf4" else 1.0  # NF4: a nibble and its share of a float32 scale
+    per_weight = 0.5 + 4 / min(block_size, t.bn) if kind == "nf4" else 1.0  # a nibble, its share of a float32 scale
     w_bytes = to * span * per_weight + (4 * (span if transposed else to) if kind == "int8" else 0)
     programs = (1 if t.gemv else -(-m // t.bm)) * (out // to) * t.split  # a GEMV program takes every row
     ops = ops_per_weight(kind, m, t, block_size, transposed)
