@@ -1082,22 +1082,8 @@ def ops_per_weight(
     block_size: int = DEFAULT_BLOCK_SIZE,  # NF4 values per scale
     transposed: bool = False,  # the `*_t` product, g @ Wᵀ
 ) -> float:
-    """ALU operations a GPU kernel spends per weight, counted from its body: decoding (NF4: a 4-bit test + 15-select
-    tree per code, or a gather; INT8: two conversions), the per-weight scale (NF4 tiles: a select chain over the
-    tile's blocks), the bf16 round trip of the tile schedule, and one multiply-add per activation row where the
-    product runs on the ALUs (`bm < 16`; from 16 rows on `tl.dot` runs it on the tensor cores). INT8's GEMV: a byte
-    unpacked and converted, a multiply-add per computed (padded) row, or, for `tl.dot`, a third op (to its dtype);
-    its `g @ Wᵀ` (`transposed`) adds the scaling of g's chunk, shared by the program's `bk` rows: per value of g a
-    conversion to float32, the scale, the rounding to g's dtype (as the XLA path) and, on the ALUs, back to float32.
-    NF4's GEMV counts padded rows (`t.bm`): one multiply-add per row and weight on the ALUs; through `tl.dot` (16
-    rows) per byte a conversion, a shift, a mask and two gathers from the 16-entry codebook, and per block, row and
-    output row the two dots' results added and scaled (bf16 activations: float32 ones take IEEE FMAs, not counted).
-    NF4's backward GEMV (`nf4_matmul_pallas`, not `transposed`; bf16 activations), padded rows too: on the ALUs per
-    byte a conversion, a gather from the pair table, a mask and a shift, per row and weight a multiply-add, per row
-    and stored row the conversion of x[k] and a coefficient x[k]·absmax[k, blk] for each of the `bn/B` (at least one)
-    blocks its columns span, and per step the sums added to the accumulators; through `tl.dot` per byte a conversion
-    and two gathers (the byte tables), per value of x's (16, bk) chunk its conversion to float32 and, per block, the
-    scale and the rounding to x's dtype, and per step the dots' results added. A gather counts as one operation."""
+    """ALU operations a GPU kernel spends per weight, counted from its body (what each schedule counts: the list
+    above). A gather counts as one operation."""
     fma = m if t.bm < 16 else 0
     if kind == "int8" and t.gemv:
         return 2.0 + (t.bm if t.bm < 16 else 1.0) + ((3.0 if t.bm >= 16 else 4.0) * t.bm / t.bk if transposed else 0.0)
